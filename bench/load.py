@@ -1,0 +1,360 @@
+"""Loader benchmark: preheat's modes against the best peers, warm and cold, in ONE run on one checkpoint.
+
+    python bench/load.py [--size 2GB] [--repeat 3] [--device cpu|cuda] [--json out.json]
+
+Builds (once, cached under .bench/) a Llama-shaped bf16 checkpoint of --size in two shards with a Hugging Face index,
+then times each contender from call to "every tensor touched" (one byte per 4 KiB page, inside the timing, so lazy
+mappings pay for their page faults). Warm: page cache hot. Cold: each file evicted with posix_fadvise(DONTNEED) before
+the run (works without root); the bytes the process actually read from disk (/proc/self/io read_bytes) are printed
+so a cold run that was not cold shows up. Contenders run round-robin within each repetition so drift hits all alike;
+medians are reported. The TP section loads rank r of W from the unsharded checkpoint on a cold cache and prints the
+bytes each rank read from disk beside the bytes of its slices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+import preheat
+from preheat.checkpoint.layout import open_checkpoint
+from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
+from preheat.checkpoint.tp import rank_slice
+from preheat.config import parse_size
+from preheat.io.buffers import PAGE, advise_hugepages, round_down, round_up
+from preheat.io.files import drop_page_cache
+
+Tensors = Iterable[torch.Tensor]
+
+
+def touch(tensors: Tensors) -> int:
+    """Read one byte per 4 KiB page of every tensor (forces lazy mappings to fault in)."""
+    total = 0
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
+        total += int(flat[::4096].sum()) if t.device.type == "cpu" else int(flat[::4096].sum().item())
+    return total
+
+
+def read_bytes() -> int:
+    """Bytes this process has caused to be fetched from storage (not page-cache hits)."""
+    with open("/proc/self/io", encoding="ascii") as io:
+        for line in io:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+@dataclass
+class Contender:
+    name: str
+    run: Callable[[list[str], str], int]  # (files, checkpoint dir) -> checksum of touched bytes
+    warm: list[float] = field(default_factory=list)
+    cold: list[float] = field(default_factory=list)
+    cold_disk: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+def _preheat(mode: str, device: str) -> Callable[[list[str], str], int]:
+    def run(files: list[str], root: str) -> int:
+        weights = preheat.load(root, device, mode=mode)
+        result = touch(weights.values())
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return result
+
+    return run
+
+
+def _safetensors(copy: bool, device: str) -> Callable[[list[str], str], int]:
+    from safetensors.torch import load_file
+
+    def run(files: list[str], root: str) -> int:
+        total = 0
+        kept = []
+        for path in files:
+            tensors = load_file(path, device=device)
+            if copy:
+                tensors = {k: v.clone() for k, v in tensors.items()}
+            total += touch(tensors.values())
+            kept.append(tensors)
+        return total
+
+    return run
+
+
+def _runai(device: str) -> Callable[[list[str], str], int]:
+    from runai_model_streamer import SafetensorsStreamer
+
+    def run(files: list[str], root: str) -> int:
+        total = 0
+        kept = []
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(files, device=device)
+            for _name, tensor in streamer.get_tensors():
+                total += touch([tensor])
+                kept.append(tensor)
+        return total
+
+    return run
+
+
+def _fastsafetensors(device: str) -> Callable[[list[str], str], int]:
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    def run(files: list[str], root: str) -> int:
+        loader = SafeTensorsFileLoader(SingleGroup(), device=device, nogds=True)
+        try:
+            loader.add_filenames({0: files})
+            buffers = loader.copy_files_to_device()
+            try:
+                return touch(buffers.get_tensor(name) for name in loader.get_keys())
+            finally:
+                buffers.close()
+        finally:
+            loader.close()
+
+    return run
+
+
+def _raw_pread(threads: int, hugepages: bool) -> Callable[[list[str], str], int]:
+    """The machine's limit for a private-memory read: N threads pread a file into one fresh buffer."""
+
+    def run(files: list[str], root: str) -> int:
+        kept = []
+        for path in files:
+            size = os.path.getsize(path)
+            buf = torch.empty(size, dtype=torch.uint8)
+            if hugepages:
+                advise_hugepages(buf)
+            view = memoryview(buf.numpy())
+            fd = os.open(path, os.O_RDONLY)
+            step = round_up(-(-size // threads), PAGE)
+
+            def part(lo: int, hi: int, fd: int = fd, view: memoryview = view) -> None:
+                done = lo
+                while done < hi:
+                    done += os.preadv(fd, [view[done : min(hi, done + (64 << 20))]], done)
+
+            workers = [threading.Thread(target=part, args=(lo, min(size, lo + step))) for lo in range(0, size, step)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            os.close(fd)
+            kept.append(buf)
+        return touch(kept)
+
+    return run
+
+
+def contenders(device: str, only: set[str] | None) -> list[Contender]:
+    rows: list[tuple[str, Callable[[], Callable[[list[str], str], int]]]] = []
+    if device == "cpu":
+        rows += [
+            ("preheat mmap", lambda: _preheat("mmap", device)),
+            ("preheat read", lambda: _preheat("read", device)),
+            ("preheat direct", lambda: _preheat("direct", device)),
+            ("safetensors load_file (mmap)", lambda: _safetensors(False, device)),
+            ("safetensors + private copy", lambda: _safetensors(True, device)),
+            ("runai-model-streamer", lambda: _runai(device)),
+            ("fastsafetensors (nogds)", lambda: _fastsafetensors(device)),
+            ("raw pread, 2 threads", lambda: _raw_pread(2, False)),
+            ("raw pread, 2 threads, THP", lambda: _raw_pread(2, True)),
+        ]
+    else:
+        rows += [
+            ("preheat auto", lambda: _preheat("auto", device)),
+            ("preheat read (pinned pipeline)", lambda: _preheat("read", device)),
+            ("preheat direct (pinned pipeline)", lambda: _preheat("direct", device)),
+            ("preheat gds", lambda: _preheat("gds", device)),
+            ("safetensors load_file(device=cuda)", lambda: _safetensors(False, device)),
+            ("runai-model-streamer", lambda: _runai(device)),
+            ("fastsafetensors (nogds)", lambda: _fastsafetensors(device)),
+        ]
+    out = []
+    for name, factory in rows:
+        if only and not any(key in name for key in only):
+            continue
+        try:
+            out.append(Contender(name, factory()))
+        except ImportError as exc:
+            contender = Contender(name, lambda files, root: 0)
+            contender.error = f"not installed ({exc.name})"
+            out.append(contender)
+    return out
+
+
+def ensure_checkpoint(root: str, size: int) -> tuple[str, list[str], int]:
+    shape = LlamaShape.of_size(size)
+    path = os.path.join(root, f"llama-{size // 10**6}MB")
+    marker = os.path.join(path, ".complete")
+    if not os.path.exists(marker):
+        print(f"building a {shape.nbytes() / 1e9:.2f} GB Llama-shaped checkpoint in {path} ...", file=sys.stderr)
+        write_llama_checkpoint(path, shape, shards=2)
+        open(marker, "w").close()
+    checkpoint = open_checkpoint(path)
+    files = [f.path for f in checkpoint.files]
+    return path, files, checkpoint.total_bytes
+
+
+def time_one(contender: Contender, files: list[str], root: str, *, cold: bool) -> None:
+    if contender.error:
+        return
+    if cold:
+        for path in files:
+            drop_page_cache(path)
+    gc.collect()
+    before = read_bytes()
+    start = time.perf_counter()
+    try:
+        contender.run(files, root)
+    except Exception as exc:  # a peer failing must not hide the others' numbers
+        contender.error = f"{type(exc).__name__}: {exc}"[:120]
+        return
+    elapsed = time.perf_counter() - start
+    if cold:
+        contender.cold.append(elapsed)
+        contender.cold_disk.append(read_bytes() - before)
+    else:
+        contender.warm.append(elapsed)
+    gc.collect()
+
+
+def tp_section(root: str, world_sizes: list[int]) -> list[dict[str, object]]:
+    checkpoint = open_checkpoint(root)
+    file_bytes = sum(f.size for f in checkpoint.files)
+    rows = []
+    for world in world_sizes:
+        for rank in range(world):
+            slice_bytes = 0
+            bound = 0
+            for file, entry in checkpoint.entries():
+                part = rank_slice(entry, "auto", rank, world, path=file.path)
+                for offset, length in part.runs:
+                    slice_bytes += length
+                    bound += round_up(offset + length, PAGE) - round_down(offset, PAGE)
+            for mode in ("read", "direct", "mmap"):
+                for f in checkpoint.files:
+                    drop_page_cache(f.path)
+                before = read_bytes()
+                start = time.perf_counter()
+                weights = preheat.load(root, mode=mode, rank=rank, world_size=world)
+                touch(t for t in weights.values())
+                elapsed = time.perf_counter() - start
+                disk = read_bytes() - before
+                del weights
+                rows.append(
+                    {
+                        "world_size": world,
+                        "rank": rank,
+                        "mode": mode,
+                        "slice_bytes": slice_bytes,
+                        "page_bound": bound,
+                        "disk_bytes": disk,
+                        "file_bytes": file_bytes,
+                        "within_bound": disk <= bound * 1.02,
+                        "seconds": elapsed,
+                    }
+                )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="2GB", help="checkpoint size (default 2GB)")
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions per contender and cache state")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dir", default=".bench", help="where the generated checkpoint is cached")
+    parser.add_argument("--only", action="append", help="run only contenders whose name contains this")
+    parser.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
+    parser.add_argument("--tp", default="2,4", help="world sizes for the TP section ('' to skip)")
+    parser.add_argument("--json", help="also write the results as JSON here")
+    args = parser.parse_args()
+
+    root, files, total = ensure_checkpoint(args.dir, parse_size(args.size))
+    rows = contenders(args.device, set(args.only) if args.only else None)
+    for name in ("warm", "cold"):
+        if name == "cold" and args.no_cold:
+            continue
+        # One untimed warm-up pass fills the page cache and loads each library's code.
+        if name == "warm":
+            for c in rows:
+                time_one(c, files, root, cold=False)
+                c.warm.clear()
+        for _ in range(args.repeat):
+            for c in rows:
+                time_one(c, files, root, cold=name == "cold")
+
+    def median_gbps(xs: list[float]) -> float:
+        return total / statistics.median(xs) / 1e9 if xs else float("nan")
+
+    reference = {
+        "warm": max((median_gbps(c.warm) for c in rows if c.warm and not c.name.startswith("preheat")), default=1.0),
+        "cold": max((median_gbps(c.cold) for c in rows if c.cold and not c.name.startswith("preheat")), default=1.0),
+    }
+    print(
+        f"\ncheckpoint: {total / 1e9:.2f} GB in {len(files)} files, {args.repeat} runs each, median; "
+        f"device={args.device}; {os.cpu_count()} cores; torch {torch.__version__}"
+    )
+    print(
+        f"{'contender':36s} {'warm GB/s':>10s} {'x best peer':>11s} {'cold GB/s':>10s} {'x best peer':>11s} "
+        f"{'cold disk MB':>12s}"
+    )
+    results = []
+    for c in rows:
+        warm, cold = median_gbps(c.warm), median_gbps(c.cold)
+        disk = statistics.median(c.cold_disk) / 1e6 if c.cold_disk else float("nan")
+        print(
+            f"{c.name:36s} {warm:10.2f} {warm / reference['warm']:11.2f} {cold:10.2f} "
+            f"{cold / reference['cold']:11.2f} {disk:12.0f}" + (f"  [{c.error}]" if c.error else "")
+        )
+        results.append(
+            {
+                "name": c.name,
+                "warm_gbps": warm,
+                "cold_gbps": cold,
+                "cold_disk_mb": disk,
+                "warm_s": c.warm,
+                "cold_s": c.cold,
+                "error": c.error,
+            }
+        )
+    print("(x best peer: ratio to the fastest non-preheat contender in this run)")
+
+    tp_rows: list[dict[str, object]] = []
+    if args.tp and args.device == "cpu":
+        tp_rows = tp_section(root, [int(w) for w in args.tp.split(",") if w])
+        print(f"\nTP: rank r of W from the unsharded checkpoint, cold cache ({total / 1e6:.0f} MB of tensors)")
+        print(
+            f"{'W':>2s} {'rank':>4s} {'mode':>6s} {'slice MB':>9s} {'page bound MB':>13s} {'read from disk MB':>17s} "
+            f"{'of file':>7s} {'ok':>3s}"
+        )
+        for row in tp_rows:
+            print(
+                f"{row['world_size']:>2} {row['rank']:>4} {row['mode']:>6} {int(row['slice_bytes']) / 1e6:9.1f} "  # type: ignore[call-overload]
+                f"{int(row['page_bound']) / 1e6:13.1f} {int(row['disk_bytes']) / 1e6:17.1f} "  # type: ignore[call-overload]
+                f"{int(row['disk_bytes']) / int(row['file_bytes']):7.1%} {'yes' if row['within_bound'] else 'NO':>3s}"
+            )  # type: ignore[call-overload]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(
+                {"total_bytes": total, "device": args.device, "contenders": results, "tp": tp_rows}, out, indent=2
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Checkpoint formats, layouts and tensor-parallel plans. Asks ``preheat.io`` for bytes; never reads on its own."""

@@ -1,0 +1,101 @@
+"""Tensor-parallel plans: which dimension of each tensor is split across ranks, and which bytes rank r needs.
+
+Built-in plan ("auto") for Llama, Mistral and Qwen2-style names (Megatron layout):
+- column-parallel, split on dim 0: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj`` (weights and biases);
+- row-parallel, split on dim 1: ``o_proj``, ``down_proj`` weights (their biases, if any, are replicated);
+- vocabulary-parallel, split on dim 0: ``embed_tokens`` and ``lm_head``;
+- everything else (norms, rotary buffers) is replicated.
+A split dimension must divide evenly, except the vocabulary, which is cut in ceil(V / W)-row blocks (the last rank
+gets the remainder), as vLLM's vocab-parallel embedding does before padding.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from preheat.checkpoint import dtypes
+from preheat.checkpoint.safetensors import TensorEntry
+from preheat.errors import CheckpointError, ConfigError
+
+TPPlan = str | Mapping[str, int | None]
+
+_AUTO_RULES: tuple[tuple[re.Pattern[str], int | None], ...] = (
+    (re.compile(r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$"), 0),
+    (re.compile(r"(^|\.)(o_proj|down_proj)\.weight$"), 1),
+    (re.compile(r"(^|\.)(embed_tokens\.weight|lm_head\.weight)$"), 0),
+)
+_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rank's part of one tensor: the shape it gets and the file byte runs ``(offset, length)`` that hold it."""
+
+    shape: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]
+    dim: int | None
+    start: int = 0  # first index along ``dim`` that belongs to the rank
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, length in self.runs)
+
+
+def split_dim(name: str, plan: TPPlan) -> int | None:
+    """The dimension ``plan`` splits tensor ``name`` on, or None when it is replicated."""
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ConfigError(f"unknown tp_plan {plan!r}: use 'auto' or a mapping of name patterns to a dim or None")
+        for pattern, dim in _AUTO_RULES:
+            if pattern.search(name):
+                return dim
+        return None
+    for glob, glob_dim in plan.items():
+        if fnmatch.fnmatchcase(name, glob):
+            return glob_dim
+    return None
+
+
+def bounds(size: int, rank: int, world_size: int, *, uneven: bool) -> tuple[int, int]:
+    """[lo, hi) of rank's block of a dimension of ``size``; uneven blocks only where ``uneven`` allows it."""
+    if uneven:
+        block = math.ceil(size / world_size)
+        return min(size, rank * block), min(size, (rank + 1) * block)
+    block = size // world_size
+    return rank * block, (rank + 1) * block
+
+
+def rank_slice(entry: TensorEntry, plan: TPPlan, rank: int, world_size: int, *, path: str) -> Slice:
+    """Compute which bytes of ``entry`` rank ``rank`` of ``world_size`` needs, as few contiguous runs as possible."""
+    dim = split_dim(entry.name, plan) if world_size > 1 else None
+    if dim is None or not entry.shape:
+        return Slice(entry.shape, ((entry.start, entry.nbytes),), None)
+    if dim >= len(entry.shape):
+        raise CheckpointError(
+            f"{path}: tensor {entry.name!r} of shape {list(entry.shape)} has no dim {dim} to split for TP",
+            path=path,
+            tensor=entry.name,
+        )
+    size = entry.shape[dim]
+    uneven = bool(_VOCAB.search(entry.name))
+    if not uneven and size % world_size:
+        raise CheckpointError(
+            f"{path}: tensor {entry.name!r} dim {dim} has size {size}, not divisible by world size {world_size}",
+            path=path,
+            tensor=entry.name,
+        )
+    lo, hi = bounds(size, rank, world_size, uneven=uneven)
+    inner = math.prod(entry.shape[dim + 1 :]) * dtypes.itemsize(entry.dtype)
+    outer = math.prod(entry.shape[:dim])
+    shape = (*entry.shape[:dim], hi - lo, *entry.shape[dim + 1 :])
+    if hi - lo == size:
+        return Slice(shape, ((entry.start, entry.nbytes),), dim, lo)
+    if outer == 1:
+        return Slice(shape, ((entry.start + lo * inner, (hi - lo) * inner),), dim, lo)
+    row = size * inner
+    runs = tuple((entry.start + o * row + lo * inner, (hi - lo) * inner) for o in range(outer))
+    return Slice(shape, runs, dim, lo)

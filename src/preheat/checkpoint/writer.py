@@ -1,0 +1,39 @@
+"""Write safetensors files that any reader accepts, atomically (temp name, fsync, rename)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from preheat.checkpoint import dtypes
+from preheat.checkpoint.safetensors import encode_header
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write ``tensors`` (in mapping order) as a safetensors file at ``path``; a crash never leaves a partial file."""
+    target = os.fspath(path)
+    spec = {
+        name: (dtypes.from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()
+    }
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as out:
+            out.write(encode_header(spec, dict(metadata) if metadata else None))
+            for tensor in tensors.values():
+                flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+                out.write(
+                    flat.view(torch.uint8).numpy().tobytes()
+                    if flat.numel() < 4096
+                    else flat.view(torch.uint8).numpy().data
+                )
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,44 @@
+"""One typed error tree for everything preheat raises on purpose.
+
+Catch by meaning: ``CheckpointError`` for bad or missing weights, ``SourceError`` when bytes cannot be fetched,
+``CacheError``/``KVError`` for caches (which normally degrade to misses instead of raising), ``ConfigError`` for
+settings that make no sense. Every message names the file, tensor, URL or key involved, and says what to do.
+"""
+
+from __future__ import annotations
+
+
+class PreheatError(Exception):
+    """Base of every error preheat raises deliberately."""
+
+
+class ConfigError(PreheatError, ValueError):
+    """A setting, flag or argument is invalid (for example an unknown mode or a malformed size)."""
+
+
+class CheckpointError(PreheatError):
+    """A checkpoint is missing, malformed, truncated or fails an integrity check.
+
+    ``path`` and ``tensor`` name what was wrong, when known, so callers can report it without parsing the message.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.tensor = tensor
+
+
+class SourceError(PreheatError):
+    """Bytes could not be fetched from a source (a path, an HTTP(S) or S3 origin, a peer)."""
+
+
+class CacheError(PreheatError):
+    """The node-local model cache failed in a way that cannot be treated as a miss."""
+
+
+class KVError(PreheatError):
+    """The KV cache failed in a way that cannot be treated as a miss."""
+
+
+class DeviceError(PreheatError):
+    """A requested device or device feature (CUDA, GPUDirect Storage) is not available."""

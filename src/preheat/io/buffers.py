@@ -1,0 +1,76 @@
+"""Host buffers for loads: one large allocation per file, handed out as a torch uint8 tensor.
+
+Why torch.empty and not an anonymous shared mapping: private anonymous memory faults in about twice as fast as a
+shared mapping on Linux, and torch owns its lifetime, so tensor views keep it alive with no copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+
+import torch
+
+PAGE = mmap.PAGESIZE
+HUGEPAGE = 2 * 1024 * 1024
+_MADV_HUGEPAGE = 14  # linux/mman.h; not exported by the mmap module on every Python we support
+
+_libc: ctypes.CDLL | None = None
+if sys.platform.startswith("linux"):
+    _name = ctypes.util.find_library("c")
+    if _name:
+        _libc = ctypes.CDLL(_name, use_errno=True)
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def round_down(n: int, align: int) -> int:
+    return n // align * align
+
+
+def host_buffer(nbytes: int, *, align: int = 64, pinned: bool = False, hugepages: bool = True) -> torch.Tensor:
+    """A fresh uint8 tensor of ``nbytes`` whose data pointer is ``align``-aligned.
+
+    Large buffers are advised to use transparent huge pages where the kernel allows it ("madvise" mode), which cuts
+    the page-fault cost of first touch by up to 512x fewer faults. ``pinned`` asks for page-locked memory (CUDA only).
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if pinned:
+        # cudaHostAlloc returns page-aligned memory; pinning is not something we can madvise afterwards.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if align <= 64:
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        if hugepages and nbytes >= 4 * HUGEPAGE:
+            advise_hugepages(raw)
+        return raw
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % align
+    buf = raw[shift : shift + nbytes]
+    if hugepages and nbytes >= 4 * HUGEPAGE:
+        advise_hugepages(buf)
+    return buf
+
+
+def advise_hugepages(buf: torch.Tensor) -> None:
+    """Best-effort MADV_HUGEPAGE over the whole huge pages inside ``buf``; silently a no-op where unsupported."""
+    if _libc is None:
+        return
+    start = round_up(buf.data_ptr(), HUGEPAGE)
+    end = round_down(buf.data_ptr() + buf.numel(), HUGEPAGE)
+    if end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+
+
+def as_memoryview(buf: torch.Tensor) -> memoryview:
+    """A writable memoryview over a contiguous CPU uint8 tensor, sharing its memory (no copy)."""
+    if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
+        raise ValueError("as_memoryview needs a contiguous CPU uint8 tensor")
+    if buf.numel() == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_ubyte * buf.numel()).from_address(buf.data_ptr())
+    return memoryview(array).cast("B")

@@ -1,0 +1,293 @@
+"""Parallel positional reads of byte extents into a destination buffer.
+
+Pure planning (``plan_ops``) turns "these file ranges go to these buffer offsets" into read operations that are
+large (split at ``chunk_bytes``) and few (nearby small ranges are merged into one ``preadv``, with the gap between
+them landing in a scratch buffer, but only when the gap holds no page that would not be fetched anyway, so merging
+never costs disk bytes). ``ParallelReader`` runs those operations on a thread pool; ``os.preadv`` releases the GIL,
+so threads read truly in parallel.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from preheat.errors import CheckpointError
+from preheat.io.buffers import PAGE, as_memoryview, host_buffer, round_down, round_up
+
+DISCARD = -1  # dest offset of a piece whose bytes are read only to keep one syscall, then dropped
+MAX_IOV = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """``length`` bytes at ``file_offset`` belong at ``dest_offset`` of the destination buffer."""
+
+    file_offset: int
+    length: int
+    dest_offset: int
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """One syscall's worth of work: a contiguous file range scattered into pieces ``(dest_offset, length)``."""
+
+    file_offset: int
+    pieces: tuple[tuple[int, int], ...]
+
+    @property
+    def length(self) -> int:
+        return sum(length for _, length in self.pieces)
+
+    @property
+    def useful_bytes(self) -> int:
+        return sum(length for dest, length in self.pieces if dest != DISCARD)
+
+
+def _gap_is_free(end: int, start: int, page: int) -> bool:
+    """True when no whole page lies strictly between a run ending at ``end`` and one starting at ``start``."""
+    return start // page <= (end - 1) // page + 1
+
+
+def plan_ops(extents: Iterable[Extent], *, chunk_bytes: int, page: int = PAGE, max_iov: int = MAX_IOV) -> list[ReadOp]:
+    """Split large extents at ``chunk_bytes`` and merge small neighbours whose gap costs no extra pages."""
+    ops: list[ReadOp] = []
+    op_start, op_end, op_size = 0, 0, 0
+    pieces: list[tuple[int, int]] = []
+
+    for extent in sorted(extents, key=lambda e: e.file_offset):
+        offset, dest, remaining = extent.file_offset, extent.dest_offset, extent.length
+        while remaining:
+            gap = offset - op_end
+            mergeable = (
+                bool(pieces)
+                and gap >= 0
+                and _gap_is_free(op_end, offset, page)
+                and op_size + gap < chunk_bytes
+                and len(pieces) + 2 <= max_iov
+            )
+            if mergeable:
+                if gap:
+                    pieces.append((DISCARD, gap))
+                    op_size += gap
+            else:
+                if pieces:
+                    ops.append(ReadOp(op_start, tuple(pieces)))
+                op_start, op_size, pieces = offset, 0, []
+            take = min(remaining, chunk_bytes - op_size)
+            pieces.append((dest, take))
+            op_size += take
+            offset, dest, remaining = offset + take, dest + take, remaining - take
+            op_end = offset
+            if op_size >= chunk_bytes:
+                ops.append(ReadOp(op_start, tuple(pieces)))
+                pieces, op_size = [], 0
+    if pieces:
+        ops.append(ReadOp(op_start, tuple(pieces)))
+    return ops
+
+
+@dataclass
+class FileJob:
+    """Read ``ops`` from ``path`` into ``dest`` (a CPU uint8 tensor). ``direct`` opens with O_DIRECT."""
+
+    path: str
+    ops: Sequence[ReadOp]
+    dest: torch.Tensor
+    needed_size: int
+    direct: bool = False
+    # Sliced (TP) reads touch scattered ranges: turn kernel readahead off so only the requested pages are fetched.
+    scattered: bool = False
+
+
+class ParallelReader:
+    """Runs read operations of many files on one pool of threads, so small files never serialize a load."""
+
+    def __init__(self, threads: int, *, chunk_bytes: int, progress: Progress | None = None) -> None:
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        self.progress = progress
+        self._local = threading.local()
+
+    def run(self, jobs: Sequence[FileJob]) -> int:
+        """Execute every job; return the bytes read from files. Raises ``CheckpointError`` on any failure."""
+        fds: list[int] = []
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-read") as pool:
+                futures: list[Future[int]] = []
+                for job in jobs:
+                    fd = _open(job.path, direct=job.direct, scattered=job.scattered)
+                    fds.append(fd)
+                    size = _checked_size(fd, job)
+                    view = as_memoryview(job.dest)
+                    for op in job.ops:
+                        futures.append(pool.submit(self._run_op, fd, op, view, job, size))
+                total = 0
+                try:
+                    for future in futures:
+                        total += future.result()
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+                return total
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _run_op(self, fd: int, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
+        if job.direct:
+            got = self._direct_op(fd, op, view, job, size)
+        else:
+            got = _preadv_all(fd, op, view, self._scratch(), path=job.path)
+        if self.progress is not None:
+            self.progress(op.useful_bytes)
+        return got
+
+    def _scratch(self) -> memoryview:
+        scratch: memoryview | None = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = memoryview(bytearray(2 * PAGE))
+            self._local.scratch = scratch
+        return scratch
+
+    def _direct_op(self, fd: int, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
+        """O_DIRECT needs page-aligned offsets, lengths and addresses: read in place when the op allows it, else
+        through a per-thread aligned bounce buffer."""
+        first = op.pieces[0]
+        base = job.dest.data_ptr()
+        in_place = (
+            len(op.pieces) == 1
+            and op.file_offset % PAGE == 0
+            and (base + first[0]) % PAGE == 0
+            and (first[1] % PAGE == 0 or op.file_offset + first[1] >= size)
+        )
+        if in_place:
+            dest, length = first
+            padded = round_up(length, PAGE)
+            if dest + padded > len(view):
+                raise CheckpointError(f"{job.path}: direct read buffer too small (internal error)", path=job.path)
+            # Every byte of the op is required: a file shorter than the op is an error, never a zero-filled tail.
+            return _pread_direct(fd, view[dest : dest + padded], op.file_offset, length, path=job.path)
+        lo = round_down(op.file_offset, PAGE)
+        hi = round_up(op.file_offset + op.length, PAGE)
+        bounce = self._bounce(hi - lo)
+        _pread_direct(fd, bounce[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path)
+        cursor = op.file_offset - lo
+        for dest, length in op.pieces:
+            if dest != DISCARD:
+                view[dest : dest + length] = bounce[cursor : cursor + length]
+            cursor += length
+        return hi - lo
+
+    def _bounce(self, nbytes: int) -> memoryview:
+        bounce: torch.Tensor | None = getattr(self._local, "bounce", None)
+        if bounce is None or bounce.numel() < nbytes:
+            bounce = host_buffer(max(nbytes, self.chunk_bytes + 2 * PAGE), align=PAGE, hugepages=False)
+            self._local.bounce = bounce
+        return as_memoryview(bounce)
+
+
+def _open(path: str, *, direct: bool, scattered: bool = False) -> int:
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if direct:
+        flags |= os.O_DIRECT
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: file not found (it was removed after the load was planned)", path=path
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open: {exc.strerror}", path=path) from None
+    if scattered and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
+def _checked_size(fd: int, job: FileJob) -> int:
+    size = os.fstat(fd).st_size
+    if size < job.needed_size:
+        raise CheckpointError(
+            f"{job.path}: file is {size} bytes but its header needs {job.needed_size}; it was truncated after it "
+            "was opened or is still being written",
+            path=job.path,
+        )
+    return size
+
+
+def _preadv_all(fd: int, op: ReadOp, view: memoryview, scratch: memoryview, *, path: str) -> int:
+    """preadv the whole op, continuing after short reads; a zero-byte read before the end is a truncated file."""
+    buffers = [scratch[:length] if dest == DISCARD else view[dest : dest + length] for dest, length in op.pieces]
+    offset, total = op.file_offset, op.length
+    done = 0
+    while done < total:
+        try:
+            got = os.preadv(fd, buffers, offset + done)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: read failed at byte {offset + done}: {exc.strerror}", path=path) from None
+        if got == 0:
+            raise CheckpointError(
+                f"{path}: file ended at byte {offset + done} while {total - done} more bytes were expected; "
+                "it was truncated while loading",
+                path=path,
+            )
+        done += got
+        buffers = _advance(buffers, got)
+    return total
+
+
+def _advance(buffers: list[memoryview], consumed: int) -> list[memoryview]:
+    while consumed and buffers:
+        head = buffers[0]
+        if consumed >= len(head):
+            consumed -= len(head)
+            buffers = buffers[1:]
+        else:
+            buffers = [head[consumed:], *buffers[1:]]
+            consumed = 0
+    return buffers
+
+
+def _pread_direct(fd: int, target: memoryview, offset: int, want: int, *, path: str) -> int:
+    """Read at least ``want`` bytes into the aligned ``target``; a short read only ends the loop at end of file."""
+    done = 0
+    while done < want:
+        try:
+            got = os.preadv(fd, [target[done:]], offset + done)
+        except OSError as exc:
+            raise CheckpointError(
+                f"{path}: O_DIRECT read failed at byte {offset + done}: {exc.strerror}", path=path
+            ) from None
+        if got == 0:
+            raise CheckpointError(
+                f"{path}: file ended at byte {offset + done} while {want - done} more bytes were expected; "
+                "it was truncated while loading",
+                path=path,
+            )
+        done += got
+    return done
+
+
+def direct_io_supported(path: str) -> bool:
+    """True when ``path`` can be opened with O_DIRECT and read at an aligned offset (tmpfs and some FUSE cannot)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        probe = host_buffer(PAGE, align=PAGE, hugepages=False)
+        os.preadv(fd, [as_memoryview(probe)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
