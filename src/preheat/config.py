@@ -46,7 +46,9 @@ def parse_size(text: str | int, *, total: int | None = None) -> int:
     match = _SIZE_RE.match(text)
     if not match:
         raise ConfigError(f"cannot parse size {text!r}: write it like '8GiB', '512MiB', '64M' or '20%'")
-    number, unit = float(match.group(1)), match.group(2).lower()
+    digits, unit = match.group(1), match.group(2).lower()
+    # Integers stay exact (float would round sizes above 2**53); fractions like "1.5GiB" go through float.
+    number: float = int(digits) if digits.isdigit() else float(digits)
     if unit == "%":
         if total is None:
             raise ConfigError(f"size {text!r} is a percentage, but there is no total to take it of here")
@@ -72,16 +74,22 @@ def _env_int(name: str) -> int | None:
     if raw is None or raw.strip() == "":
         return None
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise ConfigError(f"{name}={raw!r} must be at least 1")
+    return value
 
 
 def _env_size(name: str) -> int | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
-    return parse_size(raw)
+    try:
+        return parse_size(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 @dataclass(frozen=True)

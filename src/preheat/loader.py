@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -149,10 +150,10 @@ def _resolve_mode(mode: str, device: torch.device, world_size: int) -> str:
         return mode
     if device.type != "cuda":
         raise ConfigError(f"device {device} is not supported; use 'cpu' or 'cuda[:N]'")
-    if not torch.cuda.is_available():
-        raise DeviceError(f"device {device} was requested but torch sees no CUDA device")
     if mode == "mmap":
         raise ConfigError("mode 'mmap' is CPU only; on CUDA use 'auto', 'read', 'direct' or 'gds'")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {device} was requested but torch sees no CUDA device")
     if mode == "auto":
         return "gds" if gds_status().available and not gds_status().compat_mode else "read"
     return mode
@@ -187,41 +188,41 @@ def load(
     dev = torch.device(device)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not within world size {world_size}")
+    if isinstance(tp_plan, str) and tp_plan != "auto":
+        raise ConfigError(f"unknown tp_plan {tp_plan!r}: use 'auto' or a mapping of name patterns to a dim or None")
     chosen = _resolve_mode(mode or settings.mode, dev, world_size)
     report = LoadReport(os.fspath(source), chosen, str(dev), rank, world_size)
 
     started = time.perf_counter()
     checkpoint = open_checkpoint(source)
-    align = PAGE if chosen in ("direct", "gds") else 1
-    plans = [plan_file(f, tp_plan, rank, world_size, align_base=align) for f in checkpoint.files]
-    needed = sum(e.length for p in plans for e in p.extents)
-    tuning = tune(
-        checkpoint.files[0].path if checkpoint.files else os.fspath(source),
-        needed,
-        threads=threads if threads is not None else settings.threads,
-        chunk_bytes=chunk_bytes if chunk_bytes is not None else settings.chunk_bytes,
-        dma=chosen in ("direct", "gds"),
-        scattered=not all(p.whole for p in plans),
-    )
-    report.files, report.threads, report.chunk_bytes, report.tuning = (
-        len(plans),
-        tuning.threads,
-        tuning.chunk_bytes,
-        tuning.reason,
-    )
-    report.stages["plan"] = time.perf_counter() - started
-
-    tracker = _Progress(progress, sum(t.nbytes for p in plans for t in p.tensors))
+    report.files = len(checkpoint.files)
     if chosen == "mmap":
+        # Mapping needs no read plan and no thread tuning: the kernel reads pages when they are touched.
+        report.stages["plan"] = time.perf_counter() - started
         result = _load_mmap(checkpoint, tp_plan, rank, world_size, report)
+        if progress is not None:
+            mapped = checkpoint.total_bytes
+            progress(mapped, mapped)
     else:
+        align = PAGE if chosen in ("direct", "gds") else 1
+        plans = [plan_file(f, tp_plan, rank, world_size, align_base=align) for f in checkpoint.files]
+        tuning = tune(
+            checkpoint.files[0].path if checkpoint.files else os.fspath(source),
+            sum(e.length for p in plans for e in p.extents),
+            threads=threads if threads is not None else settings.threads,
+            chunk_bytes=chunk_bytes if chunk_bytes is not None else settings.chunk_bytes,
+            dma=chosen in ("direct", "gds"),
+            scattered=not all(p.whole for p in plans),
+        )
+        report.threads, report.chunk_bytes, report.tuning = tuning.threads, tuning.chunk_bytes, tuning.reason
+        report.stages["plan"] = time.perf_counter() - started
         result = _load_read(
             plans,
             mode=chosen,
             device=dev,
             threads=tuning.threads,
             chunk_bytes=tuning.chunk_bytes,
-            progress=tracker,
+            progress=_Progress(progress, sum(e.length for p in plans for e in p.extents)),
             report=report,
         )
     report.tensors = len(result)
@@ -232,13 +233,18 @@ def load(
 
 
 class _Progress:
+    """Sums bytes landed by all reader threads and reports (done, total) to the caller's callback."""
+
     def __init__(self, callback: Callable[[int, int], None] | None, total: int) -> None:
         self.callback, self.total, self.done = callback, total, 0
+        self._lock = threading.Lock()
 
     def __call__(self, nbytes: int) -> None:
         if self.callback is not None:
-            self.done += nbytes  # racy increments only skew a progress bar, never the load
-            self.callback(min(self.done, self.total), self.total)
+            with self._lock:
+                self.done += nbytes
+                done = min(self.done, self.total)
+            self.callback(done, self.total)
 
 
 def _load_read(

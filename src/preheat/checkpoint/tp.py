@@ -74,12 +74,13 @@ def rank_slice(entry: TensorEntry, plan: TPPlan, rank: int, world_size: int, *, 
     dim = split_dim(entry.name, plan) if world_size > 1 else None
     if dim is None or not entry.shape:
         return Slice(entry.shape, ((entry.start, entry.nbytes),), None)
-    if dim >= len(entry.shape):
+    if not -len(entry.shape) <= dim < len(entry.shape):
         raise CheckpointError(
             f"{path}: tensor {entry.name!r} of shape {list(entry.shape)} has no dim {dim} to split for TP",
             path=path,
             tensor=entry.name,
         )
+    dim %= len(entry.shape)  # a plan may count dims from the end, as torch does; the byte math needs dim >= 0
     size = entry.shape[dim]
     uneven = bool(_VOCAB.search(entry.name))
     if not uneven and size % world_size:

@@ -167,12 +167,11 @@ class ParallelReader:
             and op.file_offset % PAGE == 0
             and (base + first[0]) % PAGE == 0
             and (first[1] % PAGE == 0 or op.file_offset + first[1] >= size)
+            and first[0] + round_up(first[1], PAGE) <= len(view)  # room for the page-padded tail read at EOF
         )
         if in_place:
             dest, length = first
             padded = round_up(length, PAGE)
-            if dest + padded > len(view):
-                raise CheckpointError(f"{job.path}: direct read buffer too small (internal error)", path=job.path)
             # Every byte of the op is required: a file shorter than the op is an error, never a zero-filled tail.
             return _pread_direct(fd, view[dest : dest + padded], op.file_offset, length, path=job.path)
         lo = round_down(op.file_offset, PAGE)
