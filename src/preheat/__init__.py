@@ -5,18 +5,32 @@
 >>> print(weights.report.summary())                   # doctest: +SKIP
 """
 
-from preheat.errors import CheckpointError, ConfigError, DeviceError, PreheatError, SourceError
+from preheat.errors import (
+    CacheError,
+    CheckpointError,
+    ConfigError,
+    DeviceError,
+    KVError,
+    PreheatError,
+    SourceAccessError,
+    SourceError,
+    SourceNotFoundError,
+)
 from preheat.loader import LoadReport, LoadResult, load
 
 __version__ = "0.1.0"
 __all__ = [
+    "CacheError",
     "CheckpointError",
     "ConfigError",
     "DeviceError",
+    "KVError",
     "LoadReport",
     "LoadResult",
     "PreheatError",
+    "SourceAccessError",
     "SourceError",
+    "SourceNotFoundError",
     "__version__",
     "load",
 ]

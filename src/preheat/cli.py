@@ -77,6 +77,10 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--repeat", type=int, default=1, help="load N times and report each run and the median")
     load.add_argument("--json", action="store_true", help="print the load reports as JSON")
     load.set_defaults(func=_cmd_load)
+    _add_checkpoint_commands(commands)
+    from preheat import cli_store
+
+    cli_store.register(commands)
     return parser
 
 
@@ -191,6 +195,187 @@ class _LazyProgress:
             self._task = progress.add_task(self.label, total=total)
             self._progress = progress
         self._progress.update(self._task, completed=done)  # type: ignore[attr-defined]
+
+
+def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``convert``, ``verify`` and ``info``: making and checking preheat checkpoints (docs/checkpoint-format.md)."""
+    convert = commands.add_parser(
+        "convert",
+        help="convert a HF directory, safetensors file or GGUF file into a verified preheat checkpoint",
+        description=(
+            "Convert SRC (a Hugging Face directory, a .safetensors file, a preheat checkpoint, or a GGUF file)\n"
+            "into DST: plain safetensors files (~2 GiB each) + preheat.json (per-tensor digests; its digest is the\n"
+            "checkpoint's identity) + config.json and tokenizer files. DST is written to DST.tmp-<pid>, read back\n"
+            "and verified, then renamed into place: an interrupted conversion never leaves a DST that looks done.\n\n"
+            "dtypes:\n"
+            "  keep   store tensors as they are in SRC (GGUF: the float32 its dequantization gives)\n"
+            "  bf16   cast floating-point tensors to bfloat16\n"
+            "  fp16   cast floating-point tensors to float16\n"
+            "  int8   weight-only int8 for the linear projections, one F32 scale per output row\n"
+            "  fp8    weight-only float8_e4m3fn for the linear projections, one F32 scale per output row\n"
+            "         (embeddings, norms and lm_head stay as they are; load with dequantize=True to restore)\n\n"
+            "--tp N writes rank-0000r-of-0000N/ directories with each rank's slices, so that rank r of N reads\n"
+            "only its own files: preheat.load(DST, rank=r, world_size=N).\n\n"
+            "examples:\n"
+            "  preheat convert ./Llama-3-8B ./llama-3-8b-tp2 --tp 2 --dtype bf16\n"
+            "  preheat convert SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2 --dtype int8\n"
+            "  preheat convert ./model.safetensors ./model-fp8 --dtype fp8 --force --json"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    convert.add_argument("src", help="Hugging Face directory, .safetensors file, preheat checkpoint or .gguf file")
+    convert.add_argument("dst", help="directory to create (must not exist unless --force)")
+    convert.add_argument("--tp", type=int, default=1, help="pre-shard for N tensor-parallel ranks (default: 1)")
+    convert.add_argument(
+        "--dtype", default="keep", choices=["keep", "bf16", "fp16", "fp8", "int8"], help="stored dtype (default: keep)"
+    )
+    convert.add_argument("--force", action="store_true", help="replace DST if it exists (only once DST is verified)")
+    convert.add_argument("--shard-size", default="2GiB", help="largest weights file, e.g. 2GiB (default: 2GiB)")
+    convert.add_argument("--json", action="store_true", help="print a JSON summary")
+    convert.set_defaults(func=_cmd_convert)
+
+    verify = commands.add_parser(
+        "verify",
+        help="recompute every digest of a preheat checkpoint; exit 1 naming the first bad tensor",
+        description=(
+            "Read every file of a preheat checkpoint and compare the digest of each tensor, each file and each\n"
+            "side file (config, tokenizer) with preheat.json. Exit 0 when all match; otherwise print the first bad\n"
+            "tensor (or file) and exit 1.\n\n"
+            "examples:\n"
+            "  preheat verify ./llama-3-8b-tp2\n"
+            "  preheat verify ./smollm2 --json"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify.add_argument("path", help="preheat checkpoint directory (one with preheat.json)")
+    verify.add_argument("--threads", type=int, default=None, help="files hashed at once (default: cores, up to 8)")
+    verify.add_argument("--json", action="store_true", help="print the full report as JSON")
+    verify.set_defaults(func=_cmd_verify)
+
+    info = commands.add_parser(
+        "info",
+        help="show a preheat checkpoint's identity, size, tensors, dtypes and TP layout",
+        description=(
+            "Describe a preheat checkpoint from its manifest alone (no weights are read): its identity (the\n"
+            "digest of preheat.json's content, used as its name by caches and peers), size, tensor count, dtypes,\n"
+            "tensor-parallel layout and quantization.\n\n"
+            "examples:\n"
+            "  preheat info ./smollm2\n"
+            "  preheat info ./llama-3-8b-tp2 --json | jq -r .identity"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    info.add_argument("path", help="preheat checkpoint directory (one with preheat.json)")
+    info.add_argument("--json", action="store_true", help="print the summary as JSON")
+    info.set_defaults(func=_cmd_info)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from preheat.checkpoint.convert import convert
+
+    with _StageProgress(enabled=not args.json and sys.stderr.isatty()) as bar:
+        result = convert(
+            args.src,
+            args.dst,
+            tp=args.tp,
+            dtype=args.dtype,
+            force=args.force,
+            shard_bytes=parse_size(args.shard_size),
+            progress=bar.update,
+        )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(
+        f"converted {result.source} ({result.source_format}) -> {result.destination}\n"
+        f"  identity {result.identity}\n"
+        f"  {result.tensors} tensors, {format_bytes(result.bytes)} in {result.files} file(s), dtype {result.dtype}, "
+        f"tp {result.tp}, verified, {result.seconds:.1f} s"
+    )
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from preheat.checkpoint.verify import verify_checkpoint
+
+    with _LazyProgress(enabled=not args.json and sys.stderr.isatty(), label=f"verifying {args.path}") as bar:
+        report = verify_checkpoint(args.path, progress=bar.update, threads=args.threads)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    elif report.first_bad is None:
+        print(
+            f"ok: {report.tensors} tensors in {report.files} file(s), {format_bytes(report.bytes)} match "
+            f"{report.root}/preheat.json (identity {report.identity})"
+        )
+    else:
+        bad = report.first_bad
+        print(f"FAILED: {bad.message}")
+        if len(report.problems) > 1:
+            print(f"  and {len(report.problems) - 1} more problem(s); --json lists them all")
+    return 0 if report.ok else 1
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from preheat.checkpoint.info import checkpoint_info
+
+    info = checkpoint_info(args.path)
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=info.path, show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("identity", info.identity)
+    table.add_row("size", f"{format_bytes(info.size)} in {info.files} weights file(s)")
+    table.add_row("tensors", f"{info.tensors} ({info.elements:,} elements)")
+    table.add_row("dtypes", ", ".join(f"{dtype}×{count}" for dtype, count in info.dtypes.items()))
+    if info.tp_world_size == 1:
+        table.add_row("tensor parallel", "not pre-sharded (the loader slices at load time)")
+    else:
+        split = ", ".join(f"{how}: {count}" for how, count in info.tp_split.items())
+        table.add_row("tensor parallel", f"{info.tp_world_size} ranks ({split})")
+        for rank in info.ranks:
+            table.add_row(f"  rank {rank.rank}", f"{format_bytes(rank.bytes)}: {', '.join(rank.files)}")
+    quant = info.quantization
+    table.add_row("quantization", "none" if quant is None else ", ".join(f"{k}={v}" for k, v in quant.items()))
+    table.add_row("model", ", ".join(f"{k}={v}" for k, v in info.model.items()))
+    table.add_row("side files", ", ".join(info.extra_files) or "none")
+    Console().print(table)
+    return 0
+
+
+class _StageProgress:
+    """One rich progress line per stage of a long job (read, write, verify); a total of 0 means unknown."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: object | None = None
+        self._tasks: dict[str, object] = {}
+
+    def __enter__(self) -> _StageProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()  # type: ignore[attr-defined]
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._progress is None:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn
+
+            progress = Progress(
+                "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeElapsedColumn()
+            )
+            progress.start()
+            self._progress = progress
+        if stage not in self._tasks:
+            self._tasks[stage] = self._progress.add_task(stage, total=total or None)  # type: ignore[attr-defined]
+        self._progress.update(self._tasks[stage], completed=done, total=total or None)  # type: ignore[attr-defined]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,6 +32,14 @@ class SourceError(PreheatError):
     """Bytes could not be fetched from a source (a path, an HTTP(S) or S3 origin, a peer)."""
 
 
+class SourceNotFoundError(SourceError):
+    """The file or object does not exist (HTTP 404/410, S3 NoSuchKey/NoSuchBucket): retrying will not help."""
+
+
+class SourceAccessError(SourceError):
+    """The source refused access (HTTP 401/403, S3 AccessDenied): the credentials or token are missing or wrong."""
+
+
 class CacheError(PreheatError):
     """The node-local model cache failed in a way that cannot be treated as a miss."""
 

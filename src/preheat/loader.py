@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,13 +27,17 @@ from preheat.checkpoint import dtypes
 from preheat.checkpoint.layout import Checkpoint, CheckpointFile, open_checkpoint
 from preheat.checkpoint.tp import TPPlan, rank_slice
 from preheat.config import LoaderSettings, format_bytes
-from preheat.errors import CheckpointError, ConfigError, DeviceError
+from preheat.errors import CacheError, CheckpointError, ConfigError, DeviceError
 from preheat.io.buffers import PAGE, host_buffer, round_down, round_up
 from preheat.io.files import ensure_size
 from preheat.io.gds import gds_status, run_gds
 from preheat.io.pipeline import StagedReader
 from preheat.io.reads import Extent, FileJob, ParallelReader, plan_ops
 from preheat.io.tuning import tune
+from preheat.sources.base import is_uri
+
+if TYPE_CHECKING:
+    from preheat.store import ModelCache
 
 log = logging.getLogger("preheat.load")
 
@@ -82,9 +87,18 @@ class LoadReport:
 
 
 class LoadResult(dict[str, torch.Tensor]):
-    """The loaded tensors by name (a plain dict to every caller), plus ``.report``, the ``LoadReport``."""
+    """The loaded tensors by name (a plain dict to every caller), plus ``.report``, the ``LoadReport``.
+
+    ``cache_write`` is the background thread saving a remote checkpoint into the node-local cache (None when there
+    is nothing to write); ``join()`` it to wait for the entry to be published.
+    """
 
     report: LoadReport
+    cache_write: threading.Thread | None = None
+    # Keeps a cache entry marked "in use" (gc and rm skip it) for as long as these tensors are alive.
+    cache_lease: object | None = None
+    # (plan, buffer) per file of a read-mode load: what write-through saves. Internal.
+    file_buffers: list[tuple[FilePlan, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,9 +151,16 @@ def plan_file(file: CheckpointFile, tp_plan: TPPlan, rank: int, world_size: int,
     return FilePlan(file, tuple(extents_list), tuple(placed_list), round_up(cursor, align_base), header.data_end, False)
 
 
-def _resolve_mode(mode: str, device: torch.device, world_size: int) -> str:
+def _resolve_mode(mode: str, device: torch.device, world_size: int, *, remote: bool = False) -> str:
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if remote:
+        # Remote bytes arrive over sockets: they can only be read into buffers (streamed, never landing on disk).
+        if mode not in ("auto", "read"):
+            raise ConfigError(f"mode {mode!r} needs a local file; remote sources (http, https, s3) load with 'read'")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(f"device {device} was requested but torch sees no CUDA device")
+        return "read"
     if device.type == "cpu":
         if mode == "gds":
             raise ConfigError("mode 'gds' reads into GPU memory; use device='cuda' or a CPU mode (mmap, read, direct)")
@@ -170,6 +191,8 @@ def load(
     threads: int | None = None,
     chunk_bytes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    dequantize: bool = False,
+    cache: ModelCache | str | os.PathLike[str] | bool | None = None,
 ) -> LoadResult:
     """Load every tensor of a safetensors checkpoint (this rank's slices of them when ``world_size > 1``).
 
@@ -181,6 +204,13 @@ def load(
     cache) or ``gds``.
     ``threads``/``chunk_bytes`` default to values tuned for the storage (``PREHEAT_THREADS``/``PREHEAT_CHUNK_BYTES``
     override). ``progress(done_bytes, total_bytes)`` is called from reader threads as bytes land.
+    ``dequantize``: for a quantized preheat checkpoint (``preheat convert --dtype int8|fp8``), return each quantized
+    weight restored to its compute dtype and no ``.scale`` tensors (default: the raw int8/fp8 weights and scales).
+    A checkpoint pre-sharded with ``preheat convert --tp W`` must be loaded with ``world_size=W``; rank r then opens
+    only its own files, which already hold its slices.
+    ``cache`` (remote sources only): a ``ModelCache``, a cache directory, ``True`` for the default one, ``False`` for
+    none; ``None`` uses the cache only when ``PREHEAT_CACHE_DIR`` is set. A cached checkpoint loads from local disk;
+    otherwise it streams from the origin into memory and is written through to the cache in the background.
     Raises ``CheckpointError`` naming the file and tensor for any malformed or truncated input; never returns a
     partial result.
     """
@@ -190,22 +220,44 @@ def load(
         raise ConfigError(f"rank {rank} is not within world size {world_size}")
     if isinstance(tp_plan, str) and tp_plan != "auto":
         raise ConfigError(f"unknown tp_plan {tp_plan!r}: use 'auto' or a mapping of name patterns to a dim or None")
-    chosen = _resolve_mode(mode or settings.mode, dev, world_size)
+    remote = is_uri(os.fspath(source))
+    node_cache = _node_cache(cache) if remote else None
+    if node_cache is not None:
+        hit = _load_cached(
+            node_cache,
+            os.fspath(source),
+            {
+                "device": dev,
+                "rank": rank,
+                "world_size": world_size,
+                "tp_plan": tp_plan,
+                "mode": mode,
+                "threads": threads,
+                "chunk_bytes": chunk_bytes,
+                "progress": progress,
+                "dequantize": dequantize,
+            },
+        )
+        if hit is not None:
+            return hit
+    chosen = _resolve_mode(mode or settings.mode, dev, world_size, remote=remote)
     report = LoadReport(os.fspath(source), chosen, str(dev), rank, world_size)
 
     started = time.perf_counter()
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checkpoint(source, rank=rank, world_size=world_size)
     report.files = len(checkpoint.files)
+    # A pre-sharded checkpoint's files already hold this rank's slices: read them whole, never slice again.
+    part_rank, parts = (0, 1) if checkpoint.presharded else (rank, world_size)
     if chosen == "mmap":
         # Mapping needs no read plan and no thread tuning: the kernel reads pages when they are touched.
         report.stages["plan"] = time.perf_counter() - started
-        result = _load_mmap(checkpoint, tp_plan, rank, world_size, report)
+        result = _load_mmap(checkpoint, tp_plan, part_rank, parts, report)
         if progress is not None:
             mapped = checkpoint.total_bytes
             progress(mapped, mapped)
     else:
         align = PAGE if chosen in ("direct", "gds") else 1
-        plans = [plan_file(f, tp_plan, rank, world_size, align_base=align) for f in checkpoint.files]
+        plans = [plan_file(f, tp_plan, part_rank, parts, align_base=align) for f in checkpoint.files]
         tuning = tune(
             checkpoint.files[0].path if checkpoint.files else os.fspath(source),
             sum(e.length for p in plans for e in p.extents),
@@ -213,6 +265,7 @@ def load(
             chunk_bytes=chunk_bytes if chunk_bytes is not None else settings.chunk_bytes,
             dma=chosen in ("direct", "gds"),
             scattered=not all(p.whole for p in plans),
+            remote=remote,
         )
         report.threads, report.chunk_bytes, report.tuning = tuning.threads, tuning.chunk_bytes, tuning.reason
         report.stages["plan"] = time.perf_counter() - started
@@ -225,10 +278,59 @@ def load(
             progress=_Progress(progress, sum(e.length for p in plans for e in p.extents)),
             report=report,
         )
+    if node_cache is not None and parts == 1 and dev.type == "cpu" and result.file_buffers is not None:
+        from preheat.store.writethrough import LoadedFile, start_write_through
+
+        loaded = [
+            LoadedFile(plan.file.name, plan.file.size, plan.file.header.data_start, plan.file.header.data_end, buf)
+            for plan, buf in result.file_buffers
+        ]
+        result.cache_write = start_write_through(node_cache, os.fspath(source), loaded)
+        report.notes.append(f"writing through to the node cache at {node_cache.root} in the background")
+    result.file_buffers = None
+    if dequantize and checkpoint.manifest is not None:
+        from preheat.checkpoint.quant import dequantize_weights
+
+        dequantize_weights(result, checkpoint.manifest, where=os.fspath(source))
     report.tensors = len(result)
     report.bytes = sum(t.numel() * t.element_size() for t in result.values())
     result.report = report
     log.info("%s", report.summary())
+    return result
+
+
+def _node_cache(cache: ModelCache | str | os.PathLike[str] | bool | None) -> ModelCache | None:
+    from preheat.store import ModelCache
+
+    if cache is None:
+        return ModelCache() if os.environ.get("PREHEAT_CACHE_DIR") else None
+    if cache is False:
+        return None
+    if cache is True:
+        return ModelCache()
+    if isinstance(cache, ModelCache):
+        return cache
+    return ModelCache(cache)
+
+
+def _load_cached(cache: ModelCache, uri: str, options: dict[str, Any]) -> LoadResult | None:  # Any: load()'s kwargs
+    """Load ``uri`` from the node cache when it holds it (one small request asks the origin for its identity)."""
+    from preheat.sources.base import open_origin
+    from preheat.store.pull import origin_key
+
+    try:
+        key, _ = origin_key(open_origin(uri))
+        path = cache.lookup(key)
+        if path is None:
+            return None
+        lease = cache.lease(key)
+    except (CacheError, OSError) as exc:
+        log.warning("node cache at %s unusable, loading from the origin: %s", cache.root, exc)
+        return None
+    result = load(path, cache=False, **options)
+    result.cache_lease = lease
+    result.report.source = uri
+    result.report.notes.append(f"node cache hit: {path}")
     return result
 
 
@@ -276,6 +378,7 @@ def _load_read(
             p.needed_size,
             direct=direct,
             scattered=not p.whole,
+            open_source=p.file.open_source if p.file.origin is not None else None,
         )
         for p, buf in zip(plans, buffers, strict=True)
     ]
@@ -303,6 +406,7 @@ def _load_read(
     for plan, buf in zip(plans, buffers, strict=True):
         for placed in plan.tensors:
             result[placed.name] = _view(buf, placed, plan.file.path)
+    result.file_buffers = list(zip(plans, buffers, strict=True))
     report.stages["views"] = time.perf_counter() - t3
     return result
 

@@ -1,7 +1,8 @@
 """Tensor-parallel plans: which dimension of each tensor is split across ranks, and which bytes rank r needs.
 
 Built-in plan ("auto") for Llama, Mistral and Qwen2-style names (Megatron layout):
-- column-parallel, split on dim 0: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj`` (weights and biases);
+- column-parallel, split on dim 0: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj`` (weights, biases,
+  and the per-row ``.weight.scale`` of a quantized weight, which must follow its rows);
 - row-parallel, split on dim 1: ``o_proj``, ``down_proj`` weights (their biases, if any, are replicated);
 - vocabulary-parallel, split on dim 0: ``embed_tokens`` and ``lm_head``;
 - everything else (norms, rotary buffers) is replicated.
@@ -24,7 +25,7 @@ from preheat.errors import CheckpointError, ConfigError
 TPPlan = str | Mapping[str, int | None]
 
 _AUTO_RULES: tuple[tuple[re.Pattern[str], int | None], ...] = (
-    (re.compile(r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$"), 0),
+    (re.compile(r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|weight\.scale)$"), 0),
     (re.compile(r"(^|\.)(o_proj|down_proj)\.weight$"), 1),
     (re.compile(r"(^|\.)(embed_tokens\.weight|lm_head\.weight)$"), 0),
 )

@@ -9,7 +9,6 @@ staging memory and synchronous copies, which is how the pipeline's logic is test
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preheat.errors import CheckpointError
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer, round_down, round_up
-from preheat.io.reads import DISCARD, FileJob, Progress, ReadOp, _checked_size, _open, _pread_direct
+from preheat.io.reads import DISCARD, FileJob, OpenJobs, Progress, ReadOp, gather, read_at_least
+from preheat.sources.base import Source
 
 
 @dataclass
@@ -49,31 +48,13 @@ class StagedReader:
 
     def run(self, jobs: Sequence[FileJob]) -> int:
         """Execute all jobs; returns bytes read from files. Waits until every copy has landed."""
-        fds: list[int] = []
-        try:
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-stage") as pool:
-                futures: list[Future[int]] = []
-                for job in jobs:
-                    fd = _open(job.path, direct=job.direct, scattered=job.scattered)
-                    fds.append(fd)
-                    _checked_size(fd, job)
-                    futures.extend(pool.submit(self._run_op, fd, op, job) for op in job.ops)
-                total = 0
-                try:
-                    for future in futures:
-                        total += future.result()
-                except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    raise
-                # Each lane's last copies may still be in flight on its stream.
-                for done in pool.map(lambda _: self._drain(), range(self.threads)):
-                    del done
-            self.synchronize()
-            return total
-        finally:
-            for fd in fds:
-                os.close(fd)
+        with OpenJobs(jobs) as opened, ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-stage") as pool:
+            futures: list[Future[int]] = [
+                pool.submit(self._run_op, source, op, job) for job, source, _ in opened for op in job.ops
+            ]
+            total = gather(futures)
+        self.synchronize()  # each lane's last copies may still be in flight on its stream
+        return total
 
     def synchronize(self) -> None:
         for lane in self._lanes.values():
@@ -92,12 +73,7 @@ class StagedReader:
                 self._lanes[ident] = lane
         return lane
 
-    def _drain(self) -> None:
-        lane = self._lanes.get(threading.get_ident())
-        if lane is not None and lane.stream is not None:
-            lane.stream.synchronize()
-
-    def _run_op(self, fd: int, op: ReadOp, job: FileJob) -> int:
+    def _run_op(self, source: Source, op: ReadOp, job: FileJob) -> int:
         lane = self._lane()
         slot = lane.turn
         lane.turn ^= 1
@@ -110,10 +86,10 @@ class StagedReader:
             lo = round_down(op.file_offset, PAGE)
             hi = round_up(op.file_offset + op.length, PAGE)
             # Read up to the op's last byte at least (a shorter file is an error), the rest of the page if present.
-            _pread_direct(fd, view[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path)
+            read_at_least(source, view[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path)
             cursor, got = op.file_offset - lo, hi - lo
         else:
-            _pread_exact(fd, view[: op.length], op.file_offset, path=job.path)
+            read_at_least(source, view[: op.length], op.file_offset, op.length, path=job.path)
             cursor, got = 0, op.length
         self._copy_out(lane, slot, staging=staging, cursor=cursor, op=op, dest=job.dest)
         if self.progress is not None:
@@ -137,19 +113,3 @@ class StagedReader:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(lane.stream)
         lane.events[slot] = event
-
-
-def _pread_exact(fd: int, target: memoryview, offset: int, *, path: str) -> None:
-    done = 0
-    while done < len(target):
-        try:
-            got = os.preadv(fd, [target[done:]], offset + done)
-        except OSError as exc:
-            raise CheckpointError(f"{path}: read failed at byte {offset + done}: {exc.strerror}", path=path) from None
-        if got == 0:
-            raise CheckpointError(
-                f"{path}: file ended at byte {offset + done} while {len(target) - done} more bytes were expected; "
-                "it was truncated while loading",
-                path=path,
-            )
-        done += got

@@ -19,6 +19,8 @@ import torch
 
 from preheat.errors import CheckpointError
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer, round_down, round_up
+from preheat.sources.base import Source
+from preheat.sources.local import LocalFile
 
 DISCARD = -1  # dest offset of a piece whose bytes are read only to keep one syscall, then dropped
 MAX_IOV = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
@@ -95,7 +97,12 @@ def plan_ops(extents: Iterable[Extent], *, chunk_bytes: int, page: int = PAGE, m
 
 @dataclass
 class FileJob:
-    """Read ``ops`` from ``path`` into ``dest`` (a CPU uint8 tensor). ``direct`` opens with O_DIRECT."""
+    """Read ``ops`` of one file into ``dest`` (a CPU uint8 tensor, or a CUDA one for the staged/GDS readers).
+
+    ``open_source`` opens where the bytes come from (an HTTP or S3 object, say); when it is None, the local file at
+    ``path`` is opened (with O_DIRECT when ``direct``). Either way the reader closes what it opened.
+    ``needed_size`` is the file size the plan relies on, checked again right before reading.
+    """
 
     path: str
     ops: Sequence[ReadOp]
@@ -104,6 +111,34 @@ class FileJob:
     direct: bool = False
     # Sliced (TP) reads touch scattered ranges: turn kernel readahead off so only the requested pages are fetched.
     scattered: bool = False
+    open_source: Callable[[], Source] | None = None
+
+
+class OpenJobs:
+    """Opens every job's source (checking its size against the plan) and closes what it opened."""
+
+    def __init__(self, jobs: Sequence[FileJob]) -> None:
+        self.jobs = jobs
+        self.opened: list[Source] = []
+
+    def __enter__(self) -> list[tuple[FileJob, Source, int]]:
+        out = []
+        try:
+            for job in self.jobs:
+                if job.open_source is not None:
+                    source = job.open_source()
+                else:
+                    source = LocalFile.from_fd(job.path, _open(job.path, direct=job.direct, scattered=job.scattered))
+                self.opened.append(source)
+                out.append((job, source, _checked_size(source, job)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        for source in self.opened:
+            source.close()
 
 
 class ParallelReader:
@@ -117,35 +152,18 @@ class ParallelReader:
 
     def run(self, jobs: Sequence[FileJob]) -> int:
         """Execute every job; return the bytes read from files. Raises ``CheckpointError`` on any failure."""
-        fds: list[int] = []
-        try:
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-read") as pool:
-                futures: list[Future[int]] = []
-                for job in jobs:
-                    fd = _open(job.path, direct=job.direct, scattered=job.scattered)
-                    fds.append(fd)
-                    size = _checked_size(fd, job)
-                    view = as_memoryview(job.dest)
-                    for op in job.ops:
-                        futures.append(pool.submit(self._run_op, fd, op, view, job, size))
-                total = 0
-                try:
-                    for future in futures:
-                        total += future.result()
-                except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    raise
-                return total
-        finally:
-            for fd in fds:
-                os.close(fd)
+        with OpenJobs(jobs) as opened, ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-read") as pool:
+            futures: list[Future[int]] = []
+            for job, source, size in opened:
+                view = as_memoryview(job.dest)
+                futures.extend(pool.submit(self._run_op, source, op, view, job, size) for op in job.ops)
+            return gather(futures)
 
-    def _run_op(self, fd: int, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
+    def _run_op(self, source: Source, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
         if job.direct:
-            got = self._direct_op(fd, op, view, job, size)
+            got = self._direct_op(source, op, view, job, size)
         else:
-            got = _preadv_all(fd, op, view, self._scratch(), path=job.path)
+            got = readv_all(source, op, view, self._scratch(), path=job.path)
         if self.progress is not None:
             self.progress(op.useful_bytes)
         return got
@@ -157,7 +175,7 @@ class ParallelReader:
             self._local.scratch = scratch
         return scratch
 
-    def _direct_op(self, fd: int, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
+    def _direct_op(self, source: Source, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
         """O_DIRECT needs page-aligned offsets, lengths and addresses: read in place when the op allows it, else
         through a per-thread aligned bounce buffer."""
         first = op.pieces[0]
@@ -173,11 +191,11 @@ class ParallelReader:
             dest, length = first
             padded = round_up(length, PAGE)
             # Every byte of the op is required: a file shorter than the op is an error, never a zero-filled tail.
-            return _pread_direct(fd, view[dest : dest + padded], op.file_offset, length, path=job.path)
+            return read_at_least(source, view[dest : dest + padded], op.file_offset, length, path=job.path)
         lo = round_down(op.file_offset, PAGE)
         hi = round_up(op.file_offset + op.length, PAGE)
         bounce = self._bounce(hi - lo)
-        _pread_direct(fd, bounce[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path)
+        read_at_least(source, bounce[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path)
         cursor = op.file_offset - lo
         for dest, length in op.pieces:
             if dest != DISCARD:
@@ -191,6 +209,19 @@ class ParallelReader:
             bounce = host_buffer(max(nbytes, self.chunk_bytes + 2 * PAGE), align=PAGE, hugepages=False)
             self._local.bounce = bounce
         return as_memoryview(bounce)
+
+
+def gather(futures: Sequence[Future[int]]) -> int:
+    """Sum the futures' results; on the first failure cancel the rest and re-raise it."""
+    total = 0
+    try:
+        for future in futures:
+            total += future.result()
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+    return total
 
 
 def _open(path: str, *, direct: bool, scattered: bool = False) -> int:
@@ -210,8 +241,8 @@ def _open(path: str, *, direct: bool, scattered: bool = False) -> int:
     return fd
 
 
-def _checked_size(fd: int, job: FileJob) -> int:
-    size = os.fstat(fd).st_size
+def _checked_size(source: Source, job: FileJob) -> int:
+    size = source.size()
     if size < job.needed_size:
         raise CheckpointError(
             f"{job.path}: file is {size} bytes but its header needs {job.needed_size}; it was truncated after it "
@@ -221,16 +252,13 @@ def _checked_size(fd: int, job: FileJob) -> int:
     return size
 
 
-def _preadv_all(fd: int, op: ReadOp, view: memoryview, scratch: memoryview, *, path: str) -> int:
-    """preadv the whole op, continuing after short reads; a zero-byte read before the end is a truncated file."""
+def readv_all(source: Source, op: ReadOp, view: memoryview, scratch: memoryview, *, path: str) -> int:
+    """Read the whole op, continuing after short reads; end of file before the end is a truncated file."""
     buffers = [scratch[:length] if dest == DISCARD else view[dest : dest + length] for dest, length in op.pieces]
     offset, total = op.file_offset, op.length
     done = 0
     while done < total:
-        try:
-            got = os.preadv(fd, buffers, offset + done)
-        except OSError as exc:
-            raise CheckpointError(f"{path}: read failed at byte {offset + done}: {exc.strerror}", path=path) from None
+        got = _readv(source, buffers, offset + done, path=path)
         if got == 0:
             raise CheckpointError(
                 f"{path}: file ended at byte {offset + done} while {total - done} more bytes were expected; "
@@ -240,6 +268,13 @@ def _preadv_all(fd: int, op: ReadOp, view: memoryview, scratch: memoryview, *, p
         done += got
         buffers = _advance(buffers, got)
     return total
+
+
+def _readv(source: Source, buffers: list[memoryview], offset: int, *, path: str) -> int:
+    try:
+        return source.readv(offset, buffers)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: read failed at byte {offset}: {exc.strerror}", path=path) from None
 
 
 def _advance(buffers: list[memoryview], consumed: int) -> list[memoryview]:
@@ -254,16 +289,11 @@ def _advance(buffers: list[memoryview], consumed: int) -> list[memoryview]:
     return buffers
 
 
-def _pread_direct(fd: int, target: memoryview, offset: int, want: int, *, path: str) -> int:
-    """Read at least ``want`` bytes into the aligned ``target``; a short read only ends the loop at end of file."""
+def read_at_least(source: Source, target: memoryview, offset: int, want: int, *, path: str) -> int:
+    """Read at least ``want`` bytes into ``target`` (which may be longer: O_DIRECT reads whole pages)."""
     done = 0
     while done < want:
-        try:
-            got = os.preadv(fd, [target[done:]], offset + done)
-        except OSError as exc:
-            raise CheckpointError(
-                f"{path}: O_DIRECT read failed at byte {offset + done}: {exc.strerror}", path=path
-            ) from None
+        got = _readv(source, [target[done:]], offset + done, path=path)
         if got == 0:
             raise CheckpointError(
                 f"{path}: file ended at byte {offset + done} while {want - done} more bytes were expected; "

@@ -1,0 +1,166 @@
+"""``preheat pull`` and ``preheat cache ...``: the node-local model cache from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from preheat.config import format_bytes, parse_size
+from preheat.errors import PreheatError
+
+PULL_HELP = """\
+Download a checkpoint into the node-local cache, in parallel, resumably, verified, published atomically.
+
+URI is an http(s):// or s3://bucket/prefix URL (or a local/NFS directory) holding a preheat checkpoint (preheat.json)
+or a Hugging Face layout (config.json + model.safetensors[.index.json]). A pull that was interrupted resumes: only
+missing chunks are fetched again. Several processes pulling the same model download it once; the others wait.
+
+examples:
+  preheat pull https://models.internal/llama-3-8b
+  AWS_ENDPOINT_URL=http://minio:9000 preheat pull s3://models/llama-3-8b --threads 32
+"""
+
+CACHE_HELP = """\
+Inspect and manage the node-local cache (default ~/.cache/preheat, or PREHEAT_CACHE_DIR).
+
+examples:
+  preheat cache ls --json
+  preheat cache gc --max-size 50GiB        # least recently used first; entries in use are never removed
+  preheat cache rm xxh3-128:4f1c...
+  preheat cache warm s3://models/llama      # for init containers and node DaemonSets: pull, print the path
+"""
+
+
+def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+    """Add ``pull`` and ``cache`` to the ``preheat`` command."""
+    pull = commands.add_parser(
+        "pull",
+        help="download a checkpoint into the node-local cache (parallel, resumable, verified)",
+        description=PULL_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pull.add_argument("uri", help="http(s)://..., s3://bucket/prefix or a local directory")
+    _common(pull)
+    pull.set_defaults(func=_cmd_pull)
+
+    cache = commands.add_parser(
+        "cache",
+        help="list, remove, garbage-collect or warm node-local cache entries",
+        description=CACHE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verbs = cache.add_subparsers(dest="cache_command", metavar="VERB")
+    ls = verbs.add_parser("ls", help="list entries, most recently used first")
+    ls.add_argument("--cache-dir", default=None, help="cache root (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=_cmd_ls)
+    rm = verbs.add_parser("rm", help="remove an entry (by key or by the URI it was pulled from)")
+    rm.add_argument("target", help="an entry key (see 'cache ls') or its URI")
+    rm.add_argument("--cache-dir", default=None, help="cache root")
+    rm.set_defaults(func=_cmd_rm)
+    gc = verbs.add_parser("gc", help="remove least recently used entries until the cache fits --max-size")
+    gc.add_argument("--max-size", required=True, help="e.g. 50GiB")
+    gc.add_argument("--cache-dir", default=None, help="cache root")
+    gc.add_argument("--json", action="store_true", help="print JSON")
+    gc.set_defaults(func=_cmd_gc)
+    warm = verbs.add_parser("warm", help="make sure URI is cached (pull it if not) and print the entry's path")
+    warm.add_argument("uri", help="http(s)://..., s3://bucket/prefix or a local directory")
+    _common(warm)
+    warm.set_defaults(func=_cmd_pull, warm=True)
+    cache.set_defaults(func=lambda args: (cache.print_help(), 2)[1])
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", default=None, help="cache root (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    parser.add_argument("--threads", type=int, default=16, help="parallel streams (default: 16)")
+    parser.add_argument("--chunk-bytes", default="16MiB", help="bytes per ranged request (default: 16MiB)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _cache(args: argparse.Namespace) -> Any:
+    from preheat.store import ModelCache
+
+    return ModelCache(args.cache_dir)
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from preheat.store.pull import pull
+
+    show = not args.json and sys.stderr.isatty()
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        disable=not show,
+    )
+    with bar:
+        task = bar.add_task(f"pulling {args.uri}", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        result = pull(
+            args.uri,
+            _cache(args),
+            threads=args.threads,
+            chunk_bytes=parse_size(args.chunk_bytes),
+            progress=progress,
+        )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    elif getattr(args, "warm", False):
+        print(result.path)
+    else:
+        state = "already cached" if result.hit else f"{format_bytes(result.bytes_fetched)} in {result.seconds:.1f} s"
+        rate = f" ({result.mbps:.0f} MB/s)" if not result.hit else ""
+        print(f"{result.key}\n{result.path}\n{state}{rate}")
+        for note in result.notes:
+            print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    entries = _cache(args).entries()
+    if args.json:
+        print(json.dumps([e.to_dict() for e in entries], indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"preheat cache: {_cache(args).root}")
+    for column in ("key", "size", "last used", "in use", "uri"):
+        table.add_column(column)
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        table.add_row(e.key, format_bytes(e.size), used, "yes" if e.in_use else "", e.uri)
+    Console().print(table)
+    return 0
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    key = args.target if cache.lookup(args.target) else cache.find_uri(args.target)
+    if key is None:
+        raise PreheatError(f"no cache entry with key or URI {args.target!r} in {cache.root}")
+    cache.remove(key)
+    print(f"removed {key}")
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    removed = cache.gc(parse_size(args.max_size))
+    if args.json:
+        print(json.dumps([e.to_dict() for e in removed], indent=2))
+    else:
+        freed = sum(e.size for e in removed)
+        print(f"removed {len(removed)} entries, freed {format_bytes(freed)}")
+    return 0

@@ -1,0 +1,8 @@
+"""Where checkpoint bytes come from: a local/NFS/Lustre path, HTTP(S), S3, or (later) a warm peer.
+
+Every kind implements the two small protocols in ``preheat.sources.base``; the loader and the cache never care which.
+"""
+
+from preheat.sources.base import Origin, Source, is_uri, open_origin
+
+__all__ = ["Origin", "Source", "is_uri", "open_origin"]

@@ -1,0 +1,480 @@
+"""A small, real HTTP file server with Range support: the origin for tests, benchmarks and a laptop.
+
+It serves the files under one directory (never a byte outside it) over HTTP/1.1 keep-alive: ``GET`` and ``HEAD``,
+single ``Range: bytes=a-b`` requests answered with 206 and ``Content-Range`` (416 past the end; several ranges get the
+whole file, which RFC 9110 allows), an optional bearer token (401 without one, 403 for a wrong one), an optional
+per-connection throttle (object stores cap each connection, e.g. at 50 MB/s, so bandwidth comes from parallel
+streams), and fault injection for tests (``Faults``: ignore Range, cut connections mid-body, flip bytes, answer a
+shifted range, fail with a status, or never answer).
+
+>>> with FileServer("/srv/models", throttle_bps=50_000_000) as server:      # doctest: +SKIP
+...     weights = preheat.load(server.url_for("tiny"))
+...     server.stats.snapshot().bytes_sent
+
+Command line (Ctrl-C stops it)::
+
+    python -m preheat.sources.fileserver DIR [--host 127.0.0.1] [--port 8000] [--token T] [--throttle 50MB]
+
+Binds 127.0.0.1 unless told otherwise. Meant for tests and trusted networks: HTTPS only when given a context
+(``tls=``), and nothing limits clients beyond the throttle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import ssl
+import stat
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import BinaryIO
+from urllib.parse import unquote, urlsplit
+
+from preheat.config import parse_size
+from preheat.errors import ConfigError
+from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
+
+log = logging.getLogger("preheat.fileserver")
+
+_BLOCK = 256 * 1024  # bytes per write when the body is paced, cut or altered (otherwise sendfile does it all)
+
+
+@dataclass
+class Faults:
+    """Misbehaviour to inject, for tests. Fields may be changed while the server runs.
+
+    - ``ignore_range``: answer every GET with 200 and the whole file, like ``python -m http.server``.
+    - ``drop_after_bytes``: close the connection after sending this many body bytes of a response (only responses
+      longer than that), ``drop_times`` times (None: every such response).
+    - ``corrupt_offsets``: file offsets whose byte is sent inverted (XOR 0xFF) in every response that covers them.
+    - ``shift_range``: answer a Range request with the range moved by this many bytes, and say so in Content-Range
+      (a broken cache or proxy): a careful client must refuse it.
+    - ``fail_status``: answer the next ``fail_times`` requests (None: all) with this status, e.g. 503.
+    - ``stall``: read requests but never answer (until the server stops): a client must time out.
+    """
+
+    ignore_range: bool = False
+    drop_after_bytes: int | None = None
+    drop_times: int | None = 1
+    corrupt_offsets: frozenset[int] = frozenset()
+    shift_range: int = 0
+    fail_status: int | None = None
+    fail_times: int | None = 1
+    stall: bool = False
+
+
+@dataclass(frozen=True)
+class ServedCounts:
+    """A snapshot of ``ServerStats``: requests answered, body bytes sent, statuses, and faults injected."""
+
+    requests: int = 0
+    bytes_sent: int = 0
+    drops: int = 0
+    failures: int = 0
+    stalls: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+
+
+class ServerStats:
+    """Thread-safe counters of what the server did."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests = self._bytes = self._drops = self._failures = self._stalls = 0
+        self._statuses: Counter[int] = Counter()
+
+    def snapshot(self) -> ServedCounts:
+        with self._lock:
+            return ServedCounts(
+                self._requests, self._bytes, self._drops, self._failures, self._stalls, dict(self._statuses)
+            )
+
+    def answered(self, status: int) -> None:
+        with self._lock:
+            self._requests += 1
+            self._statuses[status] += 1
+
+    def sent(self, n: int) -> None:
+        with self._lock:
+            self._bytes += n
+
+    def take_fault(self, kind: str, limit: int | None) -> bool:
+        """Count one injection of fault ``kind`` unless ``limit`` injections were made already."""
+        with self._lock:
+            done = {"drop": self._drops, "failure": self._failures, "stall": self._stalls}[kind]
+            if limit is not None and done >= limit:
+                return False
+            if kind == "drop":
+                self._drops += 1
+            elif kind == "failure":
+                self._failures += 1
+            else:
+                self._stalls += 1
+            return True
+
+
+class ForbiddenPathError(Exception):
+    """The request names a path outside the served root."""
+
+
+def resolve_path(root: str, request_target: str) -> str:
+    """The real path of the file ``request_target`` names under ``root`` (which must itself be a real path).
+
+    Raises ``ForbiddenPathError`` for anything that is or leads outside ``root``: ``..`` segments (also
+    percent-encoded), backslashes, NUL bytes, and symlinks whose target is outside. Absolute-looking targets
+    (``//etc/passwd``) are taken relative to the root. Existence is the caller's business.
+    """
+    path = unquote(urlsplit(request_target).path)
+    if "\x00" in path or "\\" in path:
+        raise ForbiddenPathError(request_target)
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ForbiddenPathError(request_target)
+    real = os.path.realpath(os.path.join(root, *parts))
+    if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+        raise ForbiddenPathError(request_target)
+    return real
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        root: str,
+        token: str | None,
+        throttle_bps: int | None,
+        faults: Faults,
+        stats: ServerStats,
+        tls: ssl.SSLContext | None,
+    ) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+        self.root = root
+        self.token = token
+        self.throttle_bps = throttle_bps
+        self.faults = faults
+        self.stats = stats
+        self.tls = tls
+        self.stopping = threading.Event()
+        self.active: set[socket.socket] = set()
+        self.active_lock = threading.Lock()
+
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
+        sock, address = super().get_request()
+        if self.tls is None:
+            return sock, address
+        # The handshake happens on the handler thread's first read, so a slow client never blocks accept().
+        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # Clients that hang up mid-request (a reader abandoning a stream, a killed pull) are routine, not tracebacks.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.debug("%s: connection ended: %s", client_address, exc)
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: clients reuse one connection per thread
+    server_version = "preheat-fileserver/0.1"
+    timeout = 60  # an idle keep-alive connection is closed after a minute
+    # Headers and body go out in separate writes; with Nagle on, the body would wait for the client's delayed ACK
+    # (40 ms per small request).
+    disable_nagle_algorithm = True
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.active_lock:
+            self.server.active.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.active_lock:
+            self.server.active.discard(self.connection)
+        super().finish()
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    # -- request handling --------------------------------------------------------------------------------------------
+
+    def _serve(self, *, body: bool) -> None:
+        server, faults = self.server, self.server.faults
+        if faults.stall and server.stats.take_fault("stall", None):
+            server.stopping.wait()
+            self.close_connection = True
+            return
+        if not self._authorized():
+            return
+        if faults.fail_status is not None and server.stats.take_fault("failure", faults.fail_times):
+            self._plain(faults.fail_status, "injected failure\n")
+            return
+        try:
+            path = resolve_path(server.root, self.path)
+        except ForbiddenPathError:
+            self._plain(403, "forbidden: outside the served directory\n")
+            return
+        try:
+            handle = open(path, "rb")  # noqa: SIM115 - closed below, after the body is sent
+        except OSError:
+            self._plain(404, "not found\n")
+            return
+        with handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                self._plain(404, "not found\n")
+                return
+            self._send_file(handle, info.st_size, body=body)
+
+    def _authorized(self) -> bool:
+        token = self.server.token
+        if token is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        if not given.startswith("Bearer "):
+            self._plain(401, "a bearer token is required\n", {"WWW-Authenticate": 'Bearer realm="preheat"'})
+            return False
+        if not hmac.compare_digest(given[len("Bearer ") :].strip().encode(), token.encode()):
+            self._plain(403, "wrong token\n")
+            return False
+        return True
+
+    def _send_file(self, handle: BinaryIO, size: int, *, body: bool) -> None:
+        faults = self.server.faults
+        headers = {"Content-Type": "application/octet-stream"}
+        span = None
+        if not faults.ignore_range:
+            headers["Accept-Ranges"] = "bytes"
+            try:
+                span = parse_range(self.headers.get("Range"), size)
+            except UnsatisfiableRangeError:
+                self._plain(416, "", {"Content-Range": f"bytes */{size}"})
+                return
+        if span is None:
+            first, length, status = 0, size, 200
+        else:
+            first = min(max(0, span[0] + faults.shift_range), max(0, size - 1))
+            last = min(max(first, span[1] + faults.shift_range), size - 1)
+            length, status = last - first + 1, 206
+            headers["Content-Range"] = content_range(first, last, size)
+        headers["Content-Length"] = str(length)
+        self._head(status, headers)
+        if body:
+            self._send_body(handle, first, length)
+
+    def _send_body(self, handle: BinaryIO, first: int, length: int) -> None:
+        server, faults = self.server, self.server.faults
+        cut = faults.drop_after_bytes
+        if cut is not None and (length <= cut or not server.stats.take_fault("drop", faults.drop_times)):
+            cut = None
+        corrupt = [o - first for o in faults.corrupt_offsets if first <= o < first + length]
+        try:
+            if cut is None and not corrupt and server.throttle_bps is None:
+                sent = self.connection.sendfile(handle, first, length)
+                server.stats.sent(sent)
+                if sent < length:
+                    self.close_connection = True
+                return
+            self._paced(handle, first, length, cut=cut, corrupt=corrupt)
+        except OSError:  # the client went away (or timed out): nothing to tell it
+            self.close_connection = True
+
+    def _paced(self, handle: BinaryIO, first: int, length: int, *, cut: int | None, corrupt: list[int]) -> None:
+        """Send in blocks: throttled to ``throttle_bps``, with bytes flipped, and cut after ``cut`` bytes if set."""
+        limit = length if cut is None else cut
+        rate = self.server.throttle_bps
+        started = time.monotonic()
+        done = 0
+        while done < limit:
+            block = bytearray(os.pread(handle.fileno(), min(_BLOCK, limit - done), first + done))
+            if not block:
+                break
+            for at in corrupt:
+                if done <= at < done + len(block):
+                    block[at - done] ^= 0xFF
+            self.wfile.write(block)
+            done += len(block)
+            self.server.stats.sent(len(block))
+            if rate:
+                ahead = done / rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        if cut is not None:
+            # Cut the connection mid-body, as a crashed proxy or a reset load balancer would.
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _head(self, status: int, headers: dict[str, str]) -> None:
+        self.server.stats.answered(status)
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+
+    def _plain(self, status: int, text: str, headers: dict[str, str] | None = None) -> None:
+        data = text.encode() if self.command != "HEAD" else b""
+        self._head(status, {"Content-Type": "text/plain", "Content-Length": str(len(text.encode())), **(headers or {})})
+        if data:
+            self.wfile.write(data)
+
+
+class FileServer:
+    """Serve ``root`` over HTTP on ``host:port`` (port 0: a free one) from a background thread.
+
+    ``token``: require ``Authorization: Bearer <token>``. ``throttle_bps``: cap each connection at this many bytes
+    per second. ``faults``: misbehaviour for tests (see ``Faults``; change ``server.faults`` fields at any time).
+    ``tls``: serve HTTPS with this server-side ``ssl.SSLContext`` (certificate loaded).
+    ``stats`` counts requests, statuses, body bytes sent and faults injected.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        throttle_bps: int | None = None,
+        faults: Faults | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.root = os.path.realpath(os.fspath(root))
+        if not os.path.isdir(self.root):
+            raise ConfigError(f"{root}: not a directory, nothing to serve")
+        if throttle_bps is not None and throttle_bps < 1:
+            raise ConfigError(f"throttle_bps must be at least 1, got {throttle_bps}")
+        self.host, self._port = host, port
+        self.token, self.throttle_bps = token, throttle_bps
+        self.faults = faults if faults is not None else Faults()
+        self.tls = tls
+        self.stats = ServerStats()
+        self._server: _Server | None = None
+        self._bound: int | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (still known after ``stop``, so URLs stay printable)."""
+        if self._bound is None:
+            raise RuntimeError("the server was never started; call start() first")
+        return self._bound
+
+    @property
+    def url(self) -> str:
+        """``http(s)://host:port`` of the running server."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    def url_for(self, name: str) -> str:
+        """The URL of ``name`` (a path relative to the root)."""
+        return f"{self.url}/{name.lstrip('/')}"
+
+    def start(self) -> FileServer:
+        if self._server is not None:
+            return self
+        server = _Server(
+            (self.host, self._port),
+            root=self.root,
+            token=self.token,
+            throttle_bps=self.throttle_bps,
+            faults=self.faults,
+            stats=self.stats,
+            tls=self.tls,
+        )
+        self._server = server
+        self._bound = int(server.server_address[1])
+        # A short poll interval makes stop() prompt (serve_forever checks for shutdown between polls).
+        self._thread = threading.Thread(
+            target=server.serve_forever, args=(0.05,), name="preheat-fileserver", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, release stalled requests and cut every open connection."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.stopping.set()
+        server.shutdown()
+        with server.active_lock:
+            active = list(server.active)
+        for sock in active:
+            with contextlib.suppress(OSError):  # already closed by its handler
+                sock.shutdown(socket.SHUT_RDWR)
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> FileServer:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m preheat.sources.fileserver",
+        description="Serve a directory over HTTP with Range support (a checkpoint origin for preheat.load/pull).",
+    )
+    parser.add_argument("root", help="directory to serve")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("PREHEAT_FILESERVER_TOKEN"),
+        help="require 'Authorization: Bearer TOKEN' (default $PREHEAT_FILESERVER_TOKEN; clients: PREHEAT_HTTP_TOKEN)",
+    )
+    parser.add_argument("--throttle", help="cap each connection, e.g. 50MB (per second)")
+    parser.add_argument("--ignore-range", action="store_true", help="answer every GET with the whole file (testing)")
+    args = parser.parse_args(argv)
+    try:
+        throttle = parse_size(args.throttle.removesuffix("/s")) if args.throttle else None
+        server = FileServer(
+            args.root,
+            host=args.host,
+            port=args.port,
+            token=args.token or None,
+            throttle_bps=throttle,
+            faults=Faults(ignore_range=args.ignore_range),
+        )
+        server.start()
+    except (ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"serving {server.root} at {server.url} (Ctrl-C to stop)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

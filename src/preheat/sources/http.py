@@ -1,0 +1,363 @@
+"""HTTP(S) origins: ``Range`` requests streamed straight into the loader's buffers, never through a temporary file.
+
+``HTTPOrigin("https://host/models/llama")`` is a URL prefix holding a checkpoint; ``open(name)`` gives an
+``HTTPFile`` whose ``readv(offset, buffers)`` sends ``Range: bytes=a-b`` on the calling thread's keep-alive connection
+and reads the body with ``readinto`` directly into the caller's memoryviews.
+
+Trust, but check: a 206 whose ``Content-Range`` is not exactly the range asked for (or whose total is not the size
+the plan was made with) is refused with ``SourceError``; wrong bytes are never returned.
+
+Servers that ignore ``Range`` (``python -m http.server`` does) answer 200 with the whole file. The first such answer
+marks the origin (``HTTPOrigin.ignores_range``) and from then on its files are read as streams: a reader takes the
+idle stream positioned closest before its offset (or opens a new one from byte 0), skips forward to its offset, reads
+its bytes, and leaves the stream for the next reader. Reading a file front to back with N threads therefore costs
+about one pass plus up to N restarts, instead of a whole-file download per request. It is correct, but slower than a
+server that honours Range; a warning says so once per origin.
+
+Authentication: ``PREHEAT_HTTP_TOKEN`` (or ``token=``) is sent as ``Authorization: Bearer <token>``, only to the
+origin's own host. Timeouts and retries: see ``preheat.sources.net``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from preheat.errors import ConfigError, SourceError, SourceNotFoundError
+from preheat.sources.base import check_name
+from preheat.sources.httpclient import HTTPClient, Response, describe
+from preheat.sources.net import NetSettings, TransientError, retrying
+from preheat.sources.ranges import parse_content_range, range_header
+from preheat.sources.remote import Cursor, RemoteFile
+from preheat.sources.stats import TOTALS, TransferStats
+
+log = logging.getLogger("preheat.sources.http")
+
+_IDLE_STREAMS = 32  # streams kept open per file on a Range-ignoring server (about one per reader thread)
+_SKIP_BUFFER = 1 << 20
+
+
+@dataclass
+class _OriginState:
+    """What an origin's files share: the client (connections, token), the settings and whether Range works."""
+
+    uri: str
+    client: HTTPClient
+    ignores_range: bool = False
+    warned: bool = False
+
+    def mark_ignores_range(self) -> None:
+        self.ignores_range = True
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "%s: the server ignores Range requests; reading its files as streams from the start instead "
+                "(correct, but slower than a server that honours Range)",
+                self.uri,
+            )
+
+
+class HTTPOrigin:
+    """A URL prefix (``http://host[:port]/path``) holding a checkpoint's files.
+
+    >>> origin = HTTPOrigin("http://127.0.0.1:8000/models/tiny")          # doctest: +SKIP
+    >>> origin.read_bytes("config.json")                                   # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, *, token: str | None = None, settings: NetSettings | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{url}: not an http(s) URL (expected http://host[:port]/path)")
+        if parts.query or parts.fragment:
+            raise ConfigError(f"{url}: a checkpoint URL prefix cannot carry a query or fragment")
+        self._base = urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+        if token is None:
+            token = os.environ.get("PREHEAT_HTTP_TOKEN") or None
+        self.settings = settings if settings is not None else NetSettings.from_env()
+        self.stats = TransferStats(parent=TOTALS)
+        client = HTTPClient(token=token, token_netloc=parts.netloc, settings=self.settings, stats=self.stats)
+        self._state = _OriginState(self._base, client)
+
+    @property
+    def uri(self) -> str:
+        return self._base
+
+    @property
+    def ignores_range(self) -> bool:
+        """True once the server has answered a Range request with the whole file."""
+        return self._state.ignores_range
+
+    def join(self, name: str) -> str:
+        return f"{self._base}/{quote(check_name(name))}"
+
+    def exists(self, name: str) -> bool:
+        """HEAD (or a one-byte GET where HEAD is refused): 404/410 mean False; 401/403 raise ``SourceAccessError``."""
+        url = self.join(name)
+        client = self._state.client
+
+        def attempt() -> bool:
+            response = client.send("HEAD", url)
+            if response.status in (405, 501):
+                response.drain()
+                response = client.send("GET", url, {"Range": range_header(0, 0)})
+            try:
+                client.check(response, f"HEAD {url}")
+            except SourceNotFoundError:
+                return False
+            response.drain()
+            return True
+
+        return retrying(attempt, settings=self.settings, what=f"HEAD {url}", stats=self.stats)
+
+    def read_bytes(self, name: str) -> bytes:
+        """GET a small file (config, manifest, index) whole."""
+        url = self.join(name)
+        client = self._state.client
+
+        def attempt() -> bytes:
+            response = client.send("GET", url)
+            client.check(response, f"GET {url}")
+            if response.status != 200:
+                response.drain()
+                raise SourceError(f"GET {url}: expected HTTP 200, got {response.status}")
+            try:
+                data = response.body.read()
+            except (OSError, http.client.HTTPException) as exc:
+                response.abandon()
+                raise TransientError(describe(exc, self.settings)) from exc
+            self.stats.add(nbytes=len(data))
+            return data
+
+        return retrying(attempt, settings=self.settings, what=f"GET {url}", stats=self.stats)
+
+    def open(self, name: str) -> HTTPFile:
+        return HTTPFile(self._state, self.join(name))
+
+    def close(self) -> None:
+        """Close every kept-alive connection (they reopen if the origin is used again)."""
+        self._state.client.pool.close_all()
+
+    def __enter__(self) -> HTTPOrigin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HTTPFile(RemoteFile):
+    """One file behind an HTTP(S) URL; ``readv`` is safe from many threads (each uses its own connection)."""
+
+    def __init__(self, state: _OriginState, url: str) -> None:
+        super().__init__(url, settings=state.client.settings, stats=state.client.stats)
+        self._state = state
+        self._client = state.client
+        self._target = url  # where redirects lead; learnt from the first request and reused
+        self._streams = _Streams()
+        self._scratch = threading.local()
+
+    def close(self) -> None:
+        self._streams.close()
+
+    # -- one attempt -------------------------------------------------------------------------------------------------
+
+    def _attempt(self, offset: int, cursor: Cursor, size: int) -> None:
+        if self._state.ignores_range:
+            self._from_stream(offset, cursor, size, None)
+            return
+        first, last = offset + cursor.done, offset + cursor.total - 1
+        what = f"GET {self._url} bytes {first}-{last}"
+        response = self._client.send("GET", self._target, {"Range": range_header(first, last)})
+        if response.status == 206:
+            self._check_partial(response, first, last, size, what)
+            self._fill(response, cursor, last - first + 1, to_end=True)
+        elif response.status == 200:
+            self._state.mark_ignores_range()
+            self._from_stream(offset, cursor, size, self._adopt(response, size))
+        elif response.status == 416:
+            answer = response.header("Content-Range")
+            response.drain()
+            raise SourceError(
+                f"{what}: the server says this is past the end ({answer}); the file changed on the server"
+            )
+        else:
+            self._client.check(response, what)
+            response.drain()
+            raise SourceError(f"{what}: expected HTTP 206, got {response.status}")
+
+    def _check_partial(self, response: Response, first: int, last: int, size: int, what: str) -> None:
+        header = response.header("Content-Range")
+        got = parse_content_range(header)
+        length = response.int_header("Content-Length")
+        if got is None or (got.first, got.last) != (first, last) or length not in (None, last - first + 1):
+            response.abandon()
+            raise SourceError(
+                f"{what}: the server answered Content-Range {header!r} (Content-Length {length}); refusing bytes "
+                "that may not be the ones asked for (a proxy or server that rewrites ranges?)"
+            )
+        if got.total is not None and got.total != size:
+            response.abandon()
+            raise SourceError(f"{what}: the file is now {got.total} bytes, was {size}; it changed on the server")
+
+    def _fill(self, response: Response, cursor: Cursor, n: int, *, to_end: bool) -> None:
+        """Read exactly ``n`` body bytes into ``cursor``; ``to_end``: they are the whole body (keep the connection)."""
+        received = 0
+        try:
+            while received < n:
+                got = response.body.readinto(cursor.next_view(n - received))
+                if got == 0:
+                    raise TransientError(f"connection closed after {received} of {n} bytes")
+                cursor.advance(got)
+                received += got
+        except (OSError, http.client.HTTPException) as exc:
+            response.abandon()
+            raise TransientError(f"{describe(exc, self._client.settings)} after {received} of {n} bytes") from exc
+        except TransientError:
+            response.abandon()
+            raise
+        finally:
+            self._client.stats.add(nbytes=received)
+        if to_end and not response.body.isclosed():
+            # Chunked bodies end with an empty chunk still unread; anything more means the server sent extra bytes.
+            try:
+                extra = response.body.read(1)
+            except (OSError, http.client.HTTPException):
+                extra = b""
+                response.abandon()
+            if extra:
+                response.abandon()
+                raise SourceError(f"GET {self._url}: the server sent more than the {n} bytes it announced")
+
+    # -- Range-ignoring servers: shared streams ----------------------------------------------------------------------
+
+    def _adopt(self, response: Response, size: int) -> _Stream:
+        """Keep a 200 answer to a Range request as a stream at byte 0 (its connection leaves the thread's pool)."""
+        length = response.int_header("Content-Length")
+        if length is not None and length != size:
+            response.abandon()
+            raise SourceError(f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server")
+        self._client.pool.detach(response.conn)
+        return _Stream(response, 0)
+
+    def _open_stream(self, size: int) -> _Stream:
+        response = self._client.send("GET", self._target, dedicated=True)
+        if response.status != 200:
+            self._client.check(response, f"GET {self._url}")
+            response.abandon()
+            raise SourceError(f"GET {self._url}: expected HTTP 200, got {response.status}")
+        length = response.int_header("Content-Length")
+        if length is not None and length != size:
+            response.abandon()
+            raise SourceError(f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server")
+        return _Stream(response, 0)
+
+    def _from_stream(self, offset: int, cursor: Cursor, size: int, stream: _Stream | None) -> None:
+        target = offset + cursor.done
+        if stream is None:
+            stream = self._streams.take(target) or self._open_stream(size)
+        try:
+            self._skip(stream, target)
+            n = cursor.total - cursor.done
+            self._fill(stream.response, cursor, n, to_end=False)
+            stream.pos += n
+        except BaseException:
+            stream.response.abandon()
+            raise
+        if stream.pos >= size:
+            stream.response.drain()
+        elif not self._streams.give(stream):
+            stream.response.abandon()
+
+    def _skip(self, stream: _Stream, target: int) -> None:
+        scratch: memoryview | None = getattr(self._scratch, "view", None)
+        if scratch is None:
+            scratch = self._scratch.view = memoryview(bytearray(_SKIP_BUFFER))
+        skipped = 0
+        try:
+            while stream.pos < target:
+                got = stream.response.body.readinto(scratch[: min(len(scratch), target - stream.pos)])
+                if got == 0:
+                    raise TransientError(f"connection closed at byte {stream.pos} while skipping to {target}")
+                stream.pos += got
+                skipped += got
+        except (OSError, http.client.HTTPException) as exc:
+            raise TransientError(f"{describe(exc, self._client.settings)} at byte {stream.pos}") from exc
+        finally:
+            self._client.stats.add(nbytes=skipped, skipped=skipped)
+
+    # -- size --------------------------------------------------------------------------------------------------------
+
+    def _probe_size(self) -> int:
+        """HEAD's Content-Length, else the total of a one-byte ranged GET's Content-Range."""
+        what = f"HEAD {self._url}"
+        response = self._client.send("HEAD", self._target)
+        self._target = response.url
+        if response.status == 200:
+            response.drain()
+            if (response.header("Accept-Ranges") or "").strip().lower() == "none":
+                self._state.mark_ignores_range()
+            length = response.int_header("Content-Length")
+            if length is not None:
+                return length
+        elif response.status not in (405, 501):
+            self._client.check(response, what)
+            response.drain()
+        what = f"GET {self._url} bytes 0-0"
+        response = self._client.send("GET", self._target, {"Range": range_header(0, 0)})
+        if response.status in (206, 416):
+            got = parse_content_range(response.header("Content-Range"))
+            response.drain()
+            if got is not None and got.total is not None:
+                return got.total
+            raise SourceError(f"{what}: the server did not say the file's size (Content-Range {got})")
+        self._client.check(response, what)
+        length = response.int_header("Content-Length")
+        response.abandon()
+        if response.status == 200 and length is not None:
+            self._state.mark_ignores_range()
+            return length
+        raise SourceError(f"{what}: the server sends neither Content-Length nor Content-Range, so the size is unknown")
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A 200 response being read front to back; ``pos`` is the file offset of its next byte."""
+
+    response: Response
+    pos: int
+
+
+class _Streams:
+    """Idle streams of one file, for servers that ignore Range."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_Stream] = []
+        self._closed = False
+
+    def take(self, offset: int) -> _Stream | None:
+        """The idle stream closest before ``offset`` (least to skip), or None."""
+        with self._lock:
+            usable = [s for s in self._idle if s.pos <= offset]
+            if not usable:
+                return None
+            best = max(usable, key=lambda s: s.pos)
+            self._idle.remove(best)
+            return best
+
+    def give(self, stream: _Stream) -> bool:
+        """Keep ``stream`` for the next reader; False when it should be closed instead."""
+        with self._lock:
+            if self._closed or len(self._idle) >= _IDLE_STREAMS:
+                return False
+            self._idle.append(stream)
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle, self._closed = self._idle, [], True
+        for stream in idle:
+            stream.response.abandon()

@@ -1,0 +1,251 @@
+"""Entries of the node-local model cache: where they live, who is using them, and removing them.
+
+Layout under the cache root (default ``~/.cache/preheat``, or ``PREHEAT_CACHE_DIR``)::
+
+    models/<key>/               a published entry: the checkpoint's files, plus .preheat-cache.json
+    partial/<key>/              a pull in progress (preallocated files + a journal of finished chunks)
+    locks/<key>.pull            held exclusively by the one process downloading <key>
+    locks/<key>.use             held shared by every process using <key>; gc/rm need it exclusively
+
+An entry appears only by ``rename(partial/<key>, models/<key>)`` after every digest was checked, so a directory under
+``models/`` is always complete. ``<key>`` is the checkpoint identity from its manifest (``xxh3-128-...``), or
+``url-<hash of the URI>`` for an origin without a manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+from preheat.errors import CacheError
+from preheat.store import locks
+
+META_NAME = ".preheat-cache.json"
+
+
+def default_cache_dir() -> str:
+    """``PREHEAT_CACHE_DIR``, else ``$XDG_CACHE_HOME/preheat``, else ``~/.cache/preheat``."""
+    explicit = os.environ.get("PREHEAT_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "preheat")
+
+
+def key_dirname(key: str) -> str:
+    """A key as a directory name (``xxh3-128:ab..`` -> ``xxh3-128-ab..``); refuses anything that is not a name."""
+    name = key.replace(":", "-")
+    if not name or "/" in name or name.startswith(".") or "\\" in name:
+        raise CacheError(f"invalid cache key {key!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """A published entry: its key, directory, origin URI, size on disk and when it was created and last used."""
+
+    key: str
+    path: str
+    uri: str
+    size: int
+    created: float
+    last_used: float
+    in_use: bool
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Lease:
+    """A shared "in use" lock on an entry; released by ``close()`` or when the lease is garbage collected."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self._finalizer()
+            self._fd = None
+
+
+class ModelCache:
+    """A directory of verified checkpoints shared by every process on the node."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = os.path.abspath(os.fspath(root) if root is not None else default_cache_dir())
+
+    # -- paths -------------------------------------------------------------------------------------------------
+    def entry_dir(self, key: str) -> str:
+        return os.path.join(self.root, "models", key_dirname(key))
+
+    def partial_dir(self, key: str) -> str:
+        return os.path.join(self.root, "partial", key_dirname(key))
+
+    def lock_path(self, key: str, kind: str) -> str:
+        return os.path.join(self.root, "locks", f"{key_dirname(key)}.{kind}")
+
+    def ensure_dirs(self) -> None:
+        """Create the cache's directories; a read-only or unwritable cache is a clear ``CacheError``."""
+        for sub in ("models", "partial", "locks", "trash"):
+            path = os.path.join(self.root, sub)
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise CacheError(f"cache directory {path} cannot be created: {exc.strerror}") from None
+        probe = os.path.join(self.root, "locks", f".probe-{os.getpid()}")
+        try:
+            with open(probe, "w", encoding="ascii"):
+                pass
+            os.unlink(probe)
+        except OSError as exc:
+            raise CacheError(
+                f"cache directory {self.root} is not writable ({exc.strerror}); set PREHEAT_CACHE_DIR or --cache-dir "
+                "to a writable directory"
+            ) from None
+
+    # -- lookup and use ------------------------------------------------------------------------------------------
+    def lookup(self, key: str) -> str | None:
+        """The published directory of ``key``, or None (also for strings that cannot be keys, such as URIs)."""
+        try:
+            path = self.entry_dir(key)
+        except CacheError:
+            return None
+        return path if os.path.isfile(os.path.join(path, META_NAME)) else None
+
+    def find_uri(self, uri: str) -> str | None:
+        """The key of a published entry pulled from ``uri``, if any (no network)."""
+        for entry in self.entries():
+            if entry.uri == uri:
+                return entry.key
+        return None
+
+    def lease(self, key: str) -> Lease:
+        """Mark ``key`` in use until the lease is closed (gc and rm skip it) and record the use for LRU."""
+        self.ensure_dirs()
+        lease = Lease(locks.hold_shared(self.lock_path(key, "use")))
+        self.touch(key)
+        return lease
+
+    @contextmanager
+    def using(self, key: str) -> Iterator[str]:
+        """``with cache.using(key) as path:`` the entry cannot be removed inside the block."""
+        lease = self.lease(key)
+        try:
+            path = self.lookup(key)
+            if path is None:
+                raise CacheError(f"cache entry {key} is not in {self.root}")
+            yield path
+        finally:
+            lease.close()
+
+    def touch(self, key: str) -> None:
+        meta = os.path.join(self.entry_dir(key), META_NAME)
+        if os.path.exists(meta):
+            now = time.time()
+            os.utime(meta, (now, now))
+
+    # -- listing, removal, gc ------------------------------------------------------------------------------------
+    def entries(self) -> list[CacheEntry]:
+        """Published entries, most recently used first."""
+        models = os.path.join(self.root, "models")
+        if not os.path.isdir(models):
+            return []
+        out = []
+        for name in sorted(os.listdir(models)):
+            path = os.path.join(models, name)
+            meta_path = os.path.join(path, META_NAME)
+            try:
+                with open(meta_path, encoding="utf-8") as handle:
+                    meta = json.load(handle)
+                stat = os.stat(meta_path)
+            except (OSError, ValueError):
+                continue  # not a published entry (or being removed right now)
+            key = str(meta.get("key", name))
+            out.append(
+                CacheEntry(
+                    key=key,
+                    path=path,
+                    uri=str(meta.get("uri", "")),
+                    size=_tree_size(path),
+                    created=float(meta.get("created", stat.st_mtime)),
+                    last_used=stat.st_mtime,
+                    in_use=self._in_use(key),
+                )
+            )
+        out.sort(key=lambda e: e.last_used, reverse=True)
+        return out
+
+    def _in_use(self, key: str) -> bool:
+        lock = self.lock_path(key, "use")
+        if not os.path.exists(lock):
+            return False
+        fd = locks.try_exclusive(lock)
+        if fd is None:
+            return True
+        os.close(fd)
+        return False
+
+    def remove(self, key: str) -> None:
+        """Remove the entry ``key``; refuses (``CacheError``) while any process uses it."""
+        path = self.lookup(key)
+        if path is None:
+            raise CacheError(f"no cache entry {key} in {self.root}")
+        fd = locks.try_exclusive(self.lock_path(key, "use"))
+        if fd is None:
+            raise CacheError(f"cache entry {key} is in use by another process; not removed")
+        try:
+            # Rename first so the entry disappears atomically; the slow delete happens out of sight.
+            trash = os.path.join(self.root, "trash", f"{key_dirname(key)}-{os.getpid()}-{time.monotonic_ns()}")
+            os.makedirs(os.path.dirname(trash), exist_ok=True)
+            os.rename(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+    def gc(self, max_bytes: int) -> list[CacheEntry]:
+        """Remove least recently used entries until the cache holds at most ``max_bytes``; entries in use stay."""
+        entries = self.entries()
+        total = sum(e.size for e in entries)
+        removed: list[CacheEntry] = []
+        for entry in reversed(entries):  # least recently used first
+            if total <= max_bytes:
+                break
+            if entry.in_use:
+                continue
+            try:
+                self.remove(entry.key)
+            except CacheError:
+                continue  # became in use between listing and removal
+            removed.append(entry)
+            total -= entry.size
+        shutil.rmtree(os.path.join(self.root, "trash"), ignore_errors=True)
+        return removed
+
+    def publish(self, key: str, uri: str) -> str:
+        """Atomically move a finished ``partial/<key>`` into ``models/<key>``; returns the entry directory."""
+        partial = self.partial_dir(key)
+        meta = {"key": key, "uri": uri, "created": time.time(), "format": 1}
+        with open(os.path.join(partial, META_NAME), "w", encoding="utf-8") as handle:
+            json.dump(meta, handle)
+        target = self.entry_dir(key)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(partial, target)
+        return target
+
+
+def _tree_size(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total

@@ -1,0 +1,404 @@
+"""``pull``: download a checkpoint from an origin into the node-local cache, resumably, verified, published once.
+
+1. Ask the origin for ``preheat.json``: its identity is the cache key (an origin without one, a plain Hugging Face
+   layout, is keyed by its URI). A published entry is a hit: nothing is downloaded.
+2. Take ``locks/<key>.pull``. Another process pulling the same key holds it, so we wait, then find its entry
+   published and share it: the model is downloaded once per node.
+3. Preallocate every file in ``partial/<key>/`` (a full disk fails here, before any download) and fetch the chunks
+   the journal does not list yet, in parallel, each written with ``pwrite`` and then recorded in the journal. A
+   killed pull resumes from the journal: only missing chunks are fetched again.
+4. Verify every file against the manifest's digests; a mismatch names the first bad tensor, discards that file, and
+   publishes nothing. Without a manifest, each safetensors header is validated and a manifest is written for the entry.
+5. ``rename`` the directory into ``models/<key>``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import xxhash
+
+from preheat.checkpoint import manifest as mf
+from preheat.checkpoint.layout import INDEX_NAME, SINGLE_NAME, open_checkpoint, resolve_remote_names
+from preheat.errors import CacheError, CheckpointError, PreheatError, SourceError
+from preheat.sources.base import Origin, Source, open_origin
+from preheat.store import locks
+from preheat.store.cache import ModelCache
+
+MiB = 1024 * 1024
+JOURNAL = ".journal"
+# Small files a Hugging Face layout may carry beside its weights; fetched whole when present.
+HF_EXTRA_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file to fetch: its relative name, size, and expected digest (None when the origin has no manifest)."""
+
+    name: str
+    size: int
+    digest: str | None
+
+
+@dataclass
+class PullResult:
+    """What a pull did: where the entry is, whether it was already there, and how many bytes moved."""
+
+    key: str
+    path: str
+    uri: str
+    hit: bool
+    bytes_total: int = 0
+    bytes_fetched: int = 0
+    bytes_resumed: int = 0
+    seconds: float = 0.0
+    files: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mbps(self) -> float:
+        return self.bytes_fetched / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "key": self.key,
+            "path": self.path,
+            "uri": self.uri,
+            "hit": self.hit,
+            "bytes_total": self.bytes_total,
+            "bytes_fetched": self.bytes_fetched,
+            "bytes_resumed": self.bytes_resumed,
+            "seconds": self.seconds,
+            "files": self.files,
+            "mbps": self.mbps,
+            "notes": self.notes,
+        }
+
+
+def uri_key(uri: str) -> str:
+    """The cache key of an origin without a manifest: a hash of its normalised URI."""
+    return "url-" + xxhash.xxh3_128_hexdigest(uri.rstrip("/").encode())
+
+
+def origin_key(origin: Origin) -> tuple[str, mf.Manifest | None]:
+    """The cache key for ``origin`` and its manifest, if it has one."""
+    if origin.exists(mf.MANIFEST_NAME):
+        raw = origin.read_bytes(mf.MANIFEST_NAME)
+        manifest = mf.Manifest.from_json(raw, where=origin.join(mf.MANIFEST_NAME))
+        return manifest.identity, manifest
+    return uri_key(origin.uri), None
+
+
+def pull(
+    uri: str,
+    cache: ModelCache | None = None,
+    *,
+    threads: int = 16,
+    chunk_bytes: int = 16 * MiB,
+    progress: Progress | None = None,
+) -> PullResult:
+    """Make ``uri`` (``http(s)://``, ``s3://`` or a local directory) a verified entry of ``cache``."""
+    cache = cache or ModelCache()
+    cache.ensure_dirs()
+    started = time.perf_counter()
+    origin = open_origin(uri)
+    key, manifest = origin_key(origin)
+    published = cache.lookup(key)
+    if published is not None:
+        cache.touch(key)
+        return PullResult(key, published, uri, hit=True, seconds=time.perf_counter() - started)
+    with locks.exclusive(cache.lock_path(key, "pull")):
+        published = cache.lookup(key)
+        if published is not None:  # another process finished this pull while we waited for its lock
+            cache.touch(key)
+            result = PullResult(key, published, uri, hit=True, seconds=time.perf_counter() - started)
+            result.notes.append("downloaded by another process; shared")
+            return result
+        result = _download(origin, cache, key, manifest, threads=threads, chunk_bytes=chunk_bytes, progress=progress)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _plan_files(origin: Origin, manifest: mf.Manifest | None) -> tuple[list[RemoteFile], list[str]]:
+    """Large files fetched in resumable chunks, and small extra files fetched whole."""
+    if manifest is not None:
+        large = [RemoteFile(f.name, f.size, f.digest) for f in manifest.files]
+        large += [RemoteFile(f.name, f.size, f.digest) for f in manifest.extra_files]
+        return large, []
+    names = resolve_remote_names(origin)
+    large = []
+    for name in names:
+        source = origin.open(name)
+        try:
+            large.append(RemoteFile(name, source.size(), None))
+        finally:
+            source.close()
+    small = [n for n in (INDEX_NAME, *HF_EXTRA_FILES) if n not in names and origin.exists(n)]
+    if SINGLE_NAME in names and INDEX_NAME in small:
+        small.remove(INDEX_NAME)
+    return large, small
+
+
+def _download(
+    origin: Origin,
+    cache: ModelCache,
+    key: str,
+    manifest: mf.Manifest | None,
+    *,
+    threads: int,
+    chunk_bytes: int,
+    progress: Progress | None,
+) -> PullResult:
+    partial = cache.partial_dir(key)
+    large, small = _plan_files(origin, manifest)
+    total = sum(f.size for f in large)
+    result = PullResult(key, cache.entry_dir(key), origin.uri, hit=False, bytes_total=total, files=len(large))
+    os.makedirs(partial, exist_ok=True)
+    journal_path = os.path.join(partial, JOURNAL)
+    done = _read_journal(journal_path)
+    try:
+        _preallocate(partial, large)
+        chunks = [
+            (f, index, offset, min(chunk_bytes, f.size - offset))
+            for f in large
+            for index, offset in enumerate(range(0, f.size, chunk_bytes))
+            if (f.name, index, chunk_bytes) not in done
+        ]
+        result.bytes_resumed = total - sum(c[3] for c in chunks)
+        if result.bytes_resumed:
+            result.notes.append(f"resumed: {result.bytes_resumed} bytes were already here")
+        fetcher = _ChunkFetcher(origin, partial, journal_path, chunk_bytes)
+        result.bytes_fetched = _fetch_chunks(
+            fetcher, chunks, threads=threads, progress=progress, already=result.bytes_resumed, total=total
+        )
+        for name in small:
+            _write_small(partial, name, origin.read_bytes(name))
+        _verify(partial, large, manifest, journal_path)
+        os.unlink(journal_path)
+        if manifest is None:
+            _describe(partial)
+        else:
+            _write_small(partial, mf.MANIFEST_NAME, manifest.to_json())
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            shutil.rmtree(partial, ignore_errors=True)
+            raise CacheError(
+                f"disk full while pulling {origin.uri} into {cache.root}: it needs {total} bytes; "
+                "free space or run 'preheat cache gc --max-size ...'"
+            ) from None
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise CacheError(f"cache directory {cache.root} is not writable: {exc.strerror}") from None
+        raise CacheError(f"pull of {origin.uri} failed writing to {partial}: {exc}") from None
+    result.path = cache.publish(key, origin.uri)
+    return result
+
+
+def _read_journal(path: str) -> set[tuple[str, int, int]]:
+    """Chunks already written by an earlier, interrupted pull: ``(file, index, chunk_bytes)``."""
+    done: set[tuple[str, int, int]] = set()
+    try:
+        with open(path, encoding="utf-8") as journal:
+            for line in journal:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                    done.add((parts[0], int(parts[1]), int(parts[2])))
+    except FileNotFoundError:
+        pass
+    return done
+
+
+def _preallocate(partial: str, files: list[RemoteFile]) -> None:
+    for f in files:
+        path = os.path.join(partial, f.name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if os.fstat(fd).st_size != f.size:
+                os.ftruncate(fd, f.size)
+            if f.size and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, f.size)  # claim the blocks now: a full disk fails before any download
+        finally:
+            os.close(fd)
+
+
+class _ChunkFetcher:
+    """Fetches chunks in parallel: each thread keeps one source (one connection) per file, writes with pwrite, and
+    records each finished chunk in the journal, so an interrupted pull knows exactly what it already has."""
+
+    def __init__(self, origin: Origin, partial: str, journal_path: str, chunk_bytes: int) -> None:
+        self.origin, self.partial, self.chunk_bytes = origin, partial, chunk_bytes
+        self.journal = open(journal_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.lock = threading.Lock()
+        self.local = threading.local()
+        self.sources: list[Source] = []
+        self.fds: dict[str, int] = {}
+        self.fetched = 0
+
+    def fd(self, name: str) -> int:
+        with self.lock:
+            if name not in self.fds:
+                self.fds[name] = os.open(os.path.join(self.partial, name), os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            return self.fds[name]
+
+    def source(self, name: str) -> Source:
+        mine: dict[str, Source] | None = getattr(self.local, "sources", None)
+        if mine is None:
+            mine = self.local.sources = {}
+        if name not in mine:
+            mine[name] = self.origin.open(name)
+            with self.lock:
+                self.sources.append(mine[name])
+        return mine[name]
+
+    def fetch(self, f: RemoteFile, index: int, offset: int, length: int) -> int:
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        source = self.source(f.name)
+        while got < length:
+            n = source.readv(offset + got, [view[got:]])
+            if n == 0:
+                raise SourceError(f"{self.origin.join(f.name)}: ended at byte {offset + got}, expected {f.size} bytes")
+            got += n
+        fd = self.fd(f.name)
+        written = 0
+        while written < length:
+            written += os.pwrite(fd, view[written:], offset + written)
+        with self.lock:
+            self.journal.write(f"{f.name}\t{index}\t{self.chunk_bytes}\n")
+            self.journal.flush()  # a killed process loses nothing the kernel has; a lost line only refetches a chunk
+            self.fetched += length
+        return length
+
+    def close(self) -> None:
+        self.journal.close()
+        for fd in self.fds.values():
+            os.close(fd)
+        for source in self.sources:
+            source.close()
+
+
+def _fetch_chunks(
+    fetcher: _ChunkFetcher,
+    chunks: list[tuple[RemoteFile, int, int, int]],
+    *,
+    threads: int,
+    progress: Progress | None,
+    already: int,
+    total: int,
+) -> int:
+    landed = already
+
+    def one(chunk: tuple[RemoteFile, int, int, int]) -> int:
+        nonlocal landed
+        n = fetcher.fetch(*chunk)
+        if progress is not None:
+            with fetcher.lock:
+                landed += n
+                current = landed
+            progress(current, total)
+        return n
+
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="preheat-pull") as pool:
+            futures: list[Future[int]] = [pool.submit(one, c) for c in chunks]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    finally:
+        fetcher.close()
+    return fetcher.fetched
+
+
+def _write_small(partial: str, name: str, data: bytes) -> None:
+    path = os.path.join(partial, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)
+
+
+def _verify(partial: str, files: list[RemoteFile], manifest: mf.Manifest | None, journal_path: str) -> None:
+    """Check every downloaded file's digest. Every bad file is discarded (so a retry refetches exactly those), then
+    the first one is reported, naming its first bad tensor."""
+    bad: list[tuple[RemoteFile, str, str | None]] = []
+    for f in files:
+        if f.digest is None:
+            continue
+        path = os.path.join(partial, f.name)
+        actual = mf.file_digest(path)
+        if actual != f.digest:
+            bad.append((f, actual, _first_bad_tensor(partial, f.name, manifest)))
+    for f, _, _ in bad:
+        os.unlink(os.path.join(partial, f.name))
+        _forget(journal_path, f.name)
+    if bad:
+        f, actual, culprit = bad[0]
+        what = f"tensor {culprit!r} in {f.name}" if culprit else f"file {f.name}"
+        others = f" ({len(bad) - 1} more bad file(s) discarded too)" if len(bad) > 1 else ""
+        raise CheckpointError(
+            f"digest mismatch for {what}: the origin served bytes that do not match its manifest "
+            f"(expected {f.digest}, got {actual}); nothing was published{others}",
+            path=os.path.join(partial, f.name),
+            tensor=culprit,
+        )
+
+
+def _first_bad_tensor(partial: str, name: str, manifest: mf.Manifest | None) -> str | None:
+    if manifest is None:
+        return None
+    path = os.path.join(partial, name)
+    with open(path, "rb") as handle:
+        for record in manifest.tensors:
+            if record.file != name:
+                continue
+            handle.seek(record.offset)
+            if mf.digest_bytes(handle.read(record.nbytes)) != record.digest:
+                return record.name
+    return None
+
+
+def _forget(journal_path: str, name: str) -> None:
+    kept = [line for line in _journal_lines(journal_path) if line.split("\t", 1)[0] != name]
+    with open(journal_path, "w", encoding="utf-8") as journal:
+        journal.writelines(kept)
+
+
+def _journal_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as journal:
+            return journal.readlines()
+    except FileNotFoundError:
+        return []
+
+
+def _describe(partial: str) -> None:
+    """An origin without a manifest: validate every header, then write a manifest so the entry can be verified."""
+    try:
+        open_checkpoint(partial)
+    except PreheatError as exc:
+        raise CheckpointError(f"pulled files are not a valid checkpoint: {exc}", path=partial) from None
+    _write_small(partial, mf.MANIFEST_NAME, mf.build_manifest(partial).to_json())

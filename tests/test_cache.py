@@ -1,0 +1,321 @@
+"""The node-local model cache: pulls from real origins (a directory, a real HTTP server), resume, sharing, faults."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import preheat
+from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, build_manifest
+from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
+from preheat.errors import CacheError, CheckpointError, PreheatError
+from preheat.sources.fileserver import Faults, FileServer
+from preheat.store import ModelCache
+from preheat.store.pull import pull, uri_key
+
+MEDIUM = LlamaShape(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4)  # ~5 MB in bf16
+
+
+def make_origin(root: Path, *, seed: int = 0, manifest: bool = True, shape: LlamaShape = MEDIUM) -> Path:
+    """A checkpoint as an origin serves it: HF layout, plus preheat.json when ``manifest``."""
+    write_llama_checkpoint(root, shape, shards=2, seed=seed)
+    if manifest:
+        (root / MANIFEST_NAME).write_bytes(build_manifest(str(root)).to_json())
+    return root
+
+
+def assert_loads_like(entry: str, origin: Path) -> None:
+    got, want = preheat.load(entry, mode="read"), preheat.load(origin, mode="read")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.fixture
+def origin_dir(tmp_path: Path) -> Path:
+    return make_origin(tmp_path / "origin")
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> ModelCache:
+    return ModelCache(tmp_path / "cache")
+
+
+def test_pull_from_a_directory_publishes_a_verified_entry(origin_dir: Path, cache: ModelCache) -> None:
+    result = pull(str(origin_dir), cache)
+    assert not result.hit
+    manifest = Manifest.from_json((origin_dir / MANIFEST_NAME).read_bytes(), where="origin")
+    assert result.key == manifest.identity  # entries are keyed by the checkpoint's identity
+    assert result.bytes_fetched == result.bytes_total == sum(f.size for f in manifest.files + manifest.extra_files)
+    assert_loads_like(result.path, origin_dir)
+    assert not os.path.exists(cache.partial_dir(result.key))
+
+
+def test_second_pull_is_a_hit_that_moves_no_bytes(origin_dir: Path, cache: ModelCache) -> None:
+    first = pull(str(origin_dir), cache)
+    second = pull(str(origin_dir), cache)
+    assert second.hit
+    assert second.bytes_fetched == 0
+    assert second.path == first.path
+
+
+def test_origin_without_manifest_is_keyed_by_uri_and_gets_one(tmp_path: Path, cache: ModelCache) -> None:
+    origin = make_origin(tmp_path / "hf", manifest=False)
+    result = pull(str(origin), cache)
+    assert result.key == uri_key(str(origin))
+    entry = Path(result.path)
+    assert (entry / MANIFEST_NAME).exists()  # written after validating every header, so the entry can be verified
+    assert (entry / "config.json").exists()
+    assert_loads_like(result.path, origin)
+
+
+def test_pull_over_http_streams_into_the_cache(origin_dir: Path, cache: ModelCache) -> None:
+    with FileServer(origin_dir) as server:
+        result = pull(server.url, cache, threads=4, chunk_bytes=256 * 1024)
+        sent = server.stats.snapshot().bytes_sent
+    assert_loads_like(result.path, origin_dir)
+    assert sent >= result.bytes_total  # every byte came over HTTP (plus the small manifest)
+
+
+def test_wrong_bytes_are_rejected_naming_the_tensor_and_nothing_is_published(
+    origin_dir: Path, cache: ModelCache
+) -> None:
+    manifest = Manifest.from_json((origin_dir / MANIFEST_NAME).read_bytes(), where="origin")
+    first_file = manifest.files[0].name  # verified first, so its first bad tensor is the one reported
+    victim = next(t for t in manifest.tensors if t.file == first_file and t.name.endswith("mlp.up_proj.weight"))
+    corrupt = victim.offset + 10  # the fault flips this offset in every file long enough to have it
+    with FileServer(origin_dir, faults=Faults(corrupt_offsets=frozenset({corrupt}))) as server:
+        with pytest.raises(CheckpointError) as caught:
+            pull(server.url, cache, threads=4, chunk_bytes=256 * 1024)
+        assert caught.value.tensor == victim.name
+        assert victim.name in str(caught.value)
+        assert cache.lookup(manifest.identity) is None
+        # Once the origin serves the right bytes, a retry fetches only the discarded file, then publishes.
+        server.faults.corrupt_offsets = frozenset()
+        retry = pull(server.url, cache, threads=4, chunk_bytes=256 * 1024)
+    hit_files = [f for f in (*manifest.files, *manifest.extra_files) if f.size > corrupt]
+    assert retry.bytes_fetched == sum(f.size for f in hit_files)
+    assert_loads_like(retry.path, origin_dir)
+
+
+def test_tampered_manifest_is_refused(origin_dir: Path, cache: ModelCache) -> None:
+    doc = json.loads((origin_dir / MANIFEST_NAME).read_bytes())
+    doc["files"][0]["digest"] = "xxh3-128:" + "0" * 32
+    (origin_dir / MANIFEST_NAME).write_text(json.dumps(doc))
+    # The manifest carries its identity, so an edited manifest is caught before a byte is downloaded.
+    with pytest.raises(CheckpointError, match="edited after it was written"):
+        pull(str(origin_dir), cache)
+    assert cache.entries() == []
+
+
+def test_manifest_listing_a_missing_file_fails_and_publishes_nothing(origin_dir: Path, cache: ModelCache) -> None:
+    victim = next(origin_dir.glob("model-00002-*.safetensors"))
+    victim.unlink()
+    with FileServer(origin_dir) as server, pytest.raises(PreheatError, match="model-00002"):
+        pull(server.url, cache, threads=2)
+    assert cache.entries() == []
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path: Path, cache: ModelCache) -> None:
+    (tmp_path / "empty").mkdir()
+    with FileServer(tmp_path / "empty") as server, pytest.raises(CheckpointError, match="no weights here"):
+        pull(server.url, cache)
+
+
+def test_gc_removes_least_recently_used_first_and_never_an_entry_in_use(tmp_path: Path, cache: ModelCache) -> None:
+    results = [pull(str(make_origin(tmp_path / f"o{i}", seed=i)), cache) for i in range(3)]
+    for age, result in zip((300, 200, 100), results, strict=True):  # results[0] is the least recently used
+        meta = Path(result.path) / ".preheat-cache.json"
+        os.utime(meta, (time.time() - age, time.time() - age))
+    size = max(e.size for e in cache.entries())
+    lease = cache.lease(results[0].key)  # in use: must survive although it is the oldest
+    try:
+        removed = cache.gc(max_bytes=size * 2)
+    finally:
+        lease.close()
+    assert [e.key for e in removed] == [results[1].key]
+    assert {e.key for e in cache.entries()} == {results[0].key, results[2].key}
+
+
+def test_rm_refuses_an_entry_in_use_and_removes_it_once_free(origin_dir: Path, cache: ModelCache) -> None:
+    result = pull(str(origin_dir), cache)
+    with cache.using(result.key) as path:
+        assert Path(path).exists()
+        with pytest.raises(CacheError, match="in use"):
+            cache.remove(result.key)
+    cache.remove(result.key)
+    assert cache.lookup(result.key) is None
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "preheat.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_pull_ls_gc_rm_warm(origin_dir: Path, tmp_path: Path) -> None:
+    env = {"PREHEAT_CACHE_DIR": str(tmp_path / "cli-cache")}
+    pulled = cli("pull", str(origin_dir), "--json", env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    doc = json.loads(pulled.stdout)
+    assert doc["hit"] is False
+    warm = cli("cache", "warm", str(origin_dir), env=env)
+    assert warm.returncode == 0
+    assert warm.stdout.strip() == doc["path"]
+    listed = json.loads(cli("cache", "ls", "--json", env=env).stdout)
+    assert [e["key"] for e in listed] == [doc["key"]]
+    assert cli("cache", "gc", "--max-size", "1GiB", env=env).returncode == 0
+    assert json.loads(cli("cache", "ls", "--json", env=env).stdout)  # fits: nothing removed
+    removed = cli("cache", "rm", str(origin_dir), env=env)  # by URI
+    assert removed.returncode == 0, removed.stderr
+    assert json.loads(cli("cache", "ls", "--json", env=env).stdout) == []
+    missing = cli("cache", "rm", "nope", env=env)
+    assert missing.returncode == 1
+    assert "no cache entry" in missing.stderr
+
+
+def _journal_bytes(cache_root: Path, chunk: int) -> int:
+    journals = list((cache_root / "partial").glob("*/.journal"))
+    if not journals:
+        return 0
+    return sum(1 for _ in journals[0].read_text().splitlines()) * chunk
+
+
+def test_killed_pull_resumes_fetching_only_missing_chunks(origin_dir: Path, tmp_path: Path) -> None:
+    cache_root = tmp_path / "cache"
+    chunk = 128 * 1024
+    with FileServer(origin_dir, throttle_bps=2_000_000) as server:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "preheat.cli",
+                "pull",
+                server.url,
+                "--cache-dir",
+                str(cache_root),
+                "--threads",
+                "2",
+                "--chunk-bytes",
+                str(chunk),
+                "--json",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        total = sum(f.stat().st_size for f in origin_dir.iterdir() if f.name != MANIFEST_NAME)
+        deadline = time.monotonic() + 60
+        while _journal_bytes(cache_root, chunk) < total * 0.5 and time.monotonic() < deadline:
+            assert proc.poll() is None, "the pull finished before it could be interrupted"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        result = pull(server.url, ModelCache(cache_root), threads=4, chunk_bytes=chunk)
+    assert not result.hit
+    assert result.bytes_resumed >= total * 0.45
+    assert result.bytes_fetched <= result.bytes_total * 0.55
+    assert_loads_like(result.path, origin_dir)
+
+
+def test_concurrent_pulls_download_once_and_share(origin_dir: Path, tmp_path: Path) -> None:
+    cache_root = tmp_path / "cache"
+    with FileServer(origin_dir, throttle_bps=8_000_000) as server:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "preheat.cli",
+                    "pull",
+                    server.url,
+                    "--cache-dir",
+                    str(cache_root),
+                    "--threads",
+                    "4",
+                    "--chunk-bytes",
+                    "256KiB",
+                    "--json",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(3)
+        ]
+        outputs = [p.communicate(timeout=120) for p in procs]
+        sent = server.stats.snapshot().bytes_sent
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outputs]
+    docs = [json.loads(out) for out, _ in outputs]
+    assert len({d["path"] for d in docs}) == 1
+    total = max(d["bytes_total"] for d in docs)  # the processes that waited and shared report no transfer at all
+    assert sum(d["bytes_fetched"] for d in docs) == total  # one process downloaded, two shared
+    assert sent < total * 1.1  # the origin served the model once (plus manifests)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, options: str) -> Iterator[None]:
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_is_a_clear_error_and_leaves_no_partial_files(origin_dir: Path, tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    with mounted_tmpfs(small, "size=1m"):
+        cache = ModelCache(small / "cache")
+        with pytest.raises(CacheError, match="disk full"):
+            pull(str(origin_dir), cache)
+        assert not any((small / "cache" / "partial").iterdir())
+        assert cache.entries() == []
+
+
+def test_read_only_cache_directory_is_a_clear_error(origin_dir: Path, tmp_path: Path) -> None:
+    frozen = tmp_path / "ro"
+    with mounted_tmpfs(frozen, "ro,size=1m"), pytest.raises(CacheError, match=r"cannot be created|not writable"):
+        pull(str(origin_dir), ModelCache(frozen / "cache"))
+
+
+def test_remote_load_writes_through_then_loads_from_the_cache(origin_dir: Path, cache: ModelCache) -> None:
+    with FileServer(origin_dir) as server:
+        first = preheat.load(server.url, cache=cache, mode="read")
+        assert first.cache_write is not None
+        first.cache_write.join(timeout=60)
+        entries = cache.entries()
+        assert len(entries) == 1
+        assert entries[0].uri == server.url
+        sent_before = server.stats.snapshot().bytes_sent
+        second = preheat.load(server.url, cache=cache)
+        sent_for_second = server.stats.snapshot().bytes_sent - sent_before
+    assert any("node cache hit" in note for note in second.report.notes)
+    assert sent_for_second < 64 * 1024  # only the manifest was asked for; the weights came from local disk
+    for name, tensor in first.items():
+        assert torch.equal(second[name], tensor), name
+    with pytest.raises(CacheError, match="in use"):  # the loaded tensors hold a lease on the entry
+        cache.remove(entries[0].key)
+
+
+def test_rank_loads_do_not_write_through(origin_dir: Path, cache: ModelCache) -> None:
+    with FileServer(origin_dir) as server:
+        part = preheat.load(server.url, cache=cache, rank=1, world_size=2)
+    assert part.cache_write is None
+    assert cache.entries() == []
