@@ -5,6 +5,8 @@
 >>> print(weights.report.summary())                   # doctest: +SKIP
 """
 
+from typing import TYPE_CHECKING, Any
+
 from preheat.errors import (
     CacheError,
     CheckpointError,
@@ -16,7 +18,9 @@ from preheat.errors import (
     SourceError,
     SourceNotFoundError,
 )
-from preheat.loader import LoadReport, LoadResult, load
+
+if TYPE_CHECKING:
+    from preheat.loader import LoadReport, LoadResult, load
 
 __version__ = "0.1.0"
 __all__ = [
@@ -34,3 +38,13 @@ __all__ = [
     "__version__",
     "load",
 ]
+
+
+def __getattr__(name: str) -> Any:  # Any: whichever loader object was asked for
+    # The loader imports torch (~1.5 s); `preheat serve` must bind its socket before paying that, so the loader's
+    # names are imported on first use instead of with the package.
+    if name in ("LoadReport", "LoadResult", "load"):
+        from preheat import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'preheat' has no attribute {name!r}")

@@ -36,9 +36,18 @@ from preheat.checkpoint.manifest import (
     rank_dir,
 )
 from preheat.checkpoint.publish import publish_dir, remove_stale_temps, write_bytes
-from preheat.checkpoint.quant import is_quantizable, quantize_rows, row_scales, scale_name, stored_dtype
+from preheat.checkpoint.quant import (
+    check_split,
+    compute_scales,
+    group_size,
+    is_quantizable,
+    quantize_with,
+    scale_name,
+    scale_shape,
+    stored_dtype,
+)
 from preheat.checkpoint.safetensors import TensorEntry
-from preheat.checkpoint.tp import rank_slice
+from preheat.checkpoint.tp import rank_slice, split_dim
 from preheat.checkpoint.writer import save_file
 from preheat.errors import CheckpointError, ConfigError
 
@@ -73,7 +82,7 @@ class PlannedTensor:
 
     name: str
     source: str
-    role: str  # "plain" (cast or kept), "weight" (quantized values) or "scale" (its per-row scales)
+    role: str  # "plain" (cast or kept), "weight" (quantized values) or "scale" (its per-row or per-group scales)
     dtype: torch.dtype
     shape: tuple[int, ...]  # as stored: this rank's slice
     dim: int | None  # the dim sliced for TP, None when stored whole
@@ -191,15 +200,17 @@ def plan_conversion(tensors: Mapping[str, torch.Tensor], *, dtype: str, tp: int,
             scale = scale_name(name)
             if scale in tensors:
                 raise CheckpointError(f"{where}: cannot quantize {name!r}: {scale!r} already exists", tensor=name)
-            outputs = [(name, "weight", stored_dtype(dtype), shape), (scale, "scale", torch.float32, shape[:1])]
-            quant[name] = QuantInfo(dtype, scale, dtypes.from_torch(tensor.dtype))
+            scales = scale_shape(name, shape, dtype)
+            if tp > 1 and split_dim(name, "auto", ndim=len(shape)) == 1:
+                check_split(name, shape, dtype, tp)  # before rank_slice, whose error would name the scale instead
+            outputs = [(name, "weight", stored_dtype(dtype), shape), (scale, "scale", torch.float32, scales)]
+            quant[name] = QuantInfo(dtype, scale, dtypes.from_torch(tensor.dtype), group_size(dtype))
         elif dtype in _CAST and tensor.dtype.is_floating_point and tensor.dtype.itemsize > 1:
             outputs = [(name, "plain", _CAST[dtype], shape)]
         else:
             outputs = [(name, "plain", tensor.dtype, shape)]
         for out_name, role, out_dtype, out_shape in outputs:
-            kind = dtypes.from_torch(out_dtype)
-            entry = TensorEntry(out_name, kind, out_shape, 0, _numel(out_shape) * dtypes.itemsize(kind))
+            entry = _entry(out_name, out_dtype, out_shape)
             for rank in range(tp):
                 part = rank_slice(entry, "auto", rank, tp, path=where)
                 per_rank[rank].append(
@@ -218,6 +229,11 @@ def plan_conversion(tensors: Mapping[str, torch.Tensor], *, dtype: str, tp: int,
                 name = "model.safetensors"  # the Hugging Face name, so transformers can open an unsharded output
             files[name] = shard
     return Plan(files, tp_dims, quant)
+
+
+def _entry(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorEntry:
+    kind = dtypes.from_torch(dtype)
+    return TensorEntry(name, kind, shape, 0, _numel(shape) * dtypes.itemsize(kind))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -245,8 +261,9 @@ def _shard(items: list[PlannedTensor], limit: int) -> list[list[PlannedTensor]]:
 class _Converter:
     """Converts source tensors on demand, slicing before converting so that each rank pays only for its own part.
 
-    A quantized weight's row scales come from whole rows (a dim-1 slice must use them too), so they are computed from
-    the whole tensor and remembered for its ``.scale``, which is planned right after it.
+    A quantized weight's scales are computed once from the whole tensor and remembered for its ``.scale``, which is
+    planned right after it; each slice of the weight is quantized with its own part of them: its rows' (dim 0), its
+    column groups' (dim 1, grouped scales), or all of them (dim 1, per-row scales, which span every column).
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], quant: Mapping[str, QuantInfo]) -> None:
@@ -259,12 +276,16 @@ class _Converter:
             return _part(source, item).to(item.dtype).contiguous()
         method = self.quant[item.source].method
         if self._scales is None or self._scales[0] != item.source:
-            self._scales = (item.source, row_scales(item.source, source, method))
+            self._scales = (item.source, compute_scales(item.source, source, method))
         scale = self._scales[1]
         if item.role == "scale":
             return _part(scale, item).contiguous()
-        rows = scale.narrow(0, item.start, item.shape[0]) if item.dim == 0 else scale
-        return quantize_rows(_part(source, item), rows, method).contiguous()
+        group = group_size(method)
+        if item.dim == 0:
+            scale = scale.narrow(0, item.start, item.shape[0])
+        elif item.dim == 1 and group is not None:  # check_split made the slice start and end on group boundaries
+            scale = scale.narrow(1, item.start // group, item.shape[1] // group)
+        return quantize_with(_part(source, item), scale, method).contiguous()
 
 
 def _part(tensor: torch.Tensor, item: PlannedTensor) -> torch.Tensor:

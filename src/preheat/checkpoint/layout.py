@@ -16,6 +16,7 @@ from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
 from preheat.checkpoint.safetensors import PREFIX_BYTES, SafetensorsHeader, TensorEntry, header_length, parse_header
 from preheat.errors import CheckpointError, ConfigError
 from preheat.io.files import read_exact
+from preheat.io.reads import read_at_least
 from preheat.sources.base import Origin, Source, check_name, is_uri, open_origin
 from preheat.sources.local import LocalFile
 
@@ -295,11 +296,5 @@ def read_remote_header(origin: Origin, name: str) -> CheckpointFile:
 
 def _read_range(source: Source, offset: int, n: int, where: str) -> bytes:
     buf = bytearray(n)
-    view = memoryview(buf)
-    done = 0
-    while done < n:
-        got = source.readv(offset + done, [view[done:]])
-        if got == 0:
-            raise CheckpointError(f"{where}: ended at byte {offset + done}, expected {n - done} more", path=where)
-        done += got
+    read_at_least(source, memoryview(buf), offset, n, path=where)
     return bytes(buf)

@@ -73,12 +73,14 @@ class TPInfo:
 
 @dataclass(frozen=True)
 class QuantInfo:
-    """A weight-only quantized tensor: ``method`` (``int8``/``fp8``), its per-row ``scale`` tensor's name, and the
-    dtype (safetensors name, e.g. ``BF16``) it is restored to by ``dequantize``."""
+    """A weight-only quantized tensor: ``method`` (``int8``/``fp8``), its ``scale`` tensor's name, the dtype
+    (safetensors name, e.g. ``BF16``) it is restored to by ``dequantize``, and ``group``: how many input columns share
+    a scale (the scale is ``[out, in / group]``), or None for one scale per output row (``[out]``)."""
 
     method: str
     scale: str
     compute_dtype: str
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -236,10 +238,15 @@ def _tensor_dict(record: TensorRecord) -> dict[str, object]:
         "tp": None
         if record.tp is None
         else {"dim": record.tp.dim, "rank": record.tp.rank, "world_size": record.tp.world_size},
-        "quant": None
-        if record.quant is None
-        else {"method": record.quant.method, "scale": record.quant.scale, "compute_dtype": record.quant.compute_dtype},
+        "quant": None if record.quant is None else _quant_dict(record.quant),
     }
+
+
+def _quant_dict(info: QuantInfo) -> dict[str, object]:
+    doc: dict[str, object] = {"method": info.method, "scale": info.scale, "compute_dtype": info.compute_dtype}
+    if info.group is not None:  # absent means per row, so manifests written before groups keep their identity
+        doc["group"] = info.group
+    return doc
 
 
 class _Parser:
@@ -376,7 +383,10 @@ class _Parser:
             raise self.fail(f"quant.scale of tensor {tensor!r} must name a tensor", tensor=tensor)
         if not isinstance(compute, str) or not dtypes.is_known(compute):
             raise self.fail(f"tensor {tensor!r} has unknown compute dtype {compute!r}", tensor=tensor)
-        return QuantInfo(str(method), scale, compute)
+        if "group" in obj and obj["group"] is None:
+            raise self.fail(f"quant.group of tensor {tensor!r} must be omitted for per-row scales, not null")
+        group = self.int(obj["group"], f"quant.group of tensor {tensor!r}", low=1) if "group" in obj else None
+        return QuantInfo(str(method), scale, compute, group)
 
     def obj(self, value: object, what: str) -> dict[str, object]:
         if not isinstance(value, dict):
@@ -456,7 +466,7 @@ def build_manifest(
                 dim = (
                     tp_dims[entry.name]
                     if tp_dims is not None and entry.name in tp_dims
-                    else split_dim(entry.name, "auto")
+                    else split_dim(entry.name, "auto", ndim=len(entry.shape))
                 )
                 tp = TPInfo(dim, rank, world)
             info = quant.get(entry.name) if quant is not None else None

@@ -2,12 +2,15 @@
 
 Built-in plan ("auto") for Llama, Mistral and Qwen2-style names (Megatron layout):
 - column-parallel, split on dim 0: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj`` (weights, biases,
-  and the per-row ``.weight.scale`` of a quantized weight, which must follow its rows);
-- row-parallel, split on dim 1: ``o_proj``, ``down_proj`` weights (their biases, if any, are replicated);
+  and the ``.weight.scale`` of a quantized weight, per row or per group, which must follow its rows);
+- row-parallel, split on dim 1: ``o_proj``, ``down_proj`` weights, and their ``.weight.scale`` when it is 2-D (fp8's
+  ``[out, in / 32]`` group scales follow the columns they scale); a 1-D per-row scale (int8) belongs to every column,
+  so it is replicated, as are their biases, if any;
 - vocabulary-parallel, split on dim 0: ``embed_tokens`` and ``lm_head``;
 - everything else (norms, rotary buffers) is replicated.
 A split dimension must divide evenly, except the vocabulary, which is cut in ceil(V / W)-row blocks (the last rank
-gets the remainder), as vLLM's vocab-parallel embedding does before padding.
+gets the remainder), as vLLM's vocab-parallel embedding does before padding. For a group scale that means each rank's
+share of the weight's columns is a whole number of groups.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ _AUTO_RULES: tuple[tuple[re.Pattern[str], int | None], ...] = (
     (re.compile(r"(^|\.)(o_proj|down_proj)\.weight$"), 1),
     (re.compile(r"(^|\.)(embed_tokens\.weight|lm_head\.weight)$"), 0),
 )
+_ROW_PARALLEL_SCALE = re.compile(r"(^|\.)(o_proj|down_proj)\.weight\.scale$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 
 
@@ -46,11 +50,13 @@ class Slice:
         return sum(length for _, length in self.runs)
 
 
-def split_dim(name: str, plan: TPPlan) -> int | None:
-    """The dimension ``plan`` splits tensor ``name`` on, or None when it is replicated."""
+def split_dim(name: str, plan: TPPlan, *, ndim: int) -> int | None:
+    """The dimension ``plan`` splits tensor ``name`` (of ``ndim`` dimensions) on, or None when it is replicated."""
     if isinstance(plan, str):
         if plan != "auto":
             raise ConfigError(f"unknown tp_plan {plan!r}: use 'auto' or a mapping of name patterns to a dim or None")
+        if _ROW_PARALLEL_SCALE.search(name):
+            return 1 if ndim == 2 else None
         for pattern, dim in _AUTO_RULES:
             if pattern.search(name):
                 return dim
@@ -72,7 +78,7 @@ def bounds(size: int, rank: int, world_size: int, *, uneven: bool) -> tuple[int,
 
 def rank_slice(entry: TensorEntry, plan: TPPlan, rank: int, world_size: int, *, path: str) -> Slice:
     """Compute which bytes of ``entry`` rank ``rank`` of ``world_size`` needs, as few contiguous runs as possible."""
-    dim = split_dim(entry.name, plan) if world_size > 1 else None
+    dim = split_dim(entry.name, plan, ndim=len(entry.shape)) if world_size > 1 else None
     if dim is None or not entry.shape:
         return Slice(entry.shape, ((entry.start, entry.nbytes),), None)
     if not -len(entry.shape) <= dim < len(entry.shape):
@@ -85,8 +91,10 @@ def rank_slice(entry: TensorEntry, plan: TPPlan, rank: int, world_size: int, *, 
     size = entry.shape[dim]
     uneven = bool(_VOCAB.search(entry.name))
     if not uneven and size % world_size:
+        grouped = dim == 1 and entry.name.endswith(".weight.scale")
+        hint = " (each rank needs whole quantization groups of the weight's input columns)" if grouped else ""
         raise CheckpointError(
-            f"{path}: tensor {entry.name!r} dim {dim} has size {size}, not divisible by world size {world_size}",
+            f"{path}: tensor {entry.name!r} dim {dim} has size {size}, not divisible by world size {world_size}{hint}",
             path=path,
             tensor=entry.name,
         )

@@ -27,7 +27,8 @@ import xxhash
 
 from preheat.checkpoint import manifest as mf
 from preheat.checkpoint.layout import INDEX_NAME, SINGLE_NAME, open_checkpoint, resolve_remote_names
-from preheat.errors import CacheError, CheckpointError, PreheatError, SourceError
+from preheat.errors import CacheError, CheckpointError, PreheatError
+from preheat.io.reads import read_at_least
 from preheat.sources.base import Origin, Source, open_origin
 from preheat.store import locks
 from preheat.store.cache import ModelCache
@@ -269,15 +270,8 @@ class _ChunkFetcher:
         return mine[name]
 
     def fetch(self, f: RemoteFile, index: int, offset: int, length: int) -> int:
-        buf = bytearray(length)
-        view = memoryview(buf)
-        got = 0
-        source = self.source(f.name)
-        while got < length:
-            n = source.readv(offset + got, [view[got:]])
-            if n == 0:
-                raise SourceError(f"{self.origin.join(f.name)}: ended at byte {offset + got}, expected {f.size} bytes")
-            got += n
+        view = memoryview(bytearray(length))
+        read_at_least(self.source(f.name), view, offset, length, path=self.origin.join(f.name))
         fd = self.fd(f.name)
         written = 0
         while written < length:

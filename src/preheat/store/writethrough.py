@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import PreheatError, SourceError
+from preheat.errors import PreheatError
 from preheat.io.buffers import as_memoryview
-from preheat.sources.base import Origin, Source, open_origin
+from preheat.io.reads import read_at_least
+from preheat.sources.base import Origin, open_origin
 from preheat.store import locks
 from preheat.store.cache import ModelCache
 from preheat.store.pull import RemoteFile, _describe, _plan_files, _verify, _write_small, origin_key
@@ -103,22 +104,13 @@ def _write_loaded(partial: str, origin: Origin, file: LoadedFile) -> None:
     source = origin.open(file.name)
     try:
         head = bytearray(file.data_start)
-        _read_fully(source, 0, memoryview(head), origin.join(file.name))
+        read_at_least(source, memoryview(head), 0, len(head), path=origin.join(file.name))
         with open(path, "wb") as out:
             out.write(head)
             out.write(as_memoryview(file.buffer)[: file.data_end - file.data_start])
             if file.size > file.data_end:  # bytes after the last tensor (unusual, but part of the file)
                 tail = bytearray(file.size - file.data_end)
-                _read_fully(source, file.data_end, memoryview(tail), origin.join(file.name))
+                read_at_least(source, memoryview(tail), file.data_end, len(tail), path=origin.join(file.name))
                 out.write(tail)
     finally:
         source.close()
-
-
-def _read_fully(source: Source, offset: int, view: memoryview, where: str) -> None:
-    done = 0
-    while done < len(view):
-        got = source.readv(offset + done, [view[done:]])
-        if got == 0:
-            raise SourceError(f"{where}: ended at byte {offset + done}")
-        done += got

@@ -1,0 +1,106 @@
+"""The cold-start timeline: every stage of a replica's start, timestamped from one origin.
+
+The origin is ``PREHEAT_T0`` (epoch seconds) when the platform passes it, e.g. a pod's creation time, so node
+provisioning and the image pull show up as the first stage; otherwise it is this process's start time (read from
+/proc, so interpreter start and imports are counted too). Stages are ``{name, start, end, bytes?, detail}`` in
+seconds relative to the origin, in the order they began.
+
+    timeline = Timeline.from_env()
+    with timeline.stage("weight_load") as stage:
+        weights = preheat.load(...)
+        stage["bytes"] = weights.report.bytes
+    timeline.mark("ready")
+    json.dumps(timeline.to_dict())
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from preheat.errors import ConfigError
+
+FORMAT_VERSION = 1
+
+
+def process_start_time() -> float:
+    """This process's start as epoch seconds (Linux /proc), falling back to now."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 overall; 20th after the command name
+        with open("/proc/stat", encoding="ascii") as system:
+            boot = next(int(line.split()[1]) for line in system if line.startswith("btime"))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+class Timeline:
+    """Ordered stages of a cold start relative to ``origin`` (epoch seconds). Thread-safe."""
+
+    def __init__(self, origin: float | None = None, *, origin_source: str = "process start") -> None:
+        self.origin = origin if origin is not None else process_start_time()
+        self.origin_source = origin_source
+        self._stages: list[dict[str, Any]] = []  # Any: JSON-ready stage records with free-form detail
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> Timeline:
+        """Origin from ``PREHEAT_T0`` when set (the platform's clock, e.g. pod creation), else process start."""
+        raw = os.environ.get("PREHEAT_T0")
+        if raw:
+            try:
+                return cls(float(raw), origin_source="PREHEAT_T0")
+            except ValueError:
+                raise ConfigError(f"PREHEAT_T0={raw!r} is not epoch seconds (e.g. 1767225600.25)") from None
+        return cls()
+
+    def now(self) -> float:
+        """Seconds since the origin."""
+        return time.time() - self.origin
+
+    def add(self, name: str, start: float, end: float, *, nbytes: int | None = None, **detail: Any) -> None:
+        """Record a stage that was timed elsewhere (``start``/``end`` relative to the origin)."""
+        record: dict[str, Any] = {"name": name, "start": start, "end": end, "detail": dict(detail)}
+        if nbytes is not None:
+            record["bytes"] = nbytes
+        with self._lock:
+            self._stages.append(record)
+            self._stages.sort(key=lambda s: s["start"])
+
+    @contextmanager
+    def stage(self, name: str, **detail: Any) -> Iterator[dict[str, Any]]:
+        """Time the block as stage ``name``; set ``stage["bytes"]`` or ``stage["detail"][...]`` inside it."""
+        record: dict[str, Any] = {"name": name, "start": self.now(), "end": None, "detail": dict(detail)}
+        with self._lock:
+            self._stages.append(record)
+        try:
+            yield record
+        finally:
+            record["end"] = self.now()
+
+    def mark(self, name: str, **detail: Any) -> None:
+        """An instant (``start == end``), e.g. ``ready`` or the first request's first token."""
+        at = self.now()
+        self.add(name, at, at, **detail)
+
+    def stages(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(s) for s in self._stages]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON served at ``/v1/preheat/timeline``."""
+        stages = self.stages()
+        ends = [s["end"] for s in stages if s["end"] is not None]
+        return {
+            "version": FORMAT_VERSION,
+            "origin": self.origin,
+            "origin_source": self.origin_source,
+            "total": max(ends) if ends else 0.0,
+            "stages": stages,
+        }
