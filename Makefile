@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.preheat-installed
 
-.PHONY: demo test lint typecheck bench bench-quick clean venv
+.PHONY: demo test lint typecheck bench bench-pull bench-coldstart clean venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,9 @@ $(STAMP): $(PY) pyproject.toml
 
 venv: $(STAMP)
 
-## demo: build a Llama-shaped checkpoint and race preheat's loader against the peers (warm and cold)
+## demo: the embedded SmolLM2 end to end: convert once into the node cache, serve, ask, print the cold-start timeline
 demo: $(STAMP)
-	$(PY) bench/load.py --size $${PREHEAT_DEMO_SIZE:-1GB} --repeat 2 --tp 2
+	$(PY) -m preheat demo
 
 ## test: lint, type-check, then the whole test suite
 test: $(STAMP)
@@ -43,6 +43,14 @@ typecheck: $(STAMP)
 ## bench: the full loader benchmark recorded in the README (2 GB checkpoint, 3 runs per contender)
 bench: $(STAMP)
 	$(PY) bench/load.py --size 2GB --repeat 3 --json .bench/load.json
+
+## bench-pull: preheat pull with 1/4/16 streams vs a single stream, throttled HTTP origin and an S3 server (docs/cache.md)
+bench-pull: $(STAMP)
+	$(PY) bench/pull.py --size 256MB --json .bench/pull.json
+
+## bench-coldstart: process start -> first token, transformers vs preheat serve on SmolLM2 (docs/server.md)
+bench-coldstart: $(STAMP)
+	$(PY) bench/coldstart.py --repeat 3 --json .bench/coldstart.json
 
 clean:
 	rm -rf $(VENV) .bench .pytest_cache .mypy_cache .ruff_cache

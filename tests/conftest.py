@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
+from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from smollm2 import SmolLM2, cache_root
 
 # Odd vocabulary: not divisible by 2 or 4, so vocab-parallel tensors are cut in uneven, ceil-sized blocks.
@@ -128,3 +128,10 @@ def fresh_checkpoint(tmp_path: Path) -> WrittenCheckpoint:
 def smollm2() -> SmolLM2:
     """SmolLM2-135M-Instruct converted per dtype (``smollm2.path("int8")``), cached across runs (tests/smollm2.py)."""
     return SmolLM2(cache_root())
+
+
+@pytest.fixture(scope="session")
+def tiny_servable_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama with a real byte-level tokenizer, chat template and EOS (``make_tiny_servable_model``):
+    what the engine and server tests serve. Shared by the session: copy it before changing any file."""
+    return make_tiny_servable_model(tmp_path_factory.mktemp("servable"))

@@ -50,3 +50,10 @@ class KVError(PreheatError):
 
 class DeviceError(PreheatError):
     """A requested device or device feature (CUDA, GPUDirect Storage) is not available."""
+
+
+class RequestError(PreheatError):
+    """A generation request cannot be served as given (prompt too long, bad sampling parameters, bad messages).
+
+    Recoverable: the engine is unharmed and a server answers 400; the message says what to change.
+    """

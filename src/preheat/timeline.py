@@ -33,10 +33,11 @@ def process_start_time() -> float:
         with open("/proc/self/stat", encoding="ascii") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
         start_ticks = int(fields[19])  # field 22 overall; 20th after the command name
-        with open("/proc/stat", encoding="ascii") as system:
-            boot = next(int(line.split()[1]) for line in system if line.startswith("btime"))
+        # The boot time from CLOCK_BOOTTIME, not /proc/stat's btime: btime is whole seconds, which would put the
+        # start up to 1 s too early and inflate the first stage by as much.
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
         return boot + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME off Linux
         return time.time()
 
 

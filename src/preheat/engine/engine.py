@@ -1,0 +1,274 @@
+"""The reference engine: a checkpoint in, streamed tokens out.
+
+``Engine.from_checkpoint`` loads the weights with ``preheat.load`` (zero-copy on CPU), binds them into the built-in
+Llama-family model (or, for other architectures, a transformers model), reads the tokenizer, and allocates the KV
+cache. ``generate`` prefills the prompt and decodes one token at a time, yielding a ``GenerationStep`` per token.
+Not thread-safe: a server feeds it requests one at a time from one worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import torch
+
+from preheat.engine.backend import Backend, NativeBackend, build_backend, resolve_dtype, resolve_max_len
+from preheat.engine.config import ModelConfig, read_model_config
+from preheat.engine.kv import PagedKVCache
+from preheat.engine.sampling import Sampler, SamplingParams, StopStrings
+from preheat.engine.tokenizer import TextTokenizer
+from preheat.errors import CheckpointError, RequestError
+from preheat.timeline import Timeline
+
+PREFILL_PIECE = 512  # prompt tokens per forward pass: bounds activation memory, lets a cancel land mid-prefill
+
+
+@dataclass
+class GenerationStep:
+    """One generated token: its id, the text it adds (may be "": held back until a character or a possible stop
+    string is complete), and ``finish_reason`` ("stop" or "length") on the last step, else None."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from a cache instead of being computed (KV tiers)
+
+
+class Engine:
+    """A model ready to generate. Build it with ``Engine.from_checkpoint``.
+
+    >>> engine = Engine.from_checkpoint("path/to/smollm2")                          # doctest: +SKIP
+    >>> ids = engine.encode_chat([{"role": "user", "content": "Capital of France?"}])  # doctest: +SKIP
+    >>> "".join(s.text for s in engine.generate(ids, SamplingParams(temperature=0)))   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        tokenizer: TextTokenizer,
+        config: ModelConfig,
+        model_name: str,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_cache: PagedKVCache | None,
+        identity: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.device = device
+        self.dtype = dtype
+        self.kv_cache = kv_cache  # None for the transformers fallback: no chunk export/import there
+        # The built-in model (None for the fallback): its forward() runs tokens into kv_cache sequences directly.
+        self.model = backend.model if isinstance(backend, NativeBackend) else None
+        self.identity = identity  # the checkpoint's preheat.json identity, when it has one (KV fingerprints)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        timeline: Timeline | None = None,
+        load_mode: str | None = None,
+    ) -> Engine:
+        """Load the checkpoint directory ``path`` (preheat or Hugging Face layout) onto ``device``.
+
+        ``dtype``: compute dtype (``auto``/None, ``float32``, ``bfloat16``, ``float16``); weights in another dtype
+        are converted once (a copy), weights already in it are bound as loaded (zero-copy). ``max_model_len``
+        defaults to the model's context, capped at 8192. ``load_mode`` is ``preheat.load``'s ``mode``. With a
+        ``timeline``, records the stages ``weight_load`` (bytes, GB/s), ``model_build`` and ``tokenizer``.
+        """
+        import preheat
+
+        root = os.fspath(path)
+        if not os.path.isdir(root):
+            raise CheckpointError(f"{root}: not a model directory", path=root)
+        dev = torch.device(device)
+        # Read first (a millisecond): a directory that is no model fails before any weight is loaded.
+        config = ModelConfig.from_dict(read_model_config(root), where=root)
+        max_len = resolve_max_len(config, max_model_len, root)
+        timeline = timeline if timeline is not None else Timeline(time.time())
+        with timeline.stage("weight_load", mode=load_mode or "auto", device=str(dev)) as stage:
+            weights = preheat.load(root, dev, mode=load_mode, dequantize=True)
+            report = weights.report
+            stage["bytes"] = report.bytes
+            stage["detail"].update(gbps=round(report.gbps, 3), mode=report.mode, files=report.files)
+        with timeline.stage("model_build") as stage:
+            # The embedding is never quantized, so its dtype is the checkpoint's own.
+            sample = weights.get("model.embed_tokens.weight")
+            sample = (
+                sample if sample is not None else next((t for t in weights.values() if t.is_floating_point()), None)
+            )
+            compute = resolve_dtype(dtype, dev, sample.dtype if sample is not None else torch.float32)
+            backend, cache, converted, max_len = build_backend(
+                config, weights=weights, dtype=compute, device=dev, max_len=max_len, root=root
+            )
+            stage["detail"].update(
+                architecture=config.architecture or config.model_type,
+                backend="native" if cache is not None else "transformers",
+                dtype=str(compute).removeprefix("torch."),
+                converted_bytes=converted,
+                max_model_len=max_len,
+            )
+        with timeline.stage("tokenizer"):
+            tokenizer = TextTokenizer.from_dir(root, config_eos_ids=config.eos_token_ids)
+        return cls(
+            backend=backend,
+            tokenizer=tokenizer,
+            config=config,
+            model_name=os.path.basename(os.path.normpath(root)),
+            max_model_len=max_len,
+            device=dev,
+            dtype=compute,
+            kv_cache=cache,
+            identity=_identity(root),
+        )
+
+    # -- prompts --------------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a completions prompt (with the tokenizer's special tokens, e.g. BOS)."""
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat ``messages`` through the model's chat template, ending with the assistant's turn."""
+        return self.tokenizer.encode_chat(messages)
+
+    # -- generation -----------------------------------------------------------------------------------------------
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """``RequestError`` unless ``prompt_ids`` can be generated from (non-empty, room for one token)."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens but this model's context is {self.max_model_len} tokens "
+                f"(prompt and output together): shorten it to at most {self.max_model_len - 1} tokens"
+            )
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside this model's vocabulary (0..{vocab - 1})")
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Generator[GenerationStep, None, None]:
+        """Yield one ``GenerationStep`` per generated token; the last has ``finish_reason`` "stop" (EOS or a stop
+        string) or "length" (``max_tokens`` or the context is full). ``should_stop()`` is asked before each forward
+        pass; when it returns True the iterator ends at once, without a final step.
+
+        The request is validated before the first step (``RequestError``); closing the iterator early releases
+        the sequence's KV blocks.
+        """
+        params.validate()
+        self.check_prompt(prompt_ids)
+        return self._generate(list(prompt_ids), params, should_stop or (lambda: False))
+
+    @torch.inference_mode()
+    def _generate(
+        self, prompt: list[int], params: SamplingParams, should_stop: Callable[[], bool]
+    ) -> Generator[GenerationStep, None, None]:
+        state = self.backend.begin()
+        try:
+            cached = self._restore_prefix(state, prompt)
+            logits = None
+            for start in range(cached, len(prompt), PREFILL_PIECE):
+                if should_stop():
+                    return
+                logits = self.backend.step(state, prompt[start : start + PREFILL_PIECE], start)
+            assert logits is not None  # the prompt is never entirely cached: its last token yields the logits
+            yield from self._decode(
+                state, prompt=prompt, cached=cached, logits=logits, params=params, should_stop=should_stop
+            )
+        finally:
+            self.backend.end(state)
+
+    def _restore_prefix(self, state: object, prompt: list[int]) -> int:
+        """How many leading prompt tokens already have K/V in ``state`` (filled from a KV tier). Always 0 here;
+        the KV-tier issue imports chunks into the sequence and returns their token count (never all of them: the
+        last prompt token is always computed, to get the first logits)."""
+        return 0
+
+    def _decode(
+        self,
+        state: object,
+        *,
+        prompt: list[int],
+        cached: int,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        should_stop: Callable[[], bool],
+    ) -> Generator[GenerationStep, None, None]:
+        sampler = Sampler(params)
+        stops = StopStrings(params.stop)
+        detok = self.tokenizer.detokenizer(prompt)
+        eos = self.tokenizer.eos_ids
+        length = len(prompt)
+        for generated in range(1, params.max_tokens + 1):
+            token = sampler(logits)
+            if token in eos:  # the end token itself adds no text; release what was held back
+                tail, _ = stops.feed(detok.flush())
+                yield self._step(token, tail + stops.flush(), "stop", prompt, cached)
+                return
+            text, stopped = stops.feed(detok.push(token))
+            if stopped:
+                yield self._step(token, text, "stop", prompt, cached)
+                return
+            length += 1
+            if generated == params.max_tokens or length >= self.max_model_len:
+                tail, stopped = stops.feed(detok.flush())
+                final = text + tail + ("" if stopped else stops.flush())
+                yield self._step(token, final, "stop" if stopped else "length", prompt, cached)
+                return
+            yield self._step(token, text, None, prompt, cached)
+            if should_stop():
+                return
+            logits = self.backend.step(state, [token], length - 1)
+
+    @staticmethod
+    def _step(token: int, text: str, finish: str | None, prompt: list[int], cached: int) -> GenerationStep:
+        return GenerationStep(token, text, finish, len(prompt), cached)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run one tiny prefill and one decode step (so the first request pays no lazy initialisation in torch's
+        kernels) and compile the chat template (jinja2 import)."""
+        state = self.backend.begin()
+        try:
+            self.backend.step(state, [0, 0], 0)
+            self.backend.step(state, [0], 2)
+        finally:
+            self.backend.end(state)
+        Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=0))(torch.zeros(8))
+        if self.tokenizer.template is not None:
+            self.tokenizer.template.compile()
+
+
+def _identity(root: str) -> str | None:
+    # preheat.load already recomputed and checked the manifest's identity when it read it; reading the field is enough.
+    import json
+
+    path = os.path.join(root, "preheat.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

@@ -1,0 +1,221 @@
+"""The Llama family in plain torch (Llama 2/3, Mistral, Qwen2, SmolLM2), over weights bound straight from a load.
+
+No ``nn.Module``s: a layer is a handful of tensors taken from ``preheat.load``'s dict as they are (on CPU with mode
+``mmap`` those are views of the page cache, shared by every replica on the node), and the forward pass is functions
+over them. Tensors are only copied when a dtype conversion was asked for (``dtype`` differs from the checkpoint's).
+
+The math follows transformers' ``LlamaForCausalLM`` operation by operation (RMSNorm in float32 then cast, RoPE from
+a float32 table, softmax over scaled dot products, SiLU-gated MLP), so logits agree with it to float32 rounding.
+Biases of q/k/v (Qwen2), o_proj and the MLP are used when the checkpoint has them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812  # the conventional alias
+
+from preheat.engine.config import ModelConfig
+from preheat.engine.kv import KVLayout, PagedKVCache, Sequence
+from preheat.engine.rope import apply_rotary, cos_sin_table, inverse_frequencies
+from preheat.errors import CheckpointError, KVError
+
+log = logging.getLogger("preheat.engine")
+
+# scaled_dot_product_attention groups query heads over KV heads itself from torch 2.5 on (no repeated K/V copies).
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
+class WeightBinder:
+    """Takes tensors out of a loaded state dict by name, checking shapes, converting dtype/device only if needed."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device, where: str):
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        self.where = where
+        self.used: set[str] = set()
+        self.converted_bytes = 0
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        found = self.optional(name, shape)
+        if found is None:
+            raise CheckpointError(f"{self.where}: tensor {name!r} is missing", path=self.where, tensor=name)
+        return found
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        tensor = self.weights.get(name)
+        if tensor is None:
+            return None
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"{self.where}: tensor {name!r} has shape {list(tensor.shape)}, the config implies {list(shape)}",
+                path=self.where,
+                tensor=name,
+            )
+        self.used.add(name)
+        if tensor.dtype == self.dtype and tensor.device == self.device:
+            return tensor  # bound as loaded: zero-copy
+        self.converted_bytes += tensor.numel() * torch.empty((), dtype=self.dtype).element_size()
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+
+class LlamaModel:
+    """A Llama-family decoder over bound weights, computing into a ``PagedKVCache``.
+
+    >>> model = LlamaModel(config, weights, dtype=torch.float32, device=cpu, max_len=2048)   # doctest: +SKIP
+    >>> logits = model.forward(torch.tensor([1, 2, 3]), 0, cache, seq)                     # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_len: int,
+        where: str = "checkpoint",
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.max_len = max_len
+        c = config
+        bind = WeightBinder(weights, dtype, device, where)
+        h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+        q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
+        self.embed = bind.get("model.embed_tokens.weight", (c.vocab_size, h))
+        self.layers: list[_Layer] = []
+        for n in range(c.num_layers):
+            p = f"model.layers.{n}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.layers.append(
+                _Layer(
+                    input_norm=bind.get(p + "input_layernorm.weight", (h,)),
+                    q=bind.get(a + "q_proj.weight", (q_out, h)),
+                    k=bind.get(a + "k_proj.weight", (kv_out, h)),
+                    v=bind.get(a + "v_proj.weight", (kv_out, h)),
+                    o=bind.get(a + "o_proj.weight", (h, q_out)),
+                    q_bias=bind.optional(a + "q_proj.bias", (q_out,)),
+                    k_bias=bind.optional(a + "k_proj.bias", (kv_out,)),
+                    v_bias=bind.optional(a + "v_proj.bias", (kv_out,)),
+                    o_bias=bind.optional(a + "o_proj.bias", (h,)),
+                    post_norm=bind.get(p + "post_attention_layernorm.weight", (h,)),
+                    gate=bind.get(m + "gate_proj.weight", (i, h)),
+                    up=bind.get(m + "up_proj.weight", (i, h)),
+                    down=bind.get(m + "down_proj.weight", (h, i)),
+                    gate_bias=bind.optional(m + "gate_proj.bias", (i,)),
+                    up_bias=bind.optional(m + "up_proj.bias", (i,)),
+                    down_bias=bind.optional(m + "down_proj.bias", (h,)),
+                )
+            )
+        self.norm = bind.get("model.norm.weight", (h,))
+        head = None if c.tie_word_embeddings else bind.optional("lm_head.weight", (c.vocab_size, h))
+        # Tied (or no lm_head stored, as converters write tied models): the output layer is the embedding.
+        self.lm_head = head if head is not None else self.embed
+        self.converted_bytes = bind.converted_bytes
+        unused = sorted(set(weights) - bind.used - {"lm_head.weight"})
+        if unused:  # tensors the model does not know: often a naming mismatch worth seeing, never fatal
+            log.warning("%s: %d tensors not used by the model, e.g. %s", where, len(unused), ", ".join(unused[:3]))
+        inv_freq = inverse_frequencies(c.rope, d, max_position_embeddings=c.max_position_embeddings, max_len=max_len)
+        self.rope_table = cos_sin_table(inv_freq, max_len, dtype, device)
+        self.scale = d**-0.5
+
+    def kv_layout(self, block_size: int) -> KVLayout:
+        """The cache layout this model writes."""
+        c = self.config
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalise in float32 whatever the compute dtype, cast back, then scale.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, causal: bool
+    ) -> torch.Tensor:
+        """``[heads, T, head_dim]`` attention of ``q`` over ``k``/``v`` ``[kv_heads, L, head_dim]`` (GQA)."""
+        groups = self.config.num_groups
+        if q.shape[1] == 1 and q.dtype != torch.float32 and q.device.type == "cpu":
+            # One 16-bit query on CPU (decode): torch's CPU flash kernel takes ~1.1 ms per call at 2k keys, two
+            # small matmuls ~0.14 ms (docs/engine.md). Softmax in float32, as transformers' eager attention.
+            kv_heads, _, head_dim = k.shape
+            scores = torch.matmul(q.reshape(kv_heads, groups, head_dim), k.transpose(1, 2)) * self.scale
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(probs, v).reshape(q.shape)
+        if groups > 1 and not _SDPA_GQA:
+            k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        extra = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=self.scale, **extra
+        )
+        return out[0]
+
+    def forward(
+        self, ids: torch.Tensor, start: int, cache: PagedKVCache, seq: Sequence, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run tokens ``ids`` ``[T]`` at positions ``start .. start + T`` of ``seq`` (whose first ``start`` tokens
+        are in ``cache``); return float32 logits of the last position ``[vocab]`` (every position ``[T, vocab]``
+        with ``all_logits``). Writes the tokens' K/V into the cache and advances ``seq.length``."""
+        n = int(ids.shape[0])
+        end = start + n
+        if start > seq.length or end > self.max_len:
+            raise KVError(
+                f"cannot run positions {start}..{end} of sequence {seq.seq_id}: it holds {seq.length} tokens and the "
+                f"model was built for {self.max_len}"
+            )
+        cache.reserve(seq, end)
+        slots = cache.slots(seq, start, n)
+        cos, sin = self.rope_table[0, start:end], self.rope_table[1, start:end]
+        mask = None
+        if 1 < n < end:
+            # New tokens attend to the whole cached prefix and causally among themselves (bottom-right aligned).
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        x = F.embedding(ids.to(self.device), self.embed)
+        c = self.config
+        for index, layer in enumerate(self.layers):
+            hidden = self._rms_norm(x, layer.input_norm)
+            q = F.linear(hidden, layer.q, layer.q_bias).view(n, c.num_heads, c.head_dim).transpose(0, 1)
+            k = F.linear(hidden, layer.k, layer.k_bias).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            v = F.linear(hidden, layer.v, layer.v_bias).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            cache.write(index, slots, k, v)
+            if start == 0:
+                keys, values = k, v  # nothing cached before: attend to the fresh K/V without reading them back
+            else:
+                keys, values = cache.read(seq, index, end)
+            attended = self._attention(q, keys, values, mask, causal=mask is None and n > 1)
+            x = x + F.linear(attended.transpose(0, 1).reshape(n, -1), layer.o, layer.o_bias)
+            hidden = self._rms_norm(x, layer.post_norm)
+            gated = F.silu(F.linear(hidden, layer.gate, layer.gate_bias)) * F.linear(hidden, layer.up, layer.up_bias)
+            x = x + F.linear(gated, layer.down, layer.down_bias)
+        seq.length = end
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+        return logits if all_logits else logits[0]

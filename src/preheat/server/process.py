@@ -1,0 +1,122 @@
+"""``preheat serve`` as a child process: started on a free port, waited for, and always stopped.
+
+Used by ``preheat demo``, ``bench/coldstart.py`` and the tests. The child never outlives its parent: ``stop()`` runs
+from ``__exit__`` (Ctrl-C included), and on Linux the kernel also sends it SIGTERM if the parent dies outright
+(``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from typing import IO
+
+from preheat.errors import PreheatError
+
+HEALTH_TIMEOUT = 600.0
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    """A function to run in the child between fork and exec that asks Linux for SIGTERM when the parent dies.
+
+    Everything is looked up here, in the parent: after a fork in a threaded parent (pytest, the benchmark) the child
+    must not import or load libraries, only make the one system call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return arm
+
+
+class ServerProcess:
+    """``preheat serve MODEL --port 0 EXTRA...`` as a child; a context manager that always stops it.
+
+    ``url`` is known once the constructor returns (the child printed its address); ``wait_ready()`` waits for
+    ``/health``; ``lines`` collects the child's stdout. ``started`` is ``time.time()`` just before the spawn.
+    """
+
+    def __init__(self, model: str, *extra: str, env: Mapping[str, str] | None = None) -> None:
+        command = [sys.executable, "-m", "preheat", "serve", model, "--port", "0", *extra]
+        self.lines: list[str] = []
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=None if env is None else dict(env),
+            preexec_fn=_pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+        )
+        self._drainer: threading.Thread | None = None
+        try:
+            self.url = self._wait_for_address()
+        except BaseException:
+            self.stop()
+            raise
+        self._drainer = threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True)
+        self._drainer.start()
+
+    def _wait_for_address(self) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].split()[0]
+        self.proc.wait()
+        raise PreheatError(f"preheat serve exited (code {self.proc.returncode}) before listening: {self.lines}")
+
+    def _drain(self, stream: IO[str] | None) -> None:
+        for line in stream or ():
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_ready(self, timeout: float = HEALTH_TIMEOUT) -> None:
+        """Poll ``/health`` until 200; raise if the server exits or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PreheatError(f"preheat serve exited with code {self.proc.returncode}: {self.lines[-5:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except urllib.error.HTTPError as exc:
+                exc.close()  # 503: still loading
+            except OSError:
+                pass  # not accepting yet: keep polling
+            time.sleep(0.05)
+        raise PreheatError(f"preheat serve at {self.url} was not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s; always reaps the child."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._drainer is not None:
+            self._drainer.join(timeout=5)  # the pipe ends when the child does
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

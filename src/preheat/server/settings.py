@@ -1,0 +1,116 @@
+"""``ServeSettings``: the one source of truth for ``preheat serve``; every flag is also a ``PREHEAT_*`` variable.
+
+Precedence: a flag given on the command line, then its environment variable, then the default. Values are checked
+here, before the socket is bound, so a typo fails in milliseconds instead of after a model load.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from preheat.errors import ConfigError
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+REMOTE_SCHEMES = ("http://", "https://", "s3://")
+# The environment variable of each setting; PREHEAT_CACHE_DIR is shared with `preheat pull` and the cache.
+ENV_VARS = {
+    "model": "PREHEAT_MODEL",
+    "host": "PREHEAT_HOST",
+    "port": "PREHEAT_PORT",
+    "device": "PREHEAT_DEVICE",
+    "dtype": "PREHEAT_DTYPE",
+    "max_model_len": "PREHEAT_MAX_MODEL_LEN",
+    "served_model_name": "PREHEAT_SERVED_MODEL_NAME",
+    "max_queue": "PREHEAT_MAX_QUEUE",
+    "api_key": "PREHEAT_API_KEY",
+    "cache_dir": "PREHEAT_CACHE_DIR",
+}
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything ``preheat serve`` needs to start. ``None`` means "ask the checkpoint" (dtype, context length)."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "cpu"
+    dtype: str | None = None
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    max_queue: int = 16
+    api_key: str | None = None
+    cache_dir: str | None = None
+
+    @classmethod
+    def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
+        """Settings from ``flags`` (a missing or ``None`` value = not given), else ``env`` (default
+        ``os.environ``), else the defaults; then ``check()``.
+
+        >>> ServeSettings.resolve({"model": "/tmp", "port": None}, {"PREHEAT_PORT": "9000"}).port
+        9000
+        """
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            given = flags.get(field.name)
+            if given is not None:
+                values[field.name] = given
+                continue
+            raw = env.get(ENV_VARS[field.name], "")
+            if raw.strip():
+                values[field.name] = _parse(field.name, ENV_VARS[field.name], raw.strip())
+        if "model" not in values:
+            raise ConfigError(
+                "no model: pass MODEL (a checkpoint directory or an http(s)://, s3:// URI) or set PREHEAT_MODEL"
+            )
+        settings = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Refuse settings that cannot work, naming the flag and what to write instead."""
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: must be 0-65535 (0 picks a free port)")
+        if self.device.split(":", 1)[0] not in DEVICES:
+            raise ConfigError(f"--device {self.device!r}: use cpu or cuda[:N]")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len {self.max_model_len}: must be at least 2 tokens")
+        if self.max_queue < 0:
+            raise ConfigError(f"--max-queue {self.max_queue}: must be 0 or more (0 admits only the running request)")
+        if not self.is_remote and not os.path.isdir(self.model):
+            raise ConfigError(
+                f"model {self.model!r} is not a directory: pass a preheat or Hugging Face checkpoint directory, "
+                "or an http(s):// or s3:// URI to pull through the node cache"
+            )
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether MODEL is a URI to pull through the node cache rather than a local directory."""
+        return self.model.startswith(REMOTE_SCHEMES)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``"model"``: ``--served-model-name``, else the last part of MODEL."""
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(self.model.rstrip("/")) or self.model
+
+    @property
+    def engine_dtype(self) -> str | None:
+        """The dtype handed to the engine (``auto`` means the checkpoint's own)."""
+        return None if self.dtype in (None, "auto") else self.dtype
+
+
+def _parse(name: str, variable: str, raw: str) -> object:
+    if name in ("port", "max_model_len", "max_queue"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{variable}={raw!r} is not an integer") from None
+    return raw

@@ -1,0 +1,144 @@
+"""One generation worker thread in front of the engine, with a bounded waiting line.
+
+The engine is not thread-safe, so every generation runs on this one thread, one request after another; request
+threads only tokenize, enqueue, and relay the steps this thread produces. ``max_queue`` bounds the requests waiting
+behind the one being generated: one more is refused at once (the server answers 429) instead of piling up latency
+that no client will wait for. A job whose client went away is cancelled: the engine's ``should_stop`` sees it
+between tokens, and a job cancelled while still waiting is skipped without touching the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+from preheat.errors import PreheatError
+
+if TYPE_CHECKING:  # the engine imports torch: never at module level on the cold-start path
+    from preheat.engine import Engine, GenerationStep, SamplingParams
+    from preheat.server.metrics import ServerMetrics
+
+log = logging.getLogger("preheat.server")
+
+# What a job's consumer receives: a step, an error raised by the engine, or None once the generation is over.
+Event = Union["GenerationStep", BaseException, None]
+
+
+class QueueFullError(PreheatError):
+    """The waiting line is full; the request should be retried later (HTTP 429)."""
+
+
+@dataclass
+class Job:
+    """One generation request on its way through the worker."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
+    first_token_at: float | None = None  # monotonic, set by the worker when the engine yields the first step
+    last_token_at: float | None = None
+    generated: int = 0
+    finish: str | None = None  # "stop", "length", "abort" (client went away) or "error"
+
+    def cancel(self) -> None:
+        """Stop this generation at the next token (or skip it if it has not started)."""
+        self.cancelled.set()
+
+
+class Worker:
+    """Runs jobs one at a time on a daemon thread; ``submit`` refuses when ``max_queue`` jobs already wait."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, *, max_queue: int) -> None:
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self._waiting: deque[Job] = deque()
+        self._running = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="preheat-generate", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Let the current token finish, cancel everything, and end the thread."""
+        with self._cond:
+            self._stopping = True
+            for job in self._waiting:
+                job.cancel()
+            self._cond.notify_all()
+
+    def load(self) -> tuple[int, int]:
+        """(jobs waiting, jobs generating): the queue-depth gauges."""
+        with self._cond:
+            return len(self._waiting), self._running
+
+    def submit(self, job: Job) -> None:
+        """Put ``job`` in line, or raise ``QueueFullError`` when ``max_queue`` jobs already wait."""
+        with self._cond:
+            if len(self._waiting) >= self.max_queue and (self._running or self._waiting):
+                raise QueueFullError(
+                    f"{len(self._waiting)} request(s) already wait for the engine (--max-queue {self.max_queue})"
+                )
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._waiting.popleft()
+                self._running = 1
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = 0
+                job.events.put(None)
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.finish = "abort"
+            self.metrics.finished.inc(reason="abort")
+            return
+        try:
+            steps = self.engine.generate(job.prompt_ids, job.params, should_stop=job.cancelled.is_set)
+            # closing(): a cancelled job leaves the loop early, and closing the iterator frees its KV blocks now.
+            with contextlib.closing(steps):
+                self._relay(job, steps)
+        # The engine raises PreheatError for requests it refuses; anything else is a bug that must reach the client
+        # as a 500 (and the log) without killing the only generation thread.
+        except Exception as exc:  # relayed to the request thread; logged unless it is a refusal
+            if not isinstance(exc, PreheatError):
+                log.exception("generation failed")
+            job.finish = "error"
+            self.metrics.finished.inc(reason="error")
+            job.events.put(exc)
+            return
+        if job.cancelled.is_set():
+            job.finish = "abort"
+        self.metrics.finished.inc(reason=job.finish or "stop")
+
+    def _relay(self, job: Job, steps: Iterator[GenerationStep]) -> None:
+        for step in steps:
+            now = time.monotonic()
+            if job.first_token_at is None:
+                job.first_token_at = now
+            job.last_token_at = now
+            job.generated += 1
+            job.finish = step.finish_reason
+            self.metrics.generated_tokens.inc()
+            job.events.put(step)
+            if job.cancelled.is_set():
+                return  # don't wait for the engine's own check: the next token would be wasted work

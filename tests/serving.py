@@ -1,0 +1,183 @@
+"""HTTP helpers for the server tests: a tiny client over ``http.client``, and a gate that holds connections.
+
+The tests speak plain HTTP to a real ``preheat serve`` subprocess, exactly as an OpenAI client would; nothing of the
+server is imported or mocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+from preheat.server.sse import parse_events
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:  # Any: whatever JSON the server sent
+        return json.loads(self.body)
+
+
+@dataclass
+class Stream:
+    """A finished streamed response: status, the JSON chunks, whether it ended with [DONE], and its text."""
+
+    status: int
+    headers: dict[str, str]
+    chunks: list[dict[str, Any]] = field(default_factory=list)  # Any: OpenAI chunk JSON
+    done: bool = False
+
+    @property
+    def text(self) -> str:
+        parts = []
+        for chunk in self.chunks:
+            for choice in chunk.get("choices", []):
+                parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+        return "".join(parts)
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [c["finish_reason"] for ch in self.chunks for c in ch.get("choices", []) if c.get("finish_reason")]
+        return reasons[-1] if reasons else None
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        found = [c["usage"] for c in self.chunks if c.get("usage")]
+        return found[-1] if found else None
+
+
+class Client:
+    """One-request-per-connection HTTP client for a server at ``url``."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 120.0) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.api_key, self.timeout = api_key, timeout
+
+    def connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        out = {"Content-Type": "application/json"}
+        if self.api_key:
+            out["Authorization"] = f"Bearer {self.api_key}"
+        return out | (extra or {})
+
+    def request(
+        self, method: str, path: str, body: object = None, headers: dict[str, str] | None = None
+    ) -> Reply:
+        raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        conn = self.connect()
+        try:
+            conn.request(method, path, body=raw, headers=self.headers(headers))
+            response = conn.getresponse()
+            return Reply(response.status, dict(response.getheaders()), response.read())
+        finally:
+            conn.close()
+
+    def get(self, path: str) -> Reply:
+        return self.request("GET", path)
+
+    def post(self, path: str, body: object, headers: dict[str, str] | None = None) -> Reply:
+        return self.request("POST", path, body, headers)
+
+    def stream(self, path: str, body: dict[str, Any]) -> Stream:
+        conn = self.connect()
+        try:
+            conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(), headers=self.headers())
+            response = conn.getresponse()
+            result = Stream(response.status, dict(response.getheaders()))
+            for payload in parse_events(response.read()):
+                if payload == "[DONE]":
+                    result.done = True
+                else:
+                    result.chunks.append(json.loads(payload))
+            return result
+        finally:
+            conn.close()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one series of ``/metrics`` (0 when absent)."""
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        series = f"{name}{{{want}}}" if want else name
+        for line in self.get("/metrics").body.decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+class Gate:
+    """A TCP proxy to ``upstream_port`` that holds every connection until ``open()``: a model origin that is
+    "still downloading" for exactly as long as a test wants."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.opened = threading.Event()
+        self.waiting = threading.Event()  # set once a client is being held
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def __enter__(self) -> Gate:
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._closed = True
+        self.opened.set()
+        self._listener.close()
+        for sock in list(self._sockets):
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.05)  # so that __exit__ can stop a thread blocked in accept()
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            self._sockets.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        self.waiting.set()
+        self.opened.wait()
+        if self._closed:
+            return
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        self._sockets.append(upstream)
+        threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
+        _pipe(client, upstream)
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)

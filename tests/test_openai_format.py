@@ -1,0 +1,111 @@
+"""The server's pure parts, without sockets: OpenAI request rules, server-sent event framing, Prometheus text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from preheat.server import openai, sse
+from preheat.server.metrics import Counter, Histogram, ServerMetrics
+
+
+def parse(body: dict[str, object], kind: str = "completion") -> openai.GenerationRequest:
+    return openai.parse_request(json.dumps(body).encode(), kind, "m")
+
+
+def test_completion_defaults_follow_openai() -> None:
+    request = parse({"prompt": "Hi"})
+    defaults = (request.max_tokens, request.temperature, request.top_p, request.stop, request.seed)
+    assert defaults == (16, 1.0, 1.0, [], None)
+    assert not request.stream
+    assert not request.include_usage
+
+
+def test_chat_answers_as_long_as_the_context_allows_unless_limited() -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    assert parse({"messages": messages}, "chat").max_tokens is None
+    assert parse({"messages": messages, "max_tokens": 5}, "chat").max_tokens == 5
+    assert parse({"messages": messages, "max_tokens": 5, "max_completion_tokens": 7}, "chat").max_tokens == 7
+
+
+def test_prompt_forms() -> None:
+    assert parse({"prompt": ["Hi"]}).prompt == "Hi"
+    assert parse({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    with pytest.raises(openai.APIError, match="batches are not supported"):
+        parse({"prompt": ["a", "b"]})
+
+
+def test_chat_content_parts_are_joined_and_non_text_parts_refused() -> None:
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    request = parse({"messages": [{"role": "user", "content": parts}]}, "chat")
+    assert request.messages == [{"role": "user", "content": "Hello, world"}]
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(openai.APIError) as caught:
+        parse({"messages": [{"role": "user", "content": image}]}, "chat")
+    assert caught.value.param == "messages[0].content"
+
+
+def test_booleans_are_not_numbers() -> None:
+    with pytest.raises(openai.APIError) as caught:
+        parse({"prompt": "Hi", "max_tokens": True})
+    assert caught.value.param == "max_tokens"
+
+
+def test_usage_chunk_closes_a_stream_that_asked_for_it() -> None:
+    request = parse({"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}})
+    chunk = openai.stream_chunk(request, "cmpl-1", 0, "a", None)
+    assert chunk["usage"] is None
+    last = openai.usage_chunk(request, "cmpl-1", 0, openai.usage(3, 2, 1))
+    assert last["choices"] == []
+    assert last["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+
+
+def test_events_frame_and_parse_back() -> None:
+    raw = sse.event({"text": "a\nb"}) + sse.event({"text": "ü"}) + sse.DONE
+    assert raw.count(b"\n\n") == 3
+    assert sse.parse_events(raw) == ['{"text":"a\\nb"}', '{"text":"ü"}', "[DONE]"]
+
+
+def test_chunks_are_http_chunked_frames() -> None:
+    assert sse.chunk(b"hello") == b"5\r\nhello\r\n"
+    assert sse.chunk(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
+    assert sse.chunk(b"") == b"", "an empty chunk would end the response"
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    histogram = Histogram("h_seconds", "help", (0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 5.0):
+        histogram.observe(value)
+    assert histogram.lines() == [
+        'h_seconds_bucket{le="0.1"} 2',
+        'h_seconds_bucket{le="1"} 3',
+        'h_seconds_bucket{le="+Inf"} 4',
+        "h_seconds_sum 5.65",
+        "h_seconds_count 4",
+    ]
+
+
+def test_label_values_are_escaped() -> None:
+    counter = Counter("c_total", "help")
+    counter.inc(endpoint='a"b\\c\nd')
+    assert counter.lines() == ['c_total{endpoint="a\\"b\\\\c\\nd"} 1']
+
+
+def test_stage_durations_come_from_the_timeline() -> None:
+    stages = [
+        {"name": "weight_load", "start": 1.0, "end": 1.5},
+        {"name": "ready", "start": 2.0, "end": 2.0},
+        {"name": "warmup", "start": 1.5, "end": None},  # still running: not a duration yet
+    ]
+    text = ServerMetrics(lambda: stages, lambda: (2, 1)).render()
+    assert 'preheat_load_stage_seconds{stage="weight_load"} 0.5' in text
+    assert "warmup" not in text
+    assert "preheat_time_to_ready_seconds 2" in text
+    assert "preheat_queue_depth 2" in text
+    assert "preheat_requests_running 1" in text
