@@ -7,12 +7,11 @@ Llama-family implementation cannot run a config (the engine then falls back to t
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.checkpoint.manifest import read_config
+from preheat.checkpoint.manifest import read_config, read_json_object
 from preheat.errors import CheckpointError
 
 # Architectures whose weights and math are exactly the Llama block: RMSNorm, RoPE, GQA attention (optional q/k/v
@@ -146,19 +145,6 @@ class ModelConfig:
             (self.head_dim % 2 == 1, f"odd head_dim {self.head_dim} cannot be rotated"),
         )
         return next((reason for failed, reason in checks if failed), None)
-
-
-def read_json_object(path: str) -> dict[str, Any]:  # Any: JSON values
-    """The JSON object in ``path``; ``{}`` when the file is absent or holds no object; ``CheckpointError`` naming
-    the file when it cannot be read or parsed."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as handle:
-            doc = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON ({exc})", path=path) from None
-    return doc if isinstance(doc, dict) else {}
 
 
 def read_model_config(root: str) -> dict[str, Any]:  # Any: JSON values

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer
 
+from preheat.checkpoint.manifest import read_json_object
 from preheat.engine.chat import ChatTemplate, find_template
-from preheat.engine.config import read_json_object
 from preheat.errors import CheckpointError, RequestError
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
