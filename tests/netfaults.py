@@ -12,13 +12,15 @@ import socket
 import threading
 from types import TracebackType
 
+from typing_extensions import Self
 
-class FaultProxy:
-    def __init__(self, upstream_port: int, *, cut_after: int | None = None, cuts: int = 1) -> None:
+
+class LoopbackProxy:
+    """A TCP proxy on a free 127.0.0.1 port to ``127.0.0.1:upstream_port``; subclasses decide what happens to each
+    accepted client in ``handle``. Every socket it registers is shut down and closed on exit."""
+
+    def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.cut_after = cut_after
-        self.cuts = cuts
-        self.cuts_done = 0
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
@@ -26,23 +28,39 @@ class FaultProxy:
         self._closed = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
 
-    def __enter__(self) -> FaultProxy:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._closed = True
+        self.closing()
         self._listener.close()
         with self._lock:
             sockets = list(self._sockets)
         for sock in sockets:
             _shut(sock)
             sock.close()
-        self._thread.join()
+        self._thread.join(timeout=5)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def closing(self) -> None:
+        """Called first on exit: release anything ``handle`` may be waiting on."""
+
+    def register(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+
+    def connect_upstream(self) -> socket.socket:
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        self.register(upstream)
+        return upstream
+
+    def handle(self, client: socket.socket) -> None:
+        raise NotImplementedError
 
     def _accept(self) -> None:
         # Closing a listening socket does not wake a thread blocked in accept(): poll so that __exit__ can stop it.
@@ -55,11 +73,21 @@ class FaultProxy:
             except OSError:
                 return
             client.settimeout(None)
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            with self._lock:
-                self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+            self.register(client)
+            threading.Thread(target=self.handle, args=(client,), daemon=True).start()
+
+
+class FaultProxy(LoopbackProxy):
+    def __init__(self, upstream_port: int, *, cut_after: int | None = None, cuts: int = 1) -> None:
+        super().__init__(upstream_port)
+        self.cut_after = cut_after
+        self.cuts = cuts
+        self.cuts_done = 0
+
+    def handle(self, client: socket.socket) -> None:
+        upstream = self.connect_upstream()
+        threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+        self._pump(upstream, client, True)
 
     def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
         forwarded = 0

@@ -12,10 +12,10 @@ import json
 import socket
 import threading
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
+from netfaults import LoopbackProxy
 from preheat.server.sse import parse_events
 
 
@@ -74,9 +74,7 @@ class Client:
             out["Authorization"] = f"Bearer {self.api_key}"
         return out | (extra or {})
 
-    def request(
-        self, method: str, path: str, body: object = None, headers: dict[str, str] | None = None
-    ) -> Reply:
+    def request(self, method: str, path: str, body: object = None, headers: dict[str, str] | None = None) -> Reply:
         raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         conn = self.connect()
         try:
@@ -117,60 +115,27 @@ class Client:
         return 0.0
 
 
-class Gate:
+class Gate(LoopbackProxy):
     """A TCP proxy to ``upstream_port`` that holds every connection until ``open()``: a model origin that is
     "still downloading" for exactly as long as a test wants."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self.opened = threading.Event()
         self.waiting = threading.Event()  # set once a client is being held
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self._listener.getsockname()[1])
-        self._sockets: list[socket.socket] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def open(self) -> None:
         self.opened.set()
 
-    def __enter__(self) -> Gate:
-        self._thread.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._closed = True
+    def closing(self) -> None:
         self.opened.set()
-        self._listener.close()
-        for sock in list(self._sockets):
-            with contextlib.suppress(OSError):
-                sock.close()
-        self._thread.join(timeout=5)
 
-    def _accept(self) -> None:
-        self._listener.settimeout(0.05)  # so that __exit__ can stop a thread blocked in accept()
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            client.settimeout(None)
-            self._sockets.append(client)
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
+    def handle(self, client: socket.socket) -> None:
         self.waiting.set()
         self.opened.wait()
         if self._closed:
             return
-        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-        self._sockets.append(upstream)
+        upstream = self.connect_upstream()
         threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
         _pipe(client, upstream)
 

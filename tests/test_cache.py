@@ -196,28 +196,35 @@ def _journal_bytes(cache_root: Path, chunk: int) -> int:
     return sum(1 for _ in journals[0].read_text().splitlines()) * chunk
 
 
+def spawn_pull(url: str, cache_root: Path, *, threads: int, chunk: str, quiet: bool = False) -> subprocess.Popen[str]:
+    """``preheat pull URL --json`` as a separate process (output discarded when ``quiet``, else captured)."""
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "preheat.cli",
+            "pull",
+            url,
+            "--cache-dir",
+            str(cache_root),
+            "--threads",
+            str(threads),
+            "--chunk-bytes",
+            chunk,
+            "--json",
+        ],
+        stdout=out,
+        stderr=out,
+        text=True,
+    )
+
+
 def test_killed_pull_resumes_fetching_only_missing_chunks(origin_dir: Path, tmp_path: Path) -> None:
     cache_root = tmp_path / "cache"
     chunk = 128 * 1024
     with FileServer(origin_dir, throttle_bps=2_000_000) as server:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "preheat.cli",
-                "pull",
-                server.url,
-                "--cache-dir",
-                str(cache_root),
-                "--threads",
-                "2",
-                "--chunk-bytes",
-                str(chunk),
-                "--json",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        proc = spawn_pull(server.url, cache_root, threads=2, chunk=str(chunk), quiet=True)
         total = sum(f.stat().st_size for f in origin_dir.iterdir() if f.name != MANIFEST_NAME)
         deadline = time.monotonic() + 60
         while _journal_bytes(cache_root, chunk) < total * 0.5 and time.monotonic() < deadline:
@@ -235,28 +242,7 @@ def test_killed_pull_resumes_fetching_only_missing_chunks(origin_dir: Path, tmp_
 def test_concurrent_pulls_download_once_and_share(origin_dir: Path, tmp_path: Path) -> None:
     cache_root = tmp_path / "cache"
     with FileServer(origin_dir, throttle_bps=8_000_000) as server:
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "preheat.cli",
-                    "pull",
-                    server.url,
-                    "--cache-dir",
-                    str(cache_root),
-                    "--threads",
-                    "4",
-                    "--chunk-bytes",
-                    "256KiB",
-                    "--json",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(3)
-        ]
+        procs = [spawn_pull(server.url, cache_root, threads=4, chunk="256KiB") for _ in range(3)]
         outputs = [p.communicate(timeout=120) for p in procs]
         sent = server.stats.snapshot().bytes_sent
     assert all(p.returncode == 0 for p in procs), [err for _, err in outputs]
