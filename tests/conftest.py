@@ -10,14 +10,16 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
+from redisserver import RedisServer
 from smollm2 import SmolLM2, cache_root
 
 # Odd vocabulary: not divisible by 2 or 4, so vocab-parallel tensors are cut in uneven, ceil-sized blocks.
@@ -135,3 +137,27 @@ def tiny_servable_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Llama with a real byte-level tokenizer, chat template and EOS (``make_tiny_servable_model``):
     what the engine and server tests serve. Shared by the session: copy it before changing any file."""
     return make_tiny_servable_model(tmp_path_factory.mktemp("servable"))
+
+
+@pytest.fixture(scope="session")
+def kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny servable model with a ``preheat.json`` manifest, so it has the identity KV L2 tiers require."""
+    root = make_tiny_servable_model(tmp_path_factory.mktemp("kv-model"))
+    (root / MANIFEST_NAME).write_bytes(build_manifest(str(root)).to_json())
+    return root
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real ``redis-server`` for the session (tests use their own key prefixes or flush it)."""
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A ``redis-server`` of this test alone, which it may kill and restart."""
+    server = RedisServer()
+    yield server
+    server.stop()

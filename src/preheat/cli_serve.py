@@ -20,15 +20,22 @@ preheat or Hugging Face checkpoint directory, or an http(s):// or s3:// URI pull
 endpoints:
   POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending with data: [DONE])
   GET  /v1/models, /health, /metrics (Prometheus), /v1/preheat/timeline (cold-start stages as JSON)
+  GET  /v1/kv/events   what the KV tiers hold and what changed, for the router (docs/kv-events.md)
 
 environment (each flag has one; the flag wins):
   PREHEAT_MODEL, PREHEAT_HOST, PREHEAT_PORT, PREHEAT_DEVICE, PREHEAT_DTYPE, PREHEAT_MAX_MODEL_LEN,
-  PREHEAT_SERVED_MODEL_NAME, PREHEAT_MAX_QUEUE, PREHEAT_API_KEY, PREHEAT_CACHE_DIR, PREHEAT_LOAD_MODE
+  PREHEAT_SERVED_MODEL_NAME, PREHEAT_MAX_QUEUE, PREHEAT_API_KEY, PREHEAT_CACHE_DIR, PREHEAT_LOAD_MODE,
+  PREHEAT_KV_L1, PREHEAT_KV_L2, PREHEAT_KV_L2_MAX_BYTES, PREHEAT_KV_L2_TTL, PREHEAT_KV_DTYPE, PREHEAT_KV_CHUNK_TOKENS,
+  PREHEAT_PEER, PREHEAT_PEER_PORT, PREHEAT_PEER_TOKEN, PREHEAT_PEER_MAX_MBPS, PREHEAT_REGISTRY, PREHEAT_ORIGIN,
+  PREHEAT_COMPILE
   PREHEAT_T0   epoch seconds the platform started the replica (e.g. pod creation): the timeline's origin
 
 examples:
   preheat serve ./smollm2 --port 8000
   preheat serve s3://models/llama-3-8b --device cuda --dtype bf16 --api-key "$KEY"
+  preheat serve ./smollm2 --kv-l1 20% --kv-l2 fs:///shared/kv      # reuse prompt prefixes across replicas
+  preheat serve ./smollm2 --peer --registry redis://reg:6379       # serve the weights to new replicas
+  preheat serve preheat://smollm2 --registry redis://reg:6379 --origin https://models/smollm2 --peer
   curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 docs: docs/server.md
@@ -74,6 +81,21 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     serve.add_argument("--max-queue", type=int, default=None, help="requests waiting before 429 (default: 16)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: off)")
     serve.add_argument("--cache-dir", default=None, help="node cache for URIs (default: ~/.cache/preheat)")
+    kv = serve.add_argument_group("KV tiers (docs/kv-cache.md; off unless --kv-l1 or --kv-l2 is given)")
+    kv.add_argument("--kv-l1", default=None, metavar="SIZE", help="host-memory tier: 8GiB or 20%% of RAM")
+    kv.add_argument("--kv-l2", default=None, metavar="URL", help="shared tier: fs:///dir or redis://host:port/db")
+    kv.add_argument("--kv-l2-max-bytes", default=None, metavar="SIZE", help="fs:// L2 quota, LRU across processes")
+    kv.add_argument("--kv-l2-ttl", type=int, default=None, metavar="S", help="redis:// L2 expiry after a hit (1 day)")
+    kv.add_argument("--kv-dtype", default=None, choices=("auto", "int8", "fp8"), help="how chunks are stored (auto)")
+    kv.add_argument("--kv-chunk-tokens", type=int, default=None, metavar="C", help="tokens per chunk (default: 256)")
+    peer = serve.add_argument_group("peers (docs/peer.md)")
+    peer.add_argument("--peer", action="store_true", default=None, help="serve the weights to new replicas once loaded")
+    peer.add_argument("--peer-port", type=int, default=None, metavar="N", help="peer server port (default: 0, free)")
+    peer.add_argument("--peer-token", default=None, help="shared token peers require (prefer PREHEAT_PEER_TOKEN)")
+    peer.add_argument("--peer-max-mbps", type=float, default=None, metavar="MBPS", help="total outbound cap, MB/s")
+    peer.add_argument("--registry", default=None, metavar="URL", help="redis://host:port[/db] or file:///shared/dir")
+    peer.add_argument("--origin", default=None, metavar="URI", help="where a preheat:// model falls back to")
+    peer.add_argument("--compile", action="store_true", default=None, help="torch.compile, with artifacts from peers")
     serve.set_defaults(func=_cmd_serve)
 
     timeline = commands.add_parser(
@@ -102,10 +124,13 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from preheat.server.app import run
+    from dataclasses import fields
 
-    names = ("model", "host", "port", "device", "dtype", "max_model_len", "served_model_name", "max_queue")
-    flags: dict[str, object] = {name: getattr(args, name) for name in (*names, "api_key", "cache_dir")}
+    from preheat.server.app import run
+    from preheat.server.settings import ServeSettings
+
+    # Every settings field is a flag of the same name (None when not given: the environment or default applies).
+    flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(ServeSettings)}
     return run(flags)
 
 

@@ -21,6 +21,7 @@ missing chunks are fetched again. Several processes pulling the same model downl
 examples:
   preheat pull https://models.internal/llama-3-8b
   AWS_ENDPOINT_URL=http://minio:9000 preheat pull s3://models/llama-3-8b --threads 32
+  preheat pull preheat://llama-3-8b --registry redis://reg:6379 --origin https://models.internal/llama-3-8b
 """
 
 CACHE_HELP = """\
@@ -42,8 +43,10 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         description=PULL_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    pull.add_argument("uri", help="http(s)://..., s3://bucket/prefix or a local directory")
+    pull.add_argument("uri", help="http(s)://..., s3://bucket/prefix, preheat://NAME (from peers) or a local directory")
     _common(pull)
+    pull.add_argument("--registry", default=None, help="preheat://: peer registry, redis://... or file:///dir")
+    pull.add_argument("--origin", default=None, help="preheat://: where to fall back to when no peer has it")
     pull.set_defaults(func=_cmd_pull)
 
     cache = commands.add_parser(
@@ -107,12 +110,19 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
+        peers = None
+        if args.uri.startswith("preheat://"):  # tokens only from PREHEAT_PEER_TOKEN: a command line is public
+            from preheat.peer.pull import PeerOptions
+
+            given = {"registry": getattr(args, "registry", None), "origin": getattr(args, "origin", None)}
+            peers = PeerOptions.from_env(**given)
         result = pull(
             args.uri,
             _cache(args),
             threads=args.threads,
             chunk_bytes=parse_size(args.chunk_bytes),
             progress=progress,
+            peers=peers,
         )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -124,6 +134,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         print(f"{result.key}\n{result.path}\n{state}{rate}")
         for note in result.notes:
             print(f"note: {note}", file=sys.stderr)
+        for source, nbytes in result.sources.items() if peers is not None else ():
+            print(f"from {source}: {format_bytes(nbytes)}", file=sys.stderr)
     return 0
 
 

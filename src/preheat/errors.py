@@ -40,6 +40,16 @@ class SourceAccessError(SourceError):
     """The source refused access (HTTP 401/403, S3 AccessDenied): the credentials or token are missing or wrong."""
 
 
+class PeerError(SourceError):
+    """A peer or the peer registry failed: unreachable, stalled, refused the token, or sent bytes that do not match
+    the manifest. Pulls treat it as a lost source and carry on with the others (other peers, then the origin)."""
+
+
+class RegistryError(PeerError):
+    """The peer registry (Redis, or a shared directory) cannot be read or written; pulls fall back to the cache and
+    the origin with a warning."""
+
+
 class CacheError(PreheatError):
     """The node-local model cache failed in a way that cannot be treated as a miss."""
 
@@ -57,3 +67,11 @@ class RequestError(PreheatError):
 
     Recoverable: the engine is unharmed and a server answers 400; the message says what to change.
     """
+
+
+class RouterError(PreheatError):
+    """The router cannot start or reach any replica (bad replica URL, no tokenizer for a cache-aware policy)."""
+
+
+class PlanError(PreheatError):
+    """A planning input (a request trace, a cold-start timeline) cannot be used; the message names the file and line."""

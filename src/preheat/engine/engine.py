@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,8 +21,11 @@ from preheat.engine.config import ModelConfig, read_model_config
 from preheat.engine.kv import PagedKVCache
 from preheat.engine.sampling import Sampler, SamplingParams, StopStrings
 from preheat.engine.tokenizer import TextTokenizer
-from preheat.errors import CheckpointError, RequestError
+from preheat.errors import CheckpointError, KVError, RequestError
 from preheat.timeline import Timeline
+
+if TYPE_CHECKING:  # the KV tiers import torch-free key code and, for L2, redis: only when a server turns them on
+    from preheat.kv.tiered import TieredKV
 
 PREFILL_PIECE = 512  # prompt tokens per forward pass: bounds activation memory, lets a cancel land mid-prefill
 
@@ -70,6 +74,7 @@ class Engine:
         # The built-in model (None for the fallback): its forward() runs tokens into kv_cache sequences directly.
         self.model = backend.model if isinstance(backend, NativeBackend) else None
         self.identity = identity  # the checkpoint's preheat.json identity, when it has one (KV fingerprints)
+        self.kv_tiers: TieredKV | None = None  # set by ``attach_kv_tiers``: reuse prompt chunks across requests
 
     @classmethod
     def from_checkpoint(
@@ -139,6 +144,12 @@ class Engine:
             identity=_identity(root),
         )
 
+    def attach_kv_tiers(self, tiers: TieredKV | None) -> None:
+        """Look prompts up in ``tiers`` (and store their new chunks there) from the next request on."""
+        if tiers is not None and self.kv_cache is None:
+            raise RequestError("KV tiers need the native engine's paged KV cache (not the transformers fallback)")
+        self.kv_tiers = tiers
+
     # -- prompts --------------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -189,24 +200,69 @@ class Engine:
     ) -> Generator[GenerationStep, None, None]:
         state = self.backend.begin()
         try:
-            cached = self._restore_prefix(state, prompt)
+            keys = self._chunk_keys(prompt)
+            cached = self._restore_prefix(state, keys, len(prompt))
             logits = None
+            began = time.perf_counter()
             for start in range(cached, len(prompt), PREFILL_PIECE):
                 if should_stop():
                     return
                 logits = self.backend.step(state, prompt[start : start + PREFILL_PIECE], start)
             assert logits is not None  # the prompt is never entirely cached: its last token yields the logits
+            self._store_prefix(state, keys, cached, time.perf_counter() - began, len(prompt) - cached)
             yield from self._decode(
                 state, prompt=prompt, cached=cached, logits=logits, params=params, should_stop=should_stop
             )
         finally:
             self.backend.end(state)
 
-    def _restore_prefix(self, state: object, prompt: list[int]) -> int:
-        """How many leading prompt tokens already have K/V in ``state`` (filled from a KV tier). Always 0 here;
-        the KV-tier issue imports chunks into the sequence and returns their token count (never all of them: the
-        last prompt token is always computed, to get the first logits)."""
-        return 0
+    def _chunk_keys(self, prompt: list[int]) -> list[str]:
+        """Keys of the prompt's full chunks (docs/kv-keys.md), or [] without KV tiers."""
+        tiers = self.kv_tiers
+        if tiers is None:
+            return []
+        from preheat.kv.keys import chunk_keys
+
+        return chunk_keys(tiers.fingerprint, prompt, tiers.chunk_tokens)
+
+    def _restore_prefix(self, state: object, keys: list[str], prompt_len: int) -> int:
+        """Fill ``state`` with the K/V of the longest run of leading chunks some tier holds; returns their token
+        count. Never the whole prompt: its last token is always computed, for the first logits."""
+        tiers, cache = self.kv_tiers, self.kv_cache
+        if tiers is None or cache is None or not keys:
+            return 0
+        from preheat.engine.kv import Sequence
+        from preheat.kv.keys import cacheable_chunks
+
+        assert isinstance(state, Sequence)
+        size = tiers.chunk_tokens
+        restored = 0
+        for chunk in tiers.lookup(keys[: cacheable_chunks(prompt_len, size)]):
+            start = restored * size
+            try:
+                view = cache.chunk_view(state, start, size)
+            except KVError:  # a fragmented pool: fill a temporary chunk and copy it in
+                whole = torch.empty(cache.layout.chunk_shape(size), dtype=cache.layout.dtype, device=cache.device)
+                chunk.load_into(whole)
+                cache.import_chunk(state, start, whole)
+            else:
+                chunk.load_into(view)
+                cache.mark_filled(state, start + size)
+            restored += 1
+        return restored * size
+
+    def _store_prefix(self, state: object, keys: list[str], cached: int, seconds: float, computed: int) -> None:
+        """Hand the prompt's newly computed full chunks to the tiers (L1 now, L2 in the background)."""
+        tiers, cache = self.kv_tiers, self.kv_cache
+        if tiers is None or cache is None:
+            return
+        from preheat.engine.kv import Sequence
+
+        assert isinstance(state, Sequence)
+        tiers.costs.observe("prefill", seconds, computed)
+        size = tiers.chunk_tokens
+        for index in range(cached // size, len(keys)):
+            tiers.store(keys[index], cache.export_chunk(state, index * size, size))
 
     def _decode(
         self,

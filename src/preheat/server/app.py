@@ -180,6 +180,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(200, openai.models_list(self.state.settings.model_name, self.state.created, limit))
         elif path == "/v1/preheat/timeline":
             self.send_json(200, self.state.timeline.to_dict())
+        elif path == "/v1/kv/events":
+            self.kv_events()
         elif path in GENERATION_ROUTES:
             self.send_error_json(openai.APIError(405, f"use POST for {path}", code="method_not_allowed"))
         else:
@@ -208,6 +210,20 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(503, {"status": "failed", "error": state.load_error})
         else:
             self.send_json(503, {"status": "loading", "stage": state.loading_stage()})
+
+    def kv_events(self) -> None:
+        """What the KV tiers hold and what changed (docs/kv-events.md); 404 when this replica has no KV tiers."""
+        loaded = self.state.loaded
+        tiers = loaded.engine.kv_tiers if loaded is not None else None
+        if tiers is None:
+            message = "this replica has no KV tiers (start it with --kv-l1 and/or --kv-l2)"
+            if not self.state.ready.is_set():
+                message = "the model is still loading"
+            self.send_error_json(openai.APIError(404 if self.state.ready.is_set() else 503, message, code="no_kv"))
+            return
+        from preheat.server.kvtier import events_payload
+
+        self.send_json(200, events_payload(tiers, self.path.partition("?")[2], self.state._load))
 
     def peer_closed(self) -> bool:
         """Whether the client has closed its end: the socket is readable and reading would return EOF."""
@@ -266,6 +282,12 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
         httpd.server_close()
         if state.worker is not None:
             state.worker.stop()
+        if state.settings.peer:
+            from preheat.server.peering import stop_peer
+
+            stop_peer(state)  # withdraws the registry entry before the process goes
+        if state.loaded is not None and state.loaded.engine.kv_tiers is not None:
+            state.loaded.engine.kv_tiers.close()  # writes what is queued for L2 (bounded wait), then disconnects
         if state.loaded is not None and state.loaded.lease is not None:
             state.loaded.lease.close()
     if state.load_error is not None:
@@ -291,9 +313,19 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
         state.load_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PreheatError) else str(exc)
         httpd.shutdown()
         return
+    if loaded.engine.kv_tiers is not None:
+        from preheat.server.kvtier import metric_lines, summary
+
+        tiers = loaded.engine.kv_tiers
+        state.metrics.extra.append(lambda: metric_lines(tiers))
+        say(f"preheat serve: {summary(tiers)}")
     worker = Worker(loaded.engine, state.metrics, max_queue=state.settings.max_queue)
     worker.start()
     state.loaded, state.worker = loaded, worker
     state.ready.set()
     ready = next((s["start"] for s in state.timeline.stages() if s["name"] == "ready"), state.timeline.now())
     say(f"preheat serve: ready ({loaded.engine.model_name}, {ready:.2f} s after {state.timeline.origin_source})")
+    if state.settings.peer:  # the replica becomes a peer once loaded (docs/peer.md)
+        from preheat.server.peering import start_peer
+
+        start_peer(state, loaded, say)

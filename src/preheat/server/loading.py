@@ -35,16 +35,19 @@ def fetch(settings: ServeSettings, timeline: Timeline) -> tuple[str, Lease | Non
     """The local directory to load: MODEL itself, or its node-cache entry (pulled now on a miss)."""
     if not settings.is_remote:
         return settings.model, None
+    from preheat.server.peering import peer_options
     from preheat.store.cache import ModelCache
     from preheat.store.pull import pull
 
     cache = ModelCache(settings.cache_dir)
     with timeline.stage("fetch", uri=settings.model) as stage:
-        result = pull(settings.model, cache)
+        result = pull(settings.model, cache, peers=peer_options(settings))
         stage["bytes"] = result.bytes_fetched
         stage["detail"].update(
             cache="hit" if result.hit else "miss", key=result.key, path=result.path, total_bytes=result.bytes_total
         )
+        if result.sources:  # which source (origin, each peer) served how many bytes
+            stage["detail"].update(sources=result.sources, notes=result.notes)
     log.info("fetch: %s %s (%d bytes fetched)", settings.model, "hit" if result.hit else "miss", result.bytes_fetched)
     return result.path, cache.lease(result.key)
 
@@ -63,8 +66,15 @@ def load(settings: ServeSettings, timeline: Timeline) -> Loaded:
             timeline=timeline,
             load_mode=os.environ.get("PREHEAT_LOAD_MODE") or None,
         )
+        if settings.compile:  # compiles during one warm-up, with artifacts from the node cache or a peer
+            from preheat.server.peering import compile_engine
+
+            compile_engine(engine, settings, timeline)
         with timeline.stage("warmup"):
             engine.warmup()
+        from preheat.server import kvtier
+
+        kvtier.attach(engine, settings, timeline)
     except BaseException:
         if lease is not None:
             lease.close()

@@ -140,6 +140,8 @@ class ServerMetrics:
         load: Callable[[], tuple[int, int]],  # (requests waiting, requests generating)
     ) -> None:
         self._stages, self._load = stages, load
+        # Renderers of extra series (the KV tiers' per-tier counters), each returning finished exposition lines.
+        self.extra: list[Callable[[], list[str]]] = []
         self.ttft = Histogram(
             "preheat_time_to_first_token_seconds",
             "Seconds from a generation request's arrival to its first token (queueing included).",
@@ -210,4 +212,6 @@ class ServerMetrics:
             body = metric.lines()
             if body:
                 lines += metric.header() + body
+        for render in self.extra:
+            lines += render()
         return "\n".join(lines) + "\n"

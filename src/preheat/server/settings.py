@@ -11,10 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from preheat.errors import ConfigError
+from preheat.kv.settings import KVSettings
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
-REMOTE_SCHEMES = ("http://", "https://", "s3://")
+REMOTE_SCHEMES = ("http://", "https://", "s3://", "preheat://")
 # The environment variable of each setting; PREHEAT_CACHE_DIR is shared with `preheat pull` and the cache.
 ENV_VARS = {
     "model": "PREHEAT_MODEL",
@@ -27,6 +28,19 @@ ENV_VARS = {
     "max_queue": "PREHEAT_MAX_QUEUE",
     "api_key": "PREHEAT_API_KEY",
     "cache_dir": "PREHEAT_CACHE_DIR",
+    "kv_l1": "PREHEAT_KV_L1",
+    "kv_l2": "PREHEAT_KV_L2",
+    "kv_l2_max_bytes": "PREHEAT_KV_L2_MAX_BYTES",
+    "kv_l2_ttl": "PREHEAT_KV_L2_TTL",
+    "kv_dtype": "PREHEAT_KV_DTYPE",
+    "kv_chunk_tokens": "PREHEAT_KV_CHUNK_TOKENS",
+    "peer": "PREHEAT_PEER",
+    "peer_port": "PREHEAT_PEER_PORT",
+    "peer_token": "PREHEAT_PEER_TOKEN",
+    "peer_max_mbps": "PREHEAT_PEER_MAX_MBPS",
+    "registry": "PREHEAT_REGISTRY",
+    "origin": "PREHEAT_ORIGIN",
+    "compile": "PREHEAT_COMPILE",
 }
 
 
@@ -44,6 +58,22 @@ class ServeSettings:
     max_queue: int = 16
     api_key: str | None = None
     cache_dir: str | None = None
+    # KV tiers (docs/kv-cache.md): L1 host memory (bytes or % of RAM), L2 fs:///dir or redis://host:port/db.
+    kv_l1: str | None = None
+    kv_l2: str | None = None
+    kv_l2_max_bytes: str | None = None
+    kv_l2_ttl: int = 24 * 3600
+    kv_dtype: str = "auto"
+    kv_chunk_tokens: int = 256
+    # Peers (docs/peer.md): serve the loaded checkpoint to new replicas, find peers for preheat:// models, and ship
+    # torch.compile artifacts between them.
+    peer: bool = False
+    peer_port: int = 0
+    peer_token: str | None = None
+    peer_max_mbps: float | None = None
+    registry: str | None = None
+    origin: str | None = None
+    compile: bool = False
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
@@ -83,6 +113,13 @@ class ServeSettings:
             raise ConfigError(f"--max-model-len {self.max_model_len}: must be at least 2 tokens")
         if self.max_queue < 0:
             raise ConfigError(f"--max-queue {self.max_queue}: must be 0 or more (0 admits only the running request)")
+        self.kv.check()
+        if not 0 <= self.peer_port <= 65535:
+            raise ConfigError(f"--peer-port {self.peer_port}: must be 0-65535 (0 picks a free port)")
+        if self.peer_max_mbps is not None and self.peer_max_mbps <= 0:
+            raise ConfigError(f"--peer-max-mbps {self.peer_max_mbps}: must be a positive number of MB/s")
+        if self.registry is not None and not self.registry.startswith(("redis://", "rediss://", "file://")):
+            raise ConfigError(f"--registry {self.registry!r}: use redis://host:port[/db] or file:///shared/dir")
         if not self.is_remote and not os.path.isdir(self.model):
             raise ConfigError(
                 f"model {self.model!r} is not a directory: pass a preheat or Hugging Face checkpoint directory, "
@@ -102,13 +139,34 @@ class ServeSettings:
         return os.path.basename(self.model.rstrip("/")) or self.model
 
     @property
+    def kv(self) -> KVSettings:
+        """The KV-tier settings (off unless ``--kv-l1`` or ``--kv-l2`` is given)."""
+        return KVSettings(
+            l1=self.kv_l1,
+            l2=self.kv_l2,
+            l2_max_bytes=self.kv_l2_max_bytes,
+            l2_ttl_s=self.kv_l2_ttl,
+            kv_dtype=self.kv_dtype,
+            chunk_tokens=self.kv_chunk_tokens,
+        )
+
+    @property
     def engine_dtype(self) -> str | None:
         """The dtype handed to the engine (``auto`` means the checkpoint's own)."""
         return None if self.dtype in (None, "auto") else self.dtype
 
 
 def _parse(name: str, variable: str, raw: str) -> object:
-    if name in ("port", "max_model_len", "max_queue"):
+    if name in ("peer", "compile"):
+        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ConfigError(f"{variable}={raw!r}: write 1 or 0")
+        return raw.lower() in ("1", "true", "yes", "on")
+    if name == "peer_max_mbps":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{variable}={raw!r} is not a number of MB/s") from None
+    if name in ("port", "max_model_len", "max_queue", "kv_l2_ttl", "kv_chunk_tokens", "peer_port"):
         try:
             return int(raw)
         except ValueError:

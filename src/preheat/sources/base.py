@@ -81,6 +81,11 @@ def check_name(name: str) -> str:
 
 def open_origin(location: str) -> Origin:
     """The origin for a local directory, an ``http(s)://`` prefix or an ``s3://bucket/prefix``."""
+    if location.startswith("preheat://"):  # a name peers resolve, not a place: it is pulled, then loaded locally
+        raise ConfigError(
+            f"{location}: preheat:// names are pulled from peers into the node cache first: run "
+            "'preheat pull preheat://NAME --registry URL' (or preheat.store.pull.pull) and load the entry it prints"
+        )
     if location.startswith(("http://", "https://")):
         from preheat.sources.http import HTTPOrigin
 

@@ -22,8 +22,6 @@ Binds 127.0.0.1 unless told otherwise. Meant for tests and trusted networks: HTT
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -35,13 +33,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from preheat.config import parse_size
 from preheat.errors import ConfigError
+from preheat.sources.httpserve import TrackedHandler, TrackedServer
 from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
 
 log = logging.getLogger("preheat.fileserver")
@@ -146,10 +144,7 @@ def resolve_path(root: str, request_target: str) -> str:
     return real
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-
+class _Server(TrackedServer):
     def __init__(
         self,
         address: tuple[str, int],
@@ -161,8 +156,6 @@ class _Server(ThreadingHTTPServer):
         stats: ServerStats,
         tls: ssl.SSLContext | None,
     ) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
         self.root = root
         self.token = token
@@ -171,8 +164,6 @@ class _Server(ThreadingHTTPServer):
         self.stats = stats
         self.tls = tls
         self.stopping = threading.Event()
-        self.active: set[socket.socket] = set()
-        self.active_lock = threading.Lock()
 
     def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
         sock, address = super().get_request()
@@ -181,41 +172,18 @@ class _Server(ThreadingHTTPServer):
         # The handshake happens on the handler thread's first read, so a slow client never blocks accept().
         return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
-    def handle_error(self, request: object, client_address: object) -> None:
-        # Clients that hang up mid-request (a reader abandoning a stream, a killed pull) are routine, not tracebacks.
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            log.debug("%s: connection ended: %s", client_address, exc)
-            return
-        super().handle_error(request, client_address)  # type: ignore[arg-type]
 
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: clients reuse one connection per thread
+class _Handler(TrackedHandler):
     server_version = "preheat-fileserver/0.1"
-    timeout = 60  # an idle keep-alive connection is closed after a minute
-    # Headers and body go out in separate writes; with Nagle on, the body would wait for the client's delayed ACK
-    # (40 ms per small request).
-    disable_nagle_algorithm = True
     server: _Server
 
-    def setup(self) -> None:
-        super().setup()
-        with self.server.active_lock:
-            self.server.active.add(self.connection)
+    def answered(self, status: int) -> None:
+        self.server.stats.answered(status)
 
-    def finish(self) -> None:
-        with self.server.active_lock:
-            self.server.active.discard(self.connection)
-        super().finish()
-
-    def log_message(self, format: str, *args: object) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def do_HEAD(self) -> None:
+    def do_HEAD(self) -> None:  # noqa: N802 - http.server dispatches on this name
         self._serve(body=False)
 
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 - http.server dispatches on this name
         self._serve(body=True)
 
     # -- request handling --------------------------------------------------------------------------------------------
@@ -226,40 +194,27 @@ class _Handler(BaseHTTPRequestHandler):
             server.stopping.wait()
             self.close_connection = True
             return
-        if not self._authorized():
+        if not self.bearer_ok(server.token):
             return
         if faults.fail_status is not None and server.stats.take_fault("failure", faults.fail_times):
-            self._plain(faults.fail_status, "injected failure\n")
+            self.plain(faults.fail_status, "injected failure\n")
             return
         try:
             path = resolve_path(server.root, self.path)
         except ForbiddenPathError:
-            self._plain(403, "forbidden: outside the served directory\n")
+            self.plain(403, "forbidden: outside the served directory\n")
             return
         try:
             handle = open(path, "rb")  # noqa: SIM115 - closed below, after the body is sent
         except OSError:
-            self._plain(404, "not found\n")
+            self.plain(404, "not found\n")
             return
         with handle:
             info = os.fstat(handle.fileno())
             if not stat.S_ISREG(info.st_mode):
-                self._plain(404, "not found\n")
+                self.plain(404, "not found\n")
                 return
             self._send_file(handle, info.st_size, body=body)
-
-    def _authorized(self) -> bool:
-        token = self.server.token
-        if token is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        if not given.startswith("Bearer "):
-            self._plain(401, "a bearer token is required\n", {"WWW-Authenticate": 'Bearer realm="preheat"'})
-            return False
-        if not hmac.compare_digest(given[len("Bearer ") :].strip().encode(), token.encode()):
-            self._plain(403, "wrong token\n")
-            return False
-        return True
 
     def _send_file(self, handle: BinaryIO, size: int, *, body: bool) -> None:
         faults = self.server.faults
@@ -270,7 +225,7 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 span = parse_range(self.headers.get("Range"), size)
             except UnsatisfiableRangeError:
-                self._plain(416, "", {"Content-Range": f"bytes */{size}"})
+                self.plain(416, "", {"Content-Range": f"bytes */{size}"})
                 return
         if span is None:
             first, length, status = 0, size, 200
@@ -280,7 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
             length, status = last - first + 1, 206
             headers["Content-Range"] = content_range(first, last, size)
         headers["Content-Length"] = str(length)
-        self._head(status, headers)
+        self.head(status, headers)
         if body:
             self._send_body(handle, first, length)
 
@@ -325,19 +280,6 @@ class _Handler(BaseHTTPRequestHandler):
             # Cut the connection mid-body, as a crashed proxy or a reset load balancer would.
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
-
-    def _head(self, status: int, headers: dict[str, str]) -> None:
-        self.server.stats.answered(status)
-        self.send_response(status)
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-
-    def _plain(self, status: int, text: str, headers: dict[str, str] | None = None) -> None:
-        data = text.encode() if self.command != "HEAD" else b""
-        self._head(status, {"Content-Type": "text/plain", "Content-Length": str(len(text.encode())), **(headers or {})})
-        if data:
-            self.wfile.write(data)
 
 
 class FileServer:
@@ -419,11 +361,7 @@ class FileServer:
             return
         server.stopping.set()
         server.shutdown()
-        with server.active_lock:
-            active = list(server.active)
-        for sock in active:
-            with contextlib.suppress(OSError):  # already closed by its handler
-                sock.shutdown(socket.SHUT_RDWR)
+        server.cut_connections()
         server.server_close()
         if self._thread is not None:
             self._thread.join()

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -32,6 +33,9 @@ from preheat.io.reads import read_at_least
 from preheat.sources.base import Origin, Source, open_origin
 from preheat.store import locks
 from preheat.store.cache import ModelCache
+
+if TYPE_CHECKING:
+    from preheat.peer.pull import PeerOptions
 
 MiB = 1024 * 1024
 JOURNAL = ".journal"
@@ -73,6 +77,7 @@ class PullResult:
     seconds: float = 0.0
     files: int = 0
     notes: list[str] = field(default_factory=list)
+    sources: dict[str, int] = field(default_factory=dict)  # bytes kept from each source ("origin", "peer host:port")
 
     @property
     def mbps(self) -> float:
@@ -91,6 +96,7 @@ class PullResult:
             "files": self.files,
             "mbps": self.mbps,
             "notes": self.notes,
+            "sources": self.sources,
         }
 
 
@@ -115,8 +121,17 @@ def pull(
     threads: int = 16,
     chunk_bytes: int = 16 * MiB,
     progress: Progress | None = None,
+    peers: PeerOptions | None = None,
 ) -> PullResult:
-    """Make ``uri`` (``http(s)://``, ``s3://`` or a local directory) a verified entry of ``cache``."""
+    """Make ``uri`` (``http(s)://``, ``s3://``, ``preheat://`` or a local directory) a verified entry of ``cache``.
+
+    ``preheat://NAME`` is pulled from warm peers (docs/peer.md); ``peers`` is a ``preheat.peer.pull.PeerOptions``
+    (default: from ``PREHEAT_REGISTRY``, ``PREHEAT_ORIGIN``, ``PREHEAT_PEER_TOKEN``).
+    """
+    if uri.startswith("preheat://"):
+        from preheat.peer.pull import pull_from_peers
+
+        return pull_from_peers(uri, cache, peers, chunk_bytes=chunk_bytes, progress=progress)
     cache = cache or ModelCache()
     cache.ensure_dirs()
     started = time.perf_counter()
@@ -209,6 +224,7 @@ def _download(
             raise CacheError(f"cache directory {cache.root} is not writable: {exc.strerror}") from None
         raise CacheError(f"pull of {origin.uri} failed writing to {partial}: {exc}") from None
     result.path = cache.publish(key, origin.uri)
+    result.sources = {"origin": result.bytes_fetched} if result.bytes_fetched else {}
     return result
 
 

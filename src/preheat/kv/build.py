@@ -1,0 +1,98 @@
+"""Build an engine's ``TieredKV`` from the server's KV settings (``--kv-l1``, ``--kv-l2``, ``--kv-dtype`` ...).
+
+Failures here never stop a server: an L2 that cannot be reached is built anyway and marked down (with a warning and a
+metric) and retried later; a checkpoint without a ``preheat.json`` identity gets L1 only, because without an
+identity two different checkpoints of the same shape would share keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import TYPE_CHECKING
+
+from preheat.config import parse_size
+from preheat.kv import chunkfile
+from preheat.kv.chunk import stored_dtype
+from preheat.kv.events import EventLog
+from preheat.kv.keys import fingerprint
+from preheat.kv.memory import MemoryTier
+from preheat.kv.settings import KVSettings, l1_bytes
+from preheat.kv.tier import EvictHook, Tier
+from preheat.kv.tiered import TieredKV
+
+if TYPE_CHECKING:
+    from preheat.engine import Engine
+
+log = logging.getLogger("preheat.kv")
+
+
+def engine_fingerprint(engine: Engine, settings: KVSettings, identity: str) -> str:
+    """The KV fingerprint of ``engine`` (docs/kv-keys.md)."""
+    assert engine.kv_cache is not None
+    rope = engine.config.rope.to_dict()
+    if engine.config.rope.rope_type == "dynamic":
+        rope["max_model_len"] = engine.max_model_len  # dynamic NTK's frequencies depend on it (docs/engine.md)
+    return fingerprint(
+        identity=identity,
+        layout=engine.kv_cache.layout.to_dict(),
+        chunk_tokens=settings.chunk_tokens,
+        rope=rope,
+        kv_dtype=None if settings.kv_dtype == "auto" else settings.kv_dtype,
+    )
+
+
+def build_tiers(engine: Engine, settings: KVSettings) -> TieredKV | None:
+    """The tiers for ``engine``, or None when KV tiers are off or the engine cannot export chunks (transformers
+    fallback: warned)."""
+    if not settings.enabled:
+        return None
+    if engine.kv_cache is None:
+        log.warning("KV tiers are off: this model runs on the transformers fallback, which cannot export KV chunks")
+        return None
+    identity = engine.identity
+    l2_url = settings.l2
+    if identity is None:
+        identity = "process-" + secrets.token_hex(16)  # L1 only: these keys are valid inside this process alone
+        if l2_url is not None:
+            log.warning(
+                "KV L2 is off: the checkpoint has no preheat.json identity, so its chunks could not be told apart "
+                "from another checkpoint's; run `preheat convert` to give it one"
+            )
+            l2_url = None
+    fp = engine_fingerprint(engine, settings, identity)
+    layout = engine.kv_cache.layout
+    expect = chunkfile.Expect(
+        fingerprint=fp,
+        dtype=stored_dtype(settings.kv_dtype, layout.dtype),
+        shape=layout.chunk_shape(settings.chunk_tokens),
+    )
+    events = EventLog()
+
+    def evicted(tier: str, key: str) -> None:
+        events.emit("evict", tier, key)
+
+    l1 = MemoryTier(l1_bytes(settings.l1), on_evict=evicted) if settings.l1 is not None else None
+    l2 = open_l2(l2_url, expect, settings, evicted) if l2_url is not None else None
+    return TieredKV(
+        fingerprint=fp,
+        chunk_tokens=settings.chunk_tokens,
+        expect=expect,
+        events=events,
+        l1=l1,
+        l2=l2,
+        kv_dtype=settings.kv_dtype,
+        pin=engine.device.type == "cuda",
+    )
+
+
+def open_l2(url: str, expect: chunkfile.Expect, settings: KVSettings, hook: EvictHook | None = None) -> Tier:
+    """The L2 tier for ``url`` (``fs:///path`` or ``redis://...``); unreachable ones come back marked down."""
+    if url.startswith("fs://"):
+        from preheat.kv.fs import FileTier
+
+        quota = parse_size(settings.l2_max_bytes) if settings.l2_max_bytes is not None else None
+        return FileTier(url[len("fs://") :], expect, max_bytes=quota, on_evict=hook)
+    from preheat.kv.redis_tier import RedisTier
+
+    return RedisTier(url, expect, ttl_s=settings.l2_ttl_s, on_evict=hook)

@@ -1,0 +1,123 @@
+"""What every KV tier is: a small interface, its counters, and its up/down state.
+
+A tier maps chunk keys (docs/kv-keys.md) to ``StoredChunk``s. Tiers never raise on a failed read or write: a
+broken L2 (a missing mount, a dead Redis, a corrupt file) is a *miss* and a counter, never a failed request. A tier
+that cannot be reached is marked down, logs one warning, and is retried after ``retry_s``; the first success marks it
+up again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from preheat.kv.chunk import StoredChunk
+
+log = logging.getLogger("preheat.kv")
+
+EvictHook = Callable[[str, str], None]  # (tier name, key): a chunk left the tier (eviction, corruption, quota)
+
+
+@dataclass
+class TierStats:
+    """Monotonic counters of one tier (rendered as Prometheus metrics by the server)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    stores: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def hit(self, nbytes: int, seconds: float) -> None:
+        with self.lock:
+            self.hits += 1
+            self.bytes_read += nbytes
+            self.read_seconds += seconds
+
+    def add(self, **amounts: int) -> None:
+        with self.lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def snapshot(self) -> dict[str, float]:
+        with self.lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "bytes_read": self.bytes_read,
+                "read_seconds": self.read_seconds,
+                "stores": self.stores,
+                "bytes_written": self.bytes_written,
+                "evictions": self.evictions,
+                "corrupt": self.corrupt,
+                "errors": self.errors,
+            }
+
+
+class Health:
+    """Up/down state of a tier that can fail (a filesystem mount, a Redis server), with a retry interval."""
+
+    def __init__(self, name: str, retry_s: float = 1.0) -> None:
+        self.name = name
+        self.retry_s = retry_s
+        self.up = True
+        self.reason = ""
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    def should_try(self) -> bool:
+        """True when the tier is up, or down long enough to try again."""
+        return self.up or time.monotonic() >= self._retry_at
+
+    def down(self, reason: str) -> None:
+        with self._lock:
+            self._retry_at = time.monotonic() + self.retry_s
+            if self.up:
+                log.warning("KV tier %s is down: %s (requests recompute; retrying every %.0f s)", self.name, reason,
+                            self.retry_s)
+            self.up, self.reason = False, reason
+
+    def ok(self) -> None:
+        if self.up:
+            return
+        with self._lock:
+            if not self.up:
+                log.warning("KV tier %s is back up", self.name)
+            self.up, self.reason = True, ""
+
+
+class Tier(Protocol):
+    """One level of the KV cache."""
+
+    name: str  # "l1" or "l2"
+    stats: TierStats
+
+    @property
+    def up(self) -> bool: ...
+
+    def describe(self) -> str:
+        """Where the tier lives, without credentials (``memory``, ``fs:///shared/kv``, ``redis://host:6379/0``)."""
+        ...
+
+    def get(self, key: str) -> StoredChunk | None:
+        """The chunk, or None (absent, unreadable, corrupt, tier down); counts a hit or a miss."""
+        ...
+
+    def put(self, key: str, chunk: StoredChunk) -> bool:
+        """Store ``chunk``; False when it was not stored (too big, tier down, disk full). Never raises."""
+        ...
+
+    def keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` keys this tier holds, most recently used first (for router snapshots)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,152 @@
+"""A replica as a peer: its checkpoint served (``PeerServer``) and announced (``Heartbeat``), as one unit.
+
+Used by ``preheat serve --peer`` once the model is loaded, and by ``python -m preheat.peer DIR`` (a seed peer that
+serves a checkpoint directory without an engine: a node that has the files but no accelerator, or a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from preheat.checkpoint import manifest as mf
+from preheat.errors import CheckpointError, PreheatError
+from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
+from preheat.peer.server import ArtifactLookup, PeerServer
+
+log = logging.getLogger("preheat.peer")
+
+
+def read_manifest(root: str) -> mf.Manifest:
+    """The checkpoint's ``preheat.json``, or one built now for a directory without one (every file hashed once)."""
+    path = os.path.join(root, mf.MANIFEST_NAME)
+    if os.path.exists(path):
+        with open(path, "rb") as handle:
+            return mf.Manifest.from_json(handle.read(), where=path)
+    try:
+        return mf.build_manifest(root)
+    except PreheatError as exc:
+        raise CheckpointError(f"{root}: cannot serve it to peers without a manifest: {exc}", path=root) from None
+
+
+def advertised_host(host: str) -> str:
+    """The host other replicas should dial: ``PREHEAT_PEER_ADVERTISE``, else the bind address unless it is a
+    wildcard, else this machine's name resolved."""
+    given = os.environ.get("PREHEAT_PEER_ADVERTISE", "").strip()
+    if given:
+        return given
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
+
+@dataclass
+class Peering:
+    """A running peer: its server and, with a registry, its heartbeat."""
+
+    server: PeerServer
+    heartbeat: Heartbeat | None
+    address: str
+
+    def stop(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.server.stop()
+
+
+def start_peering(
+    root: str,
+    *,
+    manifest: mf.Manifest | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    max_bps: float | None = None,
+    registry: str | Registry | None = None,
+    name: str = "",
+    origin: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    artifacts: ArtifactLookup | None = None,
+    ttl: float = DEFAULT_TTL,
+) -> Peering:
+    """Serve checkpoint ``root`` to peers and, with ``registry``, announce it until ``stop()``."""
+    manifest = manifest or read_manifest(root)
+    server = PeerServer(
+        root, manifest, host=host, port=port, token=token, max_bps=max_bps, name=name, artifacts=artifacts
+    ).start()
+    address = f"{advertised_host(host)}:{server.port}"
+    heartbeat = None
+    if registry is not None:
+        reg = open_registry(registry) if isinstance(registry, str) else registry
+        remote_origin = origin if origin and "://" in origin and not origin.startswith("preheat://") else None
+
+        def entry() -> PeerEntry:
+            return PeerEntry(
+                identity=manifest.identity,
+                address=address,
+                name=name,
+                rank=rank,
+                world_size=world_size,
+                load=server.load,
+                origin=remote_origin,
+            )
+
+        heartbeat = Heartbeat(reg, entry, ttl).start()
+    return Peering(server, heartbeat, address)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m preheat.peer DIR``: serve a checkpoint directory to peers until Ctrl-C or SIGTERM."""
+    parser = argparse.ArgumentParser(
+        prog="python -m preheat.peer",
+        description="Serve a checkpoint directory to replicas pulling preheat://NAME (a seed peer, no engine).",
+    )
+    parser.add_argument("root", help="checkpoint directory (with preheat.json, or one is built)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port (default: 0, a free one; printed)")
+    parser.add_argument("--name", default="", help="name to announce (pullers may ask for preheat://NAME)")
+    parser.add_argument("--registry", default=os.environ.get("PREHEAT_REGISTRY"), help="redis://... or file:///dir")
+    parser.add_argument("--origin", default=os.environ.get("PREHEAT_ORIGIN"), help="origin URI to announce")
+    parser.add_argument("--max-mbps", default=None, help="total outbound cap in MB/s (default: none)")
+    parser.add_argument("--ttl", type=float, default=DEFAULT_TTL, help="registry entry lifetime in seconds")
+    args = parser.parse_args(argv)
+    token = os.environ.get("PREHEAT_PEER_TOKEN") or None  # never on the command line: `ps` shows it to everyone
+    import signal
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        max_bps = float(args.max_mbps) * 1e6 if args.max_mbps else None
+        peering = start_peering(
+            os.path.realpath(args.root),
+            host=args.host,
+            port=args.port,
+            token=token,
+            max_bps=max_bps,
+            registry=args.registry or None,
+            name=args.name,
+            origin=args.origin,
+            ttl=args.ttl,
+        )
+    except (PreheatError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(f"peer: serving {peering.server.identity} at {peering.address}", flush=True)
+    try:
+        # Wake up now and then: a signal delivered to another thread does not interrupt a wait without a timeout.
+        while not stop.wait(0.25):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        peering.stop()
+    return 0
+

@@ -1,0 +1,117 @@
+"""The server's side of the KV tiers: build them after warm-up, render their metrics, answer ``/v1/kv/events``.
+
+docs/kv-cache.md has the tiers; docs/kv-events.md the events protocol the router polls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
+
+from preheat.server.settings import ServeSettings
+from preheat.timeline import Timeline
+
+if TYPE_CHECKING:
+    from preheat.engine import Engine
+    from preheat.kv.tiered import TieredKV
+
+SNAPSHOT_LIMIT = 100_000  # keys per tier in a snapshot (docs/kv-events.md)
+
+
+def attach(engine: Engine, settings: ServeSettings, timeline: Timeline) -> None:
+    """Build the KV tiers ``settings`` ask for and attach them to ``engine`` (stage ``kv_tiers``)."""
+    kv = settings.kv
+    if not kv.enabled:
+        return
+    from preheat.kv.build import build_tiers
+
+    with timeline.stage("kv_tiers") as stage:
+        tiers = build_tiers(engine, kv)
+        engine.attach_kv_tiers(tiers)
+        if tiers is not None:
+            stage["detail"].update(
+                fingerprint=tiers.fingerprint,
+                l1=tiers.l1.capacity if tiers.l1 is not None else None,
+                l2=tiers.l2.describe() if tiers.l2 is not None else None,
+                l2_up=tiers.l2.up if tiers.l2 is not None else None,
+                kv_dtype=kv.kv_dtype,
+                chunk_tokens=kv.chunk_tokens,
+            )
+
+
+def summary(tiers: TieredKV) -> str:
+    """One line for the console: each tier, its size or place, and whether it is down (and why)."""
+    from preheat.config import format_bytes
+
+    parts = []
+    if tiers.l1 is not None:
+        parts.append(f"L1 {format_bytes(tiers.l1.capacity)} host memory")
+    if tiers.l2 is not None:
+        health = getattr(tiers.l2, "health", None)
+        state = "up" if tiers.l2.up else f"DOWN ({health.reason if health is not None else 'unreachable'})"
+        parts.append(f"L2 {tiers.l2.describe()} {state}")
+    return f"KV tiers: {', '.join(parts) or 'none'}; chunks of {tiers.chunk_tokens} tokens, stored {tiers.kv_dtype}"
+
+
+def metric_lines(tiers: TieredKV | None) -> list[str]:
+    """Prometheus lines for every tier: hits, misses, bytes, read seconds, stores, evictions, corrupt chunks,
+    errors, up/down; plus L2 writes dropped under pressure."""
+    if tiers is None:
+        return []
+    series = [
+        ("hits", "counter", "Chunk lookups answered by this tier."),
+        ("misses", "counter", "Chunk lookups this tier could not answer (absent, corrupt, or tier down)."),
+        ("bytes_read", "counter", "Bytes of chunks read from this tier."),
+        ("read_seconds", "counter", "Seconds spent reading hits from this tier."),
+        ("stores", "counter", "Chunks stored in this tier."),
+        ("bytes_written", "counter", "Bytes of chunks written to this tier."),
+        ("evictions", "counter", "Chunks removed to stay under capacity (L1) or quota (fs L2)."),
+        ("corrupt", "counter", "Chunks that failed their checks: treated as misses and removed."),
+        ("errors", "counter", "Failed reads and writes (I/O errors, unreachable server)."),
+    ]
+    snapshots = {tier.name: tier.stats.snapshot() for tier in tiers.tiers}
+    lines: list[str] = []
+    for field, kind, help_text in series:
+        name = f"preheat_kv_{field}_total"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{tier="{tier}"}} {_number(snap[field])}' for tier, snap in snapshots.items()]
+    lines += [
+        "# HELP preheat_kv_tier_up 1 when the tier is usable, 0 while it is down (requests recompute).",
+        "# TYPE preheat_kv_tier_up gauge",
+        *(f'preheat_kv_tier_up{{tier="{t.name}"}} {int(t.up)}' for t in tiers.tiers),
+        "# HELP preheat_kv_l2_writes_dropped_total Chunks not written to L2 because its write queue was full.",
+        "# TYPE preheat_kv_l2_writes_dropped_total counter",
+        f"preheat_kv_l2_writes_dropped_total {tiers.dropped}",
+    ]
+    return lines
+
+
+def events_payload(tiers: TieredKV, query: str, load: Callable[[], tuple[int, int]]) -> dict[str, object]:
+    """The ``GET /v1/kv/events`` answer (docs/kv-events.md) for the URL query string ``query``."""
+    params = parse_qs(query)
+    epoch = params.get("epoch", [None])[0]
+    since_text = params.get("since", [None])[0]
+    since = int(since_text) if since_text is not None and since_text.isdigit() else None
+    latest, events = tiers.events.since(epoch, since)
+    waiting, running = load()
+    payload: dict[str, object] = {
+        "epoch": tiers.events.epoch,
+        "fingerprint": tiers.fingerprint,
+        "chunk_tokens": tiers.chunk_tokens,
+        "seq": latest,
+        "reset": events is None,
+        "l2_id": tiers.l2.describe() if tiers.l2 is not None else None,
+        "costs": tiers.costs.to_dict(),
+        "load": {"running": running, "waiting": waiting},
+    }
+    if events is None:
+        payload["l1"] = tiers.l1.keys(SNAPSHOT_LIMIT) if tiers.l1 is not None else []
+        payload["l2"] = tiers.l2.keys(SNAPSHOT_LIMIT) if tiers.l2 is not None else []
+    else:
+        payload["events"] = [e.to_dict() for e in events]
+    return payload
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

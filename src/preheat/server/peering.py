@@ -1,0 +1,156 @@
+"""``preheat serve``'s peer side (docs/peer.md): pull ``preheat://`` models from peers, compile with artifacts from
+them, and serve this replica's weights and artifacts to the next ones once it is loaded.
+
+Three entry points, each one call from the server: ``peer_options`` (for the ``fetch`` stage), ``compile_engine``
+(the ``compile`` stage, with ``--compile``) and ``start_peer``/``stop_peer`` (with ``--peer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from preheat.errors import ConfigError, PeerError, RegistryError
+from preheat.server.settings import ServeSettings
+from preheat.timeline import Timeline
+
+if TYPE_CHECKING:
+    from preheat.engine import Engine
+    from preheat.peer.node import Peering
+    from preheat.peer.pull import PeerOptions
+    from preheat.server.app import ServerState
+    from preheat.server.loading import Loaded
+
+log = logging.getLogger("preheat.server")
+_RUNNING: dict[int, Peering] = {}  # id(ServerState) -> its peer server, until shutdown
+
+
+def peer_options(settings: ServeSettings) -> PeerOptions | None:
+    """How the ``fetch`` stage finds peers for a ``preheat://`` model (None for other models)."""
+    if not settings.model.startswith("preheat://"):
+        return None
+    from preheat.peer.pull import PeerOptions
+
+    return PeerOptions.from_env(registry=settings.registry, origin=settings.origin, token=settings.peer_token)
+
+
+def _cache_root(settings: ServeSettings) -> str:
+    from preheat.store.cache import ModelCache
+
+    return str(ModelCache(settings.cache_dir).root)
+
+
+def compile_engine(engine: Engine, settings: ServeSettings, timeline: Timeline) -> None:
+    """The ``compile`` stage: install matching artifacts (node cache, else a peer), ``torch.compile`` the model and
+    run one warm-up under it (which is when compiling happens); store new artifacts for the next replica."""
+    import torch
+
+    from preheat.peer import artifacts
+    from preheat.peer.registry import open_registry
+
+    if engine.model is None:
+        raise ConfigError("--compile needs the built-in engine (this architecture runs through transformers)")
+    model = engine.model
+    if engine.identity is None:  # no identity, no key: artifacts could never be matched safely
+        log.warning("compile: the checkpoint has no preheat.json identity; compiling without shared artifacts")
+        with timeline.stage("compile", artifacts="none (no checkpoint identity)"):
+            model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
+            engine.warmup()
+        return
+    key = artifacts.artifact_key(
+        identity=engine.identity,
+        device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        max_model_len=engine.max_model_len,
+    )
+    store = artifacts.ArtifactStore(_cache_root(settings))
+    directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or store.inductor_dir(key)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory  # read by Inductor when it first compiles, below
+    with timeline.stage("compile", key=key.hex, device=key.device, arch=key.arch) as stage:
+        blob, source = store.get(key), "node cache"
+        if blob is None and settings.registry:
+            try:
+                entries = open_registry(settings.registry).find(engine.identity)
+            except RegistryError as exc:
+                log.warning("compile: %s; compiling without artifacts", exc)
+                entries = []
+            for entry in entries:
+                blob, source = artifacts.fetch(entry.address, key, token=settings.peer_token), f"peer {entry.address}"
+                if blob is not None:
+                    break
+        installed = None
+        if blob is not None:
+            try:
+                artifacts.install(blob, key, directory, where=source)
+                installed = source
+                if source != "node cache":
+                    store.put(key, blob)
+            except PeerError as exc:
+                log.warning("compile: %s", exc)
+                stage["detail"]["refused"] = str(exc)
+        stage["detail"]["artifacts"] = installed or "none (cold compile)"
+        model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
+        engine.warmup()
+    if installed is None:
+        store.put(key, artifacts.pack(key, directory))
+        log.info("compile: artifacts stored for peers (%s)", key.hex)
+
+
+def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -> None:
+    """With ``--peer``: serve the loaded checkpoint (and compiled artifacts) to peers and announce it."""
+    settings = state.settings
+    if not settings.peer:
+        return
+    from preheat.peer.artifacts import ArtifactStore
+    from preheat.peer.node import start_peering
+
+    store = ArtifactStore(_cache_root(settings))
+    remote = settings.model if "://" in settings.model and not settings.model.startswith("preheat://") else None
+    try:
+        peering = start_peering(
+            loaded.path,
+            host=settings.host,
+            port=settings.peer_port,
+            token=settings.peer_token,
+            max_bps=settings.peer_max_mbps * 1e6 if settings.peer_max_mbps else None,
+            registry=settings.registry,
+            name=settings.model_name,
+            origin=settings.origin or remote,
+            artifacts=store.lookup,
+        )
+    except (PeerError, ConfigError, OSError) as exc:  # the replica still serves its own clients
+        log.warning("peer: not serving peers: %s", exc)
+        say(f"preheat serve: peer serving failed: {exc}")
+        return
+    _RUNNING[id(state)] = peering
+    state.metrics.extra.append(lambda: metric_lines(peering))
+    where = f", announced in {settings.registry}" if settings.registry else ""
+    say(f"preheat serve: peer serving {peering.server.identity} on {peering.address}{where}")
+
+
+def metric_lines(peering: Peering) -> list[str]:
+    """Prometheus lines for the peer server: bytes served, pulls being served, and whether the registry answers."""
+    lines = [
+        "# HELP preheat_peer_bytes_sent_total Checkpoint and artifact bytes sent to other replicas.",
+        "# TYPE preheat_peer_bytes_sent_total counter",
+        f"preheat_peer_bytes_sent_total {peering.server.bytes_sent}",
+        "# HELP preheat_peer_requests_active Peer requests being served now (the load announced to the registry).",
+        "# TYPE preheat_peer_requests_active gauge",
+        f"preheat_peer_requests_active {peering.server.load}",
+    ]
+    if peering.heartbeat is not None:
+        lines += [
+            "# HELP preheat_peer_registry_up 1 while the last heartbeat reached the registry, else 0.",
+            "# TYPE preheat_peer_registry_up gauge",
+            f"preheat_peer_registry_up {int(not peering.heartbeat.failing)}",
+        ]
+    return lines
+
+
+def stop_peer(state: ServerState) -> None:
+    """Withdraw the registry entry and stop the peer server (at shutdown)."""
+    peering = _RUNNING.pop(id(state), None)
+    if peering is not None:
+        peering.stop()

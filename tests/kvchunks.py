@@ -1,0 +1,41 @@
+"""Small KV chunks and tiers for the tier tests: a real layout, random K/V, the real file format."""
+
+from __future__ import annotations
+
+import torch
+
+from preheat.engine.kv import KVLayout
+from preheat.kv import chunkfile
+from preheat.kv.chunk import StoredChunk, store_form, stored_dtype
+from preheat.kv.keys import chunk_keys, fingerprint
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
+CHUNK_TOKENS = 32
+FP = fingerprint(identity="test-model", layout=LAYOUT.to_dict(), chunk_tokens=CHUNK_TOKENS)
+
+
+def expect(kv_dtype: str = "auto", fp: str = FP) -> chunkfile.Expect:
+    return chunkfile.Expect(fp, stored_dtype(kv_dtype, LAYOUT.dtype), LAYOUT.chunk_shape(CHUNK_TOKENS))
+
+
+def exported(seed: int = 0) -> torch.Tensor:
+    """What ``PagedKVCache.export_chunk`` returns for one chunk: random K/V of the layout's shape."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.chunk_shape(CHUNK_TOKENS), generator=generator, dtype=LAYOUT.dtype)
+
+
+def chunk(seed: int = 0, kv_dtype: str = "auto") -> StoredChunk:
+    return store_form(exported(seed), kv_dtype)
+
+
+def key(i: int) -> str:
+    return chunk_keys(FP, list(range(i * CHUNK_TOKENS, (i + 1) * CHUNK_TOKENS)), CHUNK_TOKENS)[0]
+
+
+def same(a: StoredChunk, b: StoredChunk) -> bool:
+    scales_equal = (a.scales is None and b.scales is None) or (
+        a.scales is not None and b.scales is not None and torch.equal(a.scales, b.scales)
+    )
+    return a.data.dtype == b.data.dtype and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and (
+        scales_equal
+    )

@@ -1,0 +1,78 @@
+"""A `preheat timeline` JSON becomes the simulator's cold-start phases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from preheat.errors import PlanError
+from preheat.plan.coldstart import PHASES, ColdStart
+from preheat.timeline import Timeline
+from preheat.timeline_report import Waterfall
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "traces"
+
+
+def _timeline(*stages: tuple[str, float, float], platform: bool = False) -> dict[str, object]:
+    timeline = Timeline(1000.0, origin_source="PREHEAT_T0" if platform else "process start")
+    for name, start, end in stages:
+        timeline.add(name, start, end)
+    timeline.add("ready", stages[-1][2], stages[-1][2])
+    timeline.add("first_request_ttft", stages[-1][2] + 1, stages[-1][2] + 1, ttft=0.2)
+    return timeline.to_dict()
+
+
+def test_server_stages_map_onto_phases() -> None:
+    data = _timeline(
+        ("imports", 0.0, 1.0),
+        ("config", 1.0, 1.5),
+        ("fetch", 1.5, 31.5),
+        ("engine_imports", 31.5, 33.0),
+        ("weight_load", 33.0, 43.0),
+        ("model_build", 43.0, 45.0),
+        ("tokenizer", 45.0, 45.5),
+        ("warmup", 45.5, 47.5),
+        ("compile", 47.5, 50.0),
+    )
+    cold = ColdStart.from_timeline(data, provision_s=60.0, image_s=30.0)
+    assert cold.phases == pytest.approx(
+        {"provision": 60.0, "image": 30.0, "start": 3.0, "download": 30.0, "load": 12.0, "warmup": 2.5, "other": 2.5}
+    )
+    assert cold.seconds() == pytest.approx(140.0)
+    assert cold.seconds(provision=False, download=False) == pytest.approx(50.0)
+    assert cold.seconds(load_factor=0.5) == pytest.approx(140.0 - 15.0 - 6.0)
+
+
+def test_a_measured_platform_stage_replaces_the_image_guess() -> None:
+    data = _timeline(("platform", 0.0, 42.0), ("imports", 42.0, 43.0), platform=True)
+    cold = ColdStart.from_timeline(data, image_s=999.0, download_s=120.0)
+    assert cold.phases["image"] == 42.0
+    assert cold.phases["download"] == 120.0
+
+
+def test_the_shipped_timeline_covers_every_phase_but_other() -> None:
+    cold = ColdStart.from_timeline(json.loads((EXAMPLES / "coldstart-8b.json").read_text()))
+    assert set(cold.phases) == set(PHASES)
+    assert all(cold.phases[p] > 0 for p in PHASES if p != "other")
+    assert cold.to_dict()["total"] == pytest.approx(sum(cold.phases.values()))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"stages": "no"}, "not a preheat timeline"),
+        ({"stages": [{"name": "x"}]}, "stage 0 is malformed"),
+        ({"stages": [{"name": "fetch", "start": 5.0, "end": 1.0}]}, "ends before it starts"),
+    ],
+)
+def test_a_bad_timeline_is_a_plan_error_naming_the_file(data: object, message: str) -> None:
+    with pytest.raises(PlanError, match=f"t.json: .*{message}"):
+        ColdStart.from_timeline(data, where="t.json")
+
+
+def test_the_timeline_commands_json_reads_the_same_as_the_servers() -> None:
+    served = json.loads((EXAMPLES / "coldstart-8b.json").read_text())
+    printed = Waterfall.from_dict(served).to_dict(gpu_cost_per_hour=4.0)  # what `preheat timeline --json` prints
+    assert ColdStart.from_timeline(printed) == ColdStart.from_timeline(served)
