@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.preheat-installed
 
-.PHONY: demo test lint typecheck bench bench-pull bench-coldstart clean venv
+.PHONY: demo test lint typecheck bench bench-pull bench-coldstart bench-ttft bench-kvquant bench-router bench-p2p bench-plan clean venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,31 @@ bench-pull: $(STAMP)
 ## bench-coldstart: process start -> first token, transformers vs preheat serve on SmolLM2 (docs/server.md)
 bench-coldstart: $(STAMP)
 	$(PY) bench/coldstart.py --repeat 3 --json .bench/coldstart.json
+
+## bench-ttft: TTFT with no cache, an L1 hit, and L2 hits (fs://, Redis) on another replica (docs/kv-cache.md)
+bench-ttft: $(STAMP)
+	@mkdir -p .bench
+	$(PY) bench/ttft.py --repeat 3 --json .bench/ttft.json
+
+## bench-kvquant: greedy agreement of int8/fp8 KV chunks against exact ones on SmolLM2
+bench-kvquant: $(STAMP)
+	@mkdir -p .bench
+	$(PY) bench/kvquant.py --json .bench/kvquant.json
+
+## bench-router: multi-round chat through the router, per policy, and the router's overhead (docs/router.md)
+bench-router: $(STAMP)
+	@mkdir -p .bench
+	$(PY) bench/router.py --json .bench/router.json
+
+## bench-p2p: a new replica fed by 1 or 2 peers, the origin, or local disk; compile with and without artifacts
+bench-p2p: $(STAMP)
+	@mkdir -p .bench
+	$(PY) bench/p2p.py --json .bench/p2p.json
+
+## bench-plan: preheat analyze on 100k requests and preheat simulate on a 1M-request day (docs/plan.md)
+bench-plan: $(STAMP)
+	$(PY) bench/analyze.py
+	$(PY) bench/simulate.py
 
 clean:
 	rm -rf $(VENV) .bench .pytest_cache .mypy_cache .ruff_cache

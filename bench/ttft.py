@@ -1,7 +1,7 @@
 """Time to first token with the KV tiers: no cache, an L1 hit, and L2 hits on *another* replica (fs:// and Redis),
 in ONE run on SmolLM2-135M-Instruct (CPU).
 
-    python bench/ttft.py [--prefix-words 2600] [--repeat 3] [--json out.json]
+    python bench/ttft.py [--prefix-words 4000] [--repeat 3] [--json out.json]
 
 Workload: one long shared prefix (a seeded pseudo-document of ``--prefix-words`` words, about 4k tokens with the
 question) followed by a different short question per request, sent as streamed completions with ``max_tokens`` 1;
@@ -177,7 +177,7 @@ def redis_server() -> Iterator[str | None]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefix-words", type=int, default=2600, help="words in the shared prefix (~4k tokens)")
+    parser.add_argument("--prefix-words", type=int, default=4000, help="words in the shared prefix (~4k tokens)")
     parser.add_argument("--repeat", type=int, default=3, help="timed requests per mode (default 3)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()

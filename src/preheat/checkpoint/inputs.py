@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from preheat.checkpoint.jsonfile import read_config
 from preheat.checkpoint.layout import read_manifest
-from preheat.checkpoint.manifest import read_config
 from preheat.errors import ConfigError
 
 Progress = Callable[[str, int, int], None]  # (stage: "read" | "write" | "verify", done bytes, total bytes)

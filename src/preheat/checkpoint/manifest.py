@@ -23,10 +23,10 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 from preheat.checkpoint import dtypes
 from preheat.checkpoint.digest import DIGEST_PREFIX, digest_bytes, file_digest, hash_file
+from preheat.checkpoint.jsonfile import read_config
 from preheat.checkpoint.safetensors import SafetensorsHeader
 from preheat.errors import CheckpointError, ConfigError
 from preheat.sources.base import check_name
@@ -512,25 +512,3 @@ def _world_size(root: str, weights: Iterable[str]) -> int:
             path=root,
         )
     return worlds.pop()
-
-
-def read_json_object(path: str, *, require_object: bool = False) -> dict[str, Any]:  # Any: JSON values
-    """The JSON object in ``path``; ``{}`` when the file is absent (or, unless ``require_object``, holds no object);
-    ``CheckpointError`` naming the file when it cannot be read or parsed."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as handle:
-            doc = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON ({exc})", path=path) from None
-    if not isinstance(doc, dict):
-        if require_object:
-            raise CheckpointError(f"{path}: must hold a JSON object", path=path)
-        return {}
-    return doc
-
-
-def read_config(root: str) -> dict[str, object]:
-    """The JSON object in ``root/config.json``, or ``{}`` when there is none."""
-    return read_json_object(os.path.join(root, "config.json"), require_object=True)

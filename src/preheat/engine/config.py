@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.checkpoint.manifest import read_config, read_json_object
+from preheat.checkpoint.jsonfile import read_config, read_json_object
 from preheat.errors import CheckpointError
 
 # Architectures whose weights and math are exactly the Llama block: RMSNorm, RoPE, GQA attention (optional q/k/v

@@ -27,6 +27,7 @@ from preheat.timeline import Timeline
 if TYPE_CHECKING:  # the KV tiers import torch-free key code and, for L2, redis: only when a server turns them on
     from preheat.kv.tiered import TieredKV
 
+MIN_COST_SAMPLE = 64  # prefills shorter than this do not update the measured prefill cost per token
 PREFILL_PIECE = 512  # prompt tokens per forward pass: bounds activation memory, lets a cancel land mid-prefill
 
 
@@ -259,7 +260,8 @@ class Engine:
         from preheat.engine.kv import Sequence
 
         assert isinstance(state, Sequence)
-        tiers.costs.observe("prefill", seconds, computed)
+        if computed >= MIN_COST_SAMPLE:  # a short prefill measures the fixed cost of a forward pass, not tokens
+            tiers.costs.observe("prefill", seconds, computed)
         size = tiers.chunk_tokens
         for index in range(cached // size, len(keys)):
             tiers.store(keys[index], cache.export_chunk(state, index * size, size))

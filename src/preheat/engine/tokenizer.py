@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer
 
-from preheat.checkpoint.manifest import read_json_object
+from preheat.checkpoint.jsonfile import read_json_object
 from preheat.engine.chat import ChatTemplate, find_template
 from preheat.errors import CheckpointError, RequestError
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import xxhash
 
@@ -27,6 +28,7 @@ from preheat.errors import KVError
 KEY_VERSION = 1  # bump when the recipe below changes: old chunks then simply stop matching
 DEFAULT_CHUNK_TOKENS = 256
 _U32_MAX = 2**32 - 1
+K = TypeVar("K", bound=Hashable)  # a chunk key: hex strings here, integers in the analyzer's compact traces
 
 
 def fingerprint(
@@ -124,6 +126,25 @@ def cacheable_chunks(n_prompt_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOK
     (1, 2, 0)
     """
     return max(n_prompt_tokens - 1, 0) // chunk_tokens
+
+
+def split_hits(keys: Iterable[K], l1: Container[K], l2: Container[K]) -> tuple[int, int]:
+    """How many leading chunks of ``keys`` restore from L1 and from L2; the run ends at the first chunk in neither
+    (K/V of a chunk are only valid after every chunk before it). The engine, the router and the analyzer all count
+    hits this way.
+
+    >>> split_hits(["a", "b", "c", "d"], {"a", "c"}, {"b"})
+    (2, 1)
+    """
+    in_l1 = in_l2 = 0
+    for key in keys:
+        if key in l1:
+            in_l1 += 1
+        elif key in l2:
+            in_l2 += 1
+        else:
+            break
+    return in_l1, in_l2
 
 
 def check_chunk_tokens(chunk_tokens: int) -> None:

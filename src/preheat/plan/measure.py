@@ -31,7 +31,7 @@ class ModelFacts:
 
 def model_facts(root: str) -> ModelFacts:
     """Read ``config.json`` (and ``preheat.json``'s identity) from the checkpoint directory ``root``."""
-    from preheat.checkpoint.manifest import read_json_object
+    from preheat.checkpoint.jsonfile import read_json_object
     from preheat.engine.config import ModelConfig, read_model_config
 
     if not os.path.isdir(root):

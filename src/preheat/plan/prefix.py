@@ -23,6 +23,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from preheat.kv.keys import split_hits
+
 UNBOUNDED = 1 << 62  # a capacity no trace reaches: an infinite cache
 
 
@@ -164,13 +166,9 @@ def simulate_lru(
         tokens += request.tokens
         cacheable += len(keys)
         l1 = l1s[replica]
-        for key in keys:
-            if key in l1:
-                hits1 += 1
-            elif key in l2:
-                hits2 += 1
-            else:
-                break
+        in_l1, in_l2 = split_hits(keys, l1, l2)
+        hits1 += in_l1
+        hits2 += in_l2
         if l1_chunks:
             _touch(l1, keys, l1_chunks)
         if l2_chunks:

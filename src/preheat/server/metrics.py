@@ -131,6 +131,19 @@ class Histogram(_Metric):
         return out
 
 
+def exposition(metrics: Iterable[_Metric], extra: Iterable[Callable[[], list[str]]] = ()) -> str:
+    """Prometheus text for ``metrics`` (one ``# HELP``/``# TYPE`` block each, empty ones left out), then the lines
+    of each ``extra`` renderer."""
+    lines: list[str] = []
+    for metric in metrics:
+        body = metric.lines()
+        if body:
+            lines += metric.header() + body
+    for render in extra:
+        lines += render()
+    return "\n".join(lines) + "\n"
+
+
 class ServerMetrics:
     """Every series of ``GET /metrics``. ``stages`` and ``load`` are read at scrape time (timeline, queue)."""
 
@@ -207,11 +220,4 @@ class ServerMetrics:
 
     def render(self) -> str:
         """The whole exposition, one ``# HELP``/``# TYPE`` block per metric."""
-        lines: list[str] = []
-        for metric in self._all:
-            body = metric.lines()
-            if body:
-                lines += metric.header() + body
-        for render in self.extra:
-            lines += render()
-        return "\n".join(lines) + "\n"
+        return exposition(self._all, self.extra)

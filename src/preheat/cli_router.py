@@ -1,0 +1,173 @@
+"""``preheat router`` and ``preheat up``: a cache-aware router in front of replicas, and a local cluster of both.
+
+Only argparse at import time: the router, its tokenizer and the cluster code are imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+ROUTER_HELP = """\
+An OpenAI-compatible reverse proxy in front of `preheat serve` replicas: clients change nothing but the URL.
+Request and response bodies pass through unchanged; streams are relayed chunk by chunk.
+
+policies:
+  round-robin  each replica in turn
+  least-load   the fewest requests in flight through this router
+  session      sticky by session id: the X-Session-Id header, else the body's "user" field
+  prefix       the replica this router already sent the longest run of the prompt's KV chunks to (needs --model)
+  kv           the lowest expected time to first token, from the replicas' own KV events: tokens to recompute x
+               prefill cost + tokens in L1/L2 x that tier's cost + queue wait (needs --model, replicas with --kv-l1)
+  prefix and kv fall back to the least-loaded replica when queues are imbalanced (--guard-gap), and spread a prefix
+  hot enough to queue on one replica to a second one (--hot-in-flight).
+
+Dead replicas are ejected (health checks, failed requests) and readmitted when /health answers 200 again; a request
+that fails before the replica answered anything is retried once on another replica.
+
+routes: everything the replicas serve, plus the router's own GET /health and GET /metrics.
+environment: every flag has a PREHEAT_ROUTER_* variable (PREHEAT_ROUTER_REPLICAS=URL,URL; the flag wins).
+
+examples:
+  preheat router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy least-load
+  preheat router --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 --policy kv --model ./smollm2
+
+docs: docs/router.md, docs/kv-events.md
+"""
+
+# Spelled out here (router/policies.py has the same tuple): importing the router on every `preheat` start would slow
+# `preheat serve`'s cold start, which builds this parser too.
+POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
+
+UP_HELP = """\
+Start N `preheat serve` replicas of MODEL and a router in front of them, all on 127.0.0.1, print the endpoints,
+wait until every replica is healthy, and stop them all on Ctrl-C or SIGTERM (SIGKILL after a grace period).
+
+examples:
+  preheat up --replicas 2 ./smollm2
+  preheat up --replicas 2 ./smollm2 --kv-l1 2GiB --kv-l2 fs:///tmp/kv --policy kv --port 8080
+"""
+
+
+def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+    """Add ``router`` and ``up`` to the ``preheat`` command."""
+    router = commands.add_parser(
+        "router",
+        help="route OpenAI requests across replicas: round-robin, least-load, session, prefix or KV-aware",
+        description=ROUTER_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    router.add_argument(
+        "--replica", dest="replicas", action="append", default=None, metavar="URL", help="http://host:port"
+    )
+    _router_flags(router)
+    router.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1)")
+    router.add_argument("--port", type=int, default=None, help="port (default: 8080; 0 picks a free one)")
+    router.add_argument("--model", default=None, metavar="DIR", help="the replicas' model, for its tokenizer")
+    router.set_defaults(func=_cmd_router)
+
+    up = commands.add_parser(
+        "up",
+        help="start N replicas and a router on this machine; Ctrl-C stops them all",
+        description=UP_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_argument("model", help="checkpoint directory (served by every replica; the router's tokenizer)")
+    up.add_argument("--replicas", type=int, default=2, help="how many replicas (default: 2)")
+    up.add_argument("--port", type=int, default=8080, help="the router's port (default: 8080; 0 picks a free one)")
+    _router_flags(up)
+    for flag in ("--kv-l1", "--kv-l2", "--max-model-len", "--served-model-name", "--device", "--dtype", "--max-queue"):
+        up.add_argument(flag, default=None, help=f"passed to each replica's `preheat serve {flag}`")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for healthy replicas")
+    up.set_defaults(func=_cmd_up)
+
+
+def _router_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default=None, choices=POLICIES, help="routing policy (default: round-robin)")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="prefix: tokens per chunk key (default: 256)")
+    parser.add_argument("--guard-gap", type=int, default=None, help="in-flight gap that forces least-load (2)")
+    parser.add_argument("--hot-in-flight", type=int, default=None, help="in flight that spreads a hot prefix (3)")
+    parser.add_argument("--index-keys", type=int, default=None, help="prefix: keys remembered per replica (100000)")
+    parser.add_argument("--index-ttl", type=float, default=None, help="prefix: seconds a key is remembered (600)")
+    parser.add_argument("--health-interval", type=float, default=None, help="seconds between health checks (1)")
+    parser.add_argument("--health-timeout", type=float, default=None, help="seconds a health check may take (2)")
+    parser.add_argument("--kv-poll-interval", type=float, default=None, help="kv: seconds between event polls (0.25)")
+    parser.add_argument("--upstream-timeout", type=float, default=None, help="seconds to wait on a replica (300)")
+
+
+ROUTER_FLAGS = ("policy", "chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
+                "health_timeout", "kv_poll_interval", "upstream_timeout")  # fmt: skip
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from preheat.router.app import RouterSettings, run
+
+    flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(RouterSettings)}
+    return run(flags)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from preheat.router.cluster import start_cluster, wait_healthy
+
+    def echo(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    replica_args: list[str] = []
+    for name in ("kv_l1", "kv_l2", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
+        value = getattr(args, name)
+        if value is not None:
+            replica_args += ["--" + name.replace("_", "-"), str(value)]
+    router_args = ["--port", str(args.port), "--model", args.model]
+    for name in ROUTER_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            router_args += ["--" + name.replace("_", "-"), str(value)]
+    # SIGTERM stops the cluster like Ctrl-C; the children are in their own sessions, so the terminal's SIGINT
+    # reaches only this process, which stops them in order.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
+    cluster = None
+    try:
+        cluster = start_cluster(
+            args.model, args.replicas, replica_args=replica_args, router_args=router_args, echo=echo
+        )
+        assert cluster.router is not None
+        assert cluster.router.url is not None
+        for child in cluster.children:
+            print(f"{child.name}: {child.url} (pid {child.pid})", flush=True)
+        live = cluster
+        wait_healthy(
+            cluster.router.url,
+            args.replicas,
+            args.ready_timeout,
+            alive=lambda: all(c.proc.poll() is None for c in live.children),
+        )
+        print(f"ready: {cluster.router.url}/v1 (Ctrl-C stops everything)", flush=True)
+        while cluster.router.proc.poll() is None:
+            time.sleep(0.25)
+        print("preheat up: the router exited; stopping the replicas", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("preheat up: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if cluster is not None:
+            # A second Ctrl-C must not cut the shutdown short and leave children behind.
+            interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+            if in_main:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            cluster.stop()
+            if interrupt is not None:
+                signal.signal(signal.SIGINT, interrupt)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,155 @@
+"""``preheat up``: N replicas and a router as child processes on loopback, stopped together.
+
+Each child runs in its own process group (its own session), so that stopping it reaches anything it started, and
+so that a Ctrl-C in the terminal reaches ``preheat up`` alone, which then stops the children in order: SIGTERM to
+every group, then SIGKILL to any group still alive after a grace period. On Linux each child also gets SIGTERM if
+``preheat up`` itself dies outright (``PR_SET_PDEATHSIG``): no orphans either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from preheat.errors import PreheatError
+from preheat.server.process import _pdeathsig
+
+ADDRESS_TIMEOUT = 120.0  # a child prints its address once its socket is bound (before any model loads)
+GRACE_SECONDS = 10.0
+
+
+class Child:
+    """``python -m preheat ARGS`` in its own process group; ``url`` once it printed ``listening on``."""
+
+    def __init__(self, name: str, args: Sequence[str], echo: Callable[[str], None]) -> None:
+        self.name, self.echo = name, echo
+        self.url: str | None = None
+        self._listening = threading.Event()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "preheat", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+        )
+        self._reader = threading.Thread(target=self._read, name=f"{name} output", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            if self.url is None and "listening on " in line:
+                self.url = line.split("listening on ", 1)[1].split()[0]
+                self._listening.set()
+            self.echo(f"[{self.name}] {line}")
+        self._listening.set()  # the child exited: stop waiting for an address
+
+    def wait_address(self, timeout: float = ADDRESS_TIMEOUT) -> str:
+        self._listening.wait(timeout)
+        if self.url is None:
+            code = self.proc.poll()
+            raise PreheatError(f"{self.name} did not start listening (exit code {code}); its output is above")
+        return self.url
+
+    def signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the whole group is already gone
+            os.killpg(self.proc.pid, signum)
+
+    def reap(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the child to exit; True when it has."""
+        try:
+            self.proc.wait(timeout=max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._reader.join(timeout=5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@dataclass
+class Cluster:
+    """The children of one ``preheat up``; ``stop()`` is safe to call at any point, any number of times."""
+
+    replicas: list[Child] = field(default_factory=list)
+    router: Child | None = None
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.replicas, *([self.router] if self.router is not None else [])]
+
+    def stop(self, grace: float = GRACE_SECONDS) -> None:
+        """SIGTERM every process group (the router first: no new requests), SIGKILL what is left after ``grace``."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            if not child.reap(deadline - time.monotonic()):
+                child.signal_group(signal.SIGKILL)
+                child.reap(5.0)
+            child.close()
+
+
+def start_cluster(
+    model: str,
+    replicas: int,
+    *,
+    replica_args: Sequence[str],
+    router_args: Sequence[str],
+    echo: Callable[[str], None],
+) -> Cluster:
+    """Start ``replicas`` replicas of ``model``, then a router in front of them; stopped again on any failure."""
+    cluster = Cluster()
+    try:
+        for i in range(replicas):
+            args = ["serve", model, "--port", "0", *replica_args]
+            cluster.replicas.append(Child(f"replica {i + 1}", args, echo))
+        urls = [child.wait_address() for child in cluster.replicas]
+        args = ["router", *(arg for url in urls for arg in ("--replica", url)), *router_args]
+        cluster.router = Child("router", args, echo)
+        cluster.router.wait_address()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def wait_healthy(router_url: str, replicas: int, timeout: float, alive: Callable[[], bool]) -> None:
+    """Poll the router's ``/health`` until all ``replicas`` are in rotation; ``PreheatError`` on timeout or if a
+    child exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise PreheatError("a child process exited while the cluster was starting; its output is above")
+        try:
+            with urllib.request.urlopen(router_url + "/health", timeout=5) as response:
+                status = json.load(response)
+        except urllib.error.HTTPError as exc:
+            status = json.load(exc)
+            exc.close()
+        except OSError:
+            status = {}
+        if sum(bool(r.get("healthy")) for r in status.get("replicas", [])) == replicas:
+            return
+        time.sleep(0.2)
+    raise PreheatError(f"the replicas were not all healthy after {timeout:.0f} s")

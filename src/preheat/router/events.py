@@ -1,0 +1,77 @@
+"""The KV-event poller behind policy ``kv``: asks each replica what its tiers hold (spec: docs/kv-events.md).
+
+Pull, not push: a restarted router rebuilds its whole index on its first poll (a snapshot), a restarted replica is
+noticed by its new epoch, and replicas need not know where the router is. A replica that answers 404 has no KV
+tier: it is asked again only every ``idle_interval`` seconds and scores as "holds nothing".
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+from collections.abc import Sequence
+from urllib.parse import urlencode
+
+from preheat.errors import RouterError
+from preheat.router.health import ReplicaLoop
+from preheat.router.index import KVIndex, parse_update
+from preheat.router.upstream import Replica
+
+log = logging.getLogger("preheat.router")
+EVENTS_PATH = "/v1/kv/events"
+
+
+class KVEventPoller(ReplicaLoop):
+    """One polling thread per replica feeding ``index``; ``tick_all()`` once at start, then ``start()``/``stop()``."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        index: KVIndex,
+        *,
+        interval: float = 0.25,
+        idle_interval: float = 5.0,
+        timeout: float = 2.0,
+        api_key: str | None = None,
+    ) -> None:
+        super().__init__(replicas, interval, timeout)
+        self.index, self.idle_interval = index, idle_interval
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._conns: dict[str, http.client.HTTPConnection] = {}
+
+    def tick(self, replica: Replica) -> float:
+        return self.interval if self.poll(replica) else self.idle_interval
+
+    def poll(self, replica: Replica) -> bool:
+        """Ask ``replica`` once and fold the answer into the index; False when it has no KV events to give."""
+        cursor = self.index.cursor(replica.url)
+        query = "" if cursor is None else "?" + urlencode({"epoch": cursor[0], "since": cursor[1]})
+        conn = self._conns.get(replica.url)
+        if conn is None:
+            conn = http.client.HTTPConnection(replica.address.host, replica.address.port, timeout=self.timeout)
+            self._conns[replica.url] = conn
+        try:
+            conn.request("GET", EVENTS_PATH + query, headers=self.headers)
+            response = conn.getresponse()
+            body = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()  # reconnects on the next poll; the health checker decides whether the replica is down
+            log.debug("%s%s: %s", replica.url, EVENTS_PATH, exc)
+            return True
+        if response.status == 404:
+            return False  # no KV tier there: ask again now and then, in case it restarts with one
+        if response.status != 200:
+            log.debug("%s%s answered %s", replica.url, EVENTS_PATH, response.status)  # e.g. 503 while loading
+            return True
+        try:
+            self.index.apply(replica.url, parse_update(json.loads(body), replica.url))
+        except (ValueError, RouterError) as exc:
+            log.warning("%s%s: ignoring a malformed answer: %s", replica.url, EVENTS_PATH, exc)
+            self.index.forget(replica.url)  # start over from a snapshot
+        return True
+
+    def stop(self) -> None:
+        super().stop()
+        for conn in self._conns.values():
+            conn.close()

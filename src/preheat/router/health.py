@@ -1,0 +1,105 @@
+"""Ejecting dead replicas and readmitting them when they recover.
+
+One checker thread per replica asks ``GET /health`` every ``interval`` seconds: a 200 puts the replica in rotation;
+a refused connection takes it out at once (nothing listens there); timeouts and other answers (503 while loading,
+a 5xx) take it out after ``failures`` in a row, so that one slow answer does not flap a busy replica. Requests that
+fail to reach a replica eject it too (``Router.forward``), without waiting for the next check.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from preheat.router.upstream import Replica
+
+log = logging.getLogger("preheat.router")
+
+
+class ReplicaLoop:
+    """One daemon thread per replica calling ``tick(replica)``; ``tick_all()`` runs one round at once and waits.
+
+    ``tick`` returns the seconds to wait before the next one (the health checker and the KV poller share this)."""
+
+    def __init__(self, replicas: Sequence[Replica], interval: float, timeout: float) -> None:
+        self.replicas, self.interval, self.timeout = replicas, interval, timeout
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def tick(self, replica: Replica) -> float:
+        raise NotImplementedError
+
+    def tick_all(self) -> None:
+        threads = [threading.Thread(target=self.tick, args=(r,), daemon=True) for r in self.replicas]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def start(self) -> None:
+        for replica in self.replicas:
+            name = f"{type(self).__name__} {replica.url}"
+            thread = threading.Thread(target=self._loop, args=(replica,), name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _loop(self, replica: Replica) -> None:
+        wait = self.interval
+        while not self._stop.wait(wait):
+            wait = self.tick(replica)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout + 1)
+
+
+class HealthChecker(ReplicaLoop):
+    """``tick_all()`` once (the router's start), then ``start()`` the background checks; ``stop()`` ends them.
+
+    ``on_change(replica, healthy, why)`` is called whenever a replica enters or leaves rotation.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        on_change: Callable[[Replica, bool, str], None],
+        *,
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        failures: int = 2,
+    ) -> None:
+        super().__init__(replicas, interval, timeout)
+        self.on_change, self.failures = on_change, failures
+        self._failed = {r.url: 0 for r in replicas}
+
+    def tick(self, replica: Replica) -> float:
+        self.check(replica)
+        return self.interval
+
+    def check(self, replica: Replica) -> None:
+        """One check of ``replica``; updates its ``healthy`` flag."""
+        conn = http.client.HTTPConnection(replica.address.host, replica.address.port, timeout=self.timeout)
+        try:
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            response.read()
+            ok, why, definitive = response.status == 200, f"/health answered {response.status}", False
+        except ConnectionRefusedError:
+            ok, why, definitive = False, "connection refused", True
+        except (OSError, http.client.HTTPException) as exc:
+            ok, why, definitive = False, f"{type(exc).__name__}: {exc}", False
+        finally:
+            conn.close()
+        if ok:
+            self._failed[replica.url] = 0
+            if not replica.healthy:
+                replica.healthy = True
+                self.on_change(replica, True, why)
+            return
+        self._failed[replica.url] += 1
+        if replica.healthy and (definitive or self._failed[replica.url] >= self.failures):
+            replica.healthy = False
+            self.on_change(replica, False, why)

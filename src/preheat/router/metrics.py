@@ -1,0 +1,49 @@
+"""The router's ``/metrics``: Prometheus text, with the server's thread-safe primitives (docs/router.md lists them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from preheat.server.metrics import Counter, Gauge, Histogram, _Metric, exposition
+
+OVERHEAD_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+Series = list[tuple[Mapping[str, str], float]]
+
+
+class RouterMetrics:
+    """Every series of the router's ``GET /metrics``; replica state is read at scrape time."""
+
+    def __init__(self, replica_state: Callable[[], Sequence[tuple[str, bool, int]]]) -> None:
+        self._replica_state = replica_state  # (url, healthy, in flight) per replica
+        self.routed = Counter(
+            "preheat_router_requests_total", "Requests answered through the router, by replica and status code."
+        )
+        self.decisions = Counter("preheat_router_decisions_total", "Routing decisions by policy and reason.")
+        self.retries = Counter(
+            "preheat_router_retries_total", "Requests retried on another replica after failing before a response."
+        )
+        self.ejections = Counter("preheat_router_ejections_total", "Times a replica was taken out of rotation.")
+        self.errors = Counter("preheat_router_errors_total", "Requests the router answered with an error itself.")
+        self.overhead = Histogram(
+            "preheat_router_overhead_seconds",
+            "Seconds a request spends in the router itself (routing, forwarding), excluding the replica's time.",
+            OVERHEAD_BUCKETS,
+        )
+        up = Gauge("preheat_router_replica_up", "1 when a replica is in rotation, 0 when ejected.", self._up)
+        flight = Gauge("preheat_router_in_flight", "Requests in flight through the router, per replica.", self._flight)
+        self._all: list[_Metric] = [
+            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.overhead, up, flight,
+        ]  # fmt: skip
+
+    def _up(self) -> Series:
+        return [({"replica": url}, 1.0 if healthy else 0.0) for url, healthy, _ in self._replica_state()]
+
+    def _flight(self) -> Series:
+        return [({"replica": url}, float(n)) for url, _, n in self._replica_state()]
+
+    def add(self, metric: _Metric) -> None:
+        """Serve one more series (the KV index sizes, with policy ``kv``)."""
+        self._all.append(metric)
+
+    def render(self) -> str:
+        return exposition(self._all)

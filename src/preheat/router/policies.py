@@ -1,0 +1,276 @@
+"""Which replica gets a request, and why. Pure: a policy sees the request and the healthy replicas' load, never a
+socket; ``Router`` (proxy.py) feeds it and counts its reasons in ``/metrics``.
+
+- ``round-robin``: the next replica in turn (reason ``round_robin``);
+- ``least-load``: the fewest requests in flight through this router, ties in turn (``least_load``);
+- ``session``: the replica a session id hashes to, by rendezvous hashing, so that only a dead replica's sessions
+  move (``session``; ``no_session``: least-load);
+- ``prefix``: the longest run of leading chunk keys this router already sent there (``prefix_match``;
+  ``no_match``: least-load);
+- ``kv``: the lowest expected time to first token from the replicas' own KV events, score.py (``kv_hit``;
+  ``kv_no_hit``: least-load).
+
+``prefix`` and ``kv`` then apply the load guard (``LoadGuard``): ``load_guard`` and ``hot_spread`` override them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from preheat.errors import ConfigError
+from preheat.kv.keys import chunk_keys
+from preheat.router.index import KVIndex, PrefixIndex
+from preheat.router.score import Estimate, expected_ttft, resolve_costs
+
+POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A healthy replica as a policy sees it: its name (URL), requests in flight through this router, and the mean
+    seconds a request has taken there (None before the first one)."""
+
+    name: str
+    in_flight: int = 0
+    service_seconds: float | None = None
+
+
+@dataclass
+class RouteRequest:
+    """What a policy may know about a request: its session id and its prompt's token ids (None when the policy
+    needs none, or the body could not be read: such a request goes by load, and the replica answers its 400)."""
+
+    session: str | None = None
+    token_ids: list[int] | None = None
+    _keys: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+
+    def keys(self, fingerprint: str, chunk_tokens: int) -> list[str]:
+        """The prompt's chunk keys under ``fingerprint`` (computed once per fingerprint and chunk size)."""
+        if self.token_ids is None:
+            return []
+        memo = (fingerprint, chunk_tokens)
+        if memo not in self._keys:
+            self._keys[memo] = chunk_keys(fingerprint, self.token_ids, chunk_tokens)
+        return self._keys[memo]
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: str
+    reason: str
+    estimate: Estimate | None = None
+
+
+@dataclass(frozen=True)
+class LoadGuard:
+    """Overrides a cache-aware choice when following the cache would queue requests behind each other.
+
+    - ``load_guard``: the chosen replica has ``gap`` or more requests in flight beyond the least-loaded one: go to the
+      least-loaded instead (queues imbalanced: waiting costs more than recomputing).
+    - ``hot_spread``: the chosen replica already has ``hot`` or more in flight and the runner-up has at least two
+      fewer: go to the runner-up, which then computes (and caches) the hot prefix too, so the prefix ends up served
+      by two replicas instead of overloading one.
+    """
+
+    gap: int = 2
+    hot: int = 3
+
+    def apply(self, ranked: Sequence[Candidate], decision: Decision) -> Decision:
+        best = next(c for c in ranked if c.name == decision.replica)
+        least = min(ranked, key=lambda c: c.in_flight)
+        if best.in_flight - least.in_flight >= self.gap:
+            return Decision(least.name, "load_guard", decision.estimate)
+        if best.in_flight >= self.hot:
+            runner_up = next((c for c in ranked if c.name != best.name), None)
+            if runner_up is not None and runner_up.in_flight <= best.in_flight - 2:
+                return Decision(runner_up.name, "hot_spread", decision.estimate)
+        return decision
+
+
+class Policy:
+    """Base of the policies: ``choose`` one of ``candidates`` (never empty), then ``routed`` once it is sent."""
+
+    name = ""
+    needs_tokens = False  # whether the request's prompt must be tokenized before choosing
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        raise NotImplementedError
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        """Called with the replica that actually got the request (after a retry, the second one)."""
+
+    def forget(self, replica: str) -> None:
+        """The replica was ejected or restarted: whatever was learnt about its cache is stale."""
+
+    def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
+        """The fewest in flight; ties broken in turn, so that idle replicas share the work evenly."""
+        low = min(c.in_flight for c in candidates)
+        tied = [c for c in candidates if c.in_flight == low]
+        with self._lock:
+            turn = next(self._turn)
+        return tied[turn % len(tied)]
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        with self._lock:
+            turn = next(self._turn)
+        return Decision(candidates[turn % len(candidates)].name, "round_robin")
+
+
+class LeastLoad(Policy):
+    name = "least-load"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        return Decision(self.least_loaded(candidates).name, "least_load")
+
+
+class Session(Policy):
+    """Sticky by session id (``X-Session-Id`` header, else the body's ``user``); no id: least-load."""
+
+    name = "session"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        if request.session is None:
+            return Decision(self.least_loaded(candidates).name, "no_session")
+        return Decision(rendezvous(request.session, [c.name for c in candidates]), "session")
+
+
+def rendezvous(session: str, names: Sequence[str]) -> str:
+    """Highest-random-weight hashing: the same session maps to the same name while that name is present, and losing
+    a name moves only the sessions that mapped to it.
+
+    >>> rendezvous("alice", ["a", "b", "c"]) == rendezvous("alice", ["c", "b", "a"])
+    True
+    """
+    return max(names, key=lambda name: xxhash.xxh3_64_intdigest(f"{session}\x00{name}".encode()))
+
+
+class Prefix(Policy):
+    """The replica this router already sent the longest run of the prompt's leading chunks to."""
+
+    name = "prefix"
+    needs_tokens = True
+
+    def __init__(self, fingerprint: str, chunk_tokens: int, index: PrefixIndex, guard: LoadGuard) -> None:
+        super().__init__()
+        self.fingerprint, self.chunk_tokens, self.index, self.guard = fingerprint, chunk_tokens, index, guard
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        keys = request.keys(self.fingerprint, self.chunk_tokens)
+        matches = {c.name: self.index.match(c.name, keys) for c in candidates} if keys else {}
+        if not any(matches.values()):
+            return Decision(self.least_loaded(candidates).name, "no_match")
+        ranked = sorted(candidates, key=lambda c: (-matches[c.name], c.in_flight))
+        return self.guard.apply(ranked, Decision(ranked[0].name, "prefix_match"))
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        self.index.record(replica, request.keys(self.fingerprint, self.chunk_tokens))
+
+    def forget(self, replica: str) -> None:
+        self.index.forget(replica)
+
+
+class KVAware(Policy):
+    """The lowest expected TTFT (score.py) from the replicas' KV events; keys routed in the last few seconds count
+    as L1 hits until the replica's own events confirm them (a poll interval would otherwise hide them)."""
+
+    name = "kv"
+    needs_tokens = True
+
+    def __init__(self, index: KVIndex, guard: LoadGuard, recent: PrefixIndex) -> None:
+        super().__init__()
+        self.index, self.guard, self.recent = index, guard, recent
+
+    def estimate(self, request: RouteRequest, candidate: Candidate) -> Estimate | None:
+        """``candidate``'s expected TTFT, or None when it has published no KV state yet."""
+        state = self.index.state(candidate.name)
+        if state is None or request.token_ids is None:
+            return None
+        keys = request.keys(state.fingerprint, state.chunk_tokens)
+        others = [c for c in self.index.all_costs() if c is not state.costs]
+        costs = resolve_costs(state.costs, others)
+        queued = max(candidate.in_flight, sum(state.load))
+        # Work ahead of this request: each queued request takes about what requests there have taken so far, and
+        # the one generating now is, on average, half done.
+        wait = max(queued - 0.5, 0.0) * (candidate.service_seconds or 0.0)
+        name = candidate.name
+        l1 = _Either(state.l1, lambda key: self.recent.contains(name, key))
+        l2 = self.index.l2_view(name)
+        return expected_ttft(
+            len(request.token_ids), keys, state.chunk_tokens, l1=l1, l2=l2, costs=costs, queue_wait=wait
+        )
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        estimates = {c.name: self.estimate(request, c) for c in candidates}
+        known = [c for c in candidates if estimates[c.name] is not None]
+        if not known:
+            return Decision(self.least_loaded(candidates).name, "kv_no_hit")
+        ranked = sorted(known, key=lambda c: (_ttft(estimates[c.name]), c.in_flight))
+        best = estimates[ranked[0].name]
+        reason = "kv_hit" if best is not None and best.hit_tokens else "kv_no_hit"
+        if reason == "kv_no_hit":
+            # Nobody holds any of it: every replica would recompute the whole prompt, so go by load instead.
+            return Decision(self.least_loaded(candidates).name, reason, best)
+        return self.guard.apply(ranked, Decision(ranked[0].name, reason, best))
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        state = self.index.state(replica)
+        if state is not None:
+            self.recent.record(replica, request.keys(state.fingerprint, state.chunk_tokens))
+
+    def forget(self, replica: str) -> None:
+        self.recent.forget(replica)
+
+
+def _ttft(estimate: Estimate | None) -> float:
+    return estimate.ttft if estimate is not None else float("inf")
+
+
+class _Either:
+    """Membership in a set or by a predicate (the recently-routed keys)."""
+
+    def __init__(self, keys: set[str], predicate: Callable[[str], bool]) -> None:
+        self._keys, self._predicate = keys, predicate
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys or (isinstance(key, str) and self._predicate(key))
+
+
+def make_policy(
+    name: str,
+    *,
+    fingerprint: str | None = None,
+    chunk_tokens: int = 256,
+    kv_index: KVIndex | None = None,
+    guard: LoadGuard | None = None,
+    index_keys: int = 100_000,
+    index_ttl: float = 600.0,
+) -> Policy:
+    """The policy called ``name`` (one of ``POLICIES``)."""
+    guard = guard or LoadGuard()
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    if name == "session":
+        return Session()
+    if name == "prefix":
+        if fingerprint is None:
+            raise ConfigError("--policy prefix needs a fingerprint (the router derives one from --model)")
+        return Prefix(fingerprint, chunk_tokens, PrefixIndex(max_keys=index_keys, ttl=index_ttl), guard)
+    if name == "kv":
+        # Recently routed keys stand in for the replica's store events for a few poll intervals only.
+        return KVAware(kv_index or KVIndex(), guard, PrefixIndex(max_keys=index_keys, ttl=5.0))
+    raise ConfigError(f"--policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -1,0 +1,83 @@
+"""A request body, read the way the replica reads it: the session id, and the prompt's token ids.
+
+The token ids must be exactly the replica's, or no chunk key would match: the body is validated by the server's own
+pure ``openai.parse_request``, a chat is rendered by the model's chat template and encoded without the tokenizer's
+post-processor, a completions prompt is encoded with it (BOS), and token-id prompts are taken as they are: the same
+steps as ``preheat.server.generation._tokenize`` through ``Engine.encode_chat`` / ``encode_prompt``.
+
+A body the router cannot read is not refused here: it is routed by load and the replica answers its 400, so clients
+see one server's errors whether or not a router stands in front of it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import TYPE_CHECKING
+
+from preheat.errors import PreheatError, RouterError
+from preheat.router.policies import RouteRequest
+
+if TYPE_CHECKING:
+    from preheat.engine.tokenizer import TextTokenizer
+
+SESSION_HEADER = "X-Session-Id"
+ROUTE_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+class PromptReader:
+    """Turns request bodies into ``RouteRequest``s; ``tokenizer`` is None for policies that need no tokens."""
+
+    def __init__(self, tokenizer: TextTokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # the tokenizer is not documented as thread-safe; encoding takes a millisecond
+
+    @classmethod
+    def from_model(cls, model_dir: str | None) -> PromptReader:
+        """A reader with ``model_dir``'s tokenizer (``RouterError`` when there is none)."""
+        if model_dir is None:
+            return cls(None)
+        from preheat.engine.tokenizer import TextTokenizer
+
+        try:
+            return cls(TextTokenizer.from_dir(model_dir))
+        except PreheatError as exc:
+            raise RouterError(f"--model {model_dir}: cannot read its tokenizer: {exc}") from exc
+
+    def read(self, path: str, body: bytes, session_header: str | None) -> RouteRequest:
+        """The session id (``X-Session-Id``, else the body's ``user``) and, with a tokenizer, the prompt's ids."""
+        request = RouteRequest(session=session_header or None)
+        kind = ROUTE_KINDS.get(path)
+        if kind is None:
+            return request
+        try:
+            raw = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return request
+        if not isinstance(raw, dict):
+            return request
+        if request.session is None and isinstance(raw.get("user"), str) and raw["user"]:
+            request.session = raw["user"]
+        if self.tokenizer is not None:
+            request.token_ids = self._token_ids(kind, body, raw)
+        return request
+
+    def _token_ids(self, kind: str, body: bytes, raw: dict[str, object]) -> list[int] | None:
+        from preheat.server import openai
+
+        model = raw.get("model")
+        try:
+            # The replica checks the model name; here any name is accepted, only the prompt matters.
+            parsed = openai.parse_request(body, kind, model if isinstance(model, str) else "")
+        except openai.APIError:
+            return None
+        assert self.tokenizer is not None
+        try:
+            with self._lock:
+                if parsed.messages is not None:
+                    return self.tokenizer.encode_chat(parsed.messages)
+                if isinstance(parsed.prompt, str):
+                    return self.tokenizer.encode(parsed.prompt)
+        except PreheatError:
+            return None  # e.g. a chat the template cannot render: the replica will say why
+        return list(parsed.prompt or [])

@@ -1,0 +1,272 @@
+"""The router's request path: choose a replica, forward the request unchanged, relay the answer as it comes.
+
+Bodies pass through byte for byte: a non-streaming answer is relayed with its Content-Length, a streamed one chunk
+by chunk as the replica writes its chunks (one server-sent event each), so tokens reach the client as they are made.
+
+Failures: a request that fails before the replica sent anything (refused, reset, closed) ejects that replica and is
+retried once on another; one that fails after (the replica died mid-answer) gets a clear error: a 502 when nothing
+was sent yet, else a final ``data: {"error": ...}`` event and ``[DONE]``, as the replica itself ends a failed stream.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from preheat.router.metrics import RouterMetrics
+from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
+from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
+from preheat.router.upstream import Replica, UpstreamError
+from preheat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+log = logging.getLogger("preheat.router")
+MAX_BODY = 32 * 1024 * 1024  # the replica's own limit: larger bodies are refused here, without a round trip
+# Per-connection headers are not forwarded (RFC 9110 7.6.1); Host and Content-Length are set again for the replica.
+HOP_HEADERS = frozenset(
+    ("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
+     "content-length", "proxy-authorization", "proxy-authenticate")
+)  # fmt: skip
+# Which replica answered, and why it was chosen: for clients, logs, benchmarks and tests (bodies stay unchanged).
+REPLICA_HEADER = "X-Preheat-Replica"
+REASON_HEADER = "X-Preheat-Route"
+
+
+class Router:
+    """The replicas, the policy and the metrics: everything a request thread shares."""
+
+    def __init__(self, replicas: Sequence[Replica], policy: Policy, prompts: PromptReader) -> None:
+        self.replicas, self.policy, self.prompts = list(replicas), policy, prompts
+        self.metrics = RouterMetrics(lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas])
+
+    def healthy(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy and r not in exclude]
+
+    def set_health(self, replica: Replica, healthy: bool, why: str) -> None:
+        """A replica enters or leaves rotation (health checker or a failed request)."""
+        if healthy:
+            log.warning("replica %s is in rotation (%s)", replica.url, why)
+            return
+        replica.healthy = False
+        replica.close_idle()
+        self.policy.forget(replica.url)  # back from the dead, its cache will have restarted empty
+        self.metrics.ejections.inc(replica=replica.url)
+        log.warning("replica %s ejected: %s", replica.url, why)
+
+    def choose(self, request: RouteRequest, pool: Sequence[Replica], retry: bool = False) -> tuple[Replica, Decision]:
+        candidates = [Candidate(r.url, r.in_flight, r.service_seconds) for r in pool]
+        decision = self.policy.choose(request, candidates)
+        reason = "retry" if retry else decision.reason
+        self.metrics.decisions.inc(policy=self.policy.name, reason=reason)
+        return next(r for r in pool if r.url == decision.replica), decision
+
+
+class RouterHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a hung client must not keep the process alive at shutdown
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], router: Router) -> None:
+        self.router = router
+        super().__init__(address, RouterHandler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:  # Any: socketserver's untyped signature
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+
+
+class RouterHandler(BaseHTTPRequestHandler):
+    """One client connection (HTTP/1.1 keep-alive); every method is forwarded except the router's own routes."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "preheat-router"
+    timeout = 300  # an idle client connection loses its thread after this long
+    server: RouterHTTPServer
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body leave in separate writes: without NODELAY, Nagle's algorithm could hold the second one
+        # back until the client's delayed ACK of the first (up to 40 ms on Linux).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            self.health()
+        elif path == "/metrics":
+            self.send_body(200, self.server.router.metrics.render().encode(), METRICS_CONTENT_TYPE)
+        else:
+            self.forward("GET")
+
+    def do_POST(self) -> None:
+        self.forward("POST")
+
+    def do_DELETE(self) -> None:
+        self.forward("DELETE")
+
+    def do_PUT(self) -> None:
+        self.forward("PUT")
+
+    # -- the router's own answers ---------------------------------------------------------------------------------
+    def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_error_json(self, status: int, message: str, type_: str, code: str) -> None:
+        """An OpenAI-shaped error the router itself answers (no replica, or the replica failed)."""
+        self.server.router.metrics.errors.inc(code=code)
+        body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+        self.send_body(status, json.dumps(body).encode(), "application/json", {"Retry-After": "1"})
+
+    def health(self) -> None:
+        router = self.server.router
+        replicas = [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight} for r in router.replicas]
+        up = any(r.healthy for r in router.replicas)
+        status = {"status": "ok" if up else "no_replica", "policy": router.policy.name, "replicas": replicas}
+        self.send_body(200 if up else 503, json.dumps(status).encode(), "application/json")
+
+    # -- forwarding -----------------------------------------------------------------------------------------------
+    def read_body(self) -> bytes | None:
+        """The request body (None after answering 411/413); a bodiless GET has b""."""
+        length = self.headers.get("Content-Length")
+        if length is None:
+            if self.command in ("POST", "PUT"):
+                self.close_connection = True
+                self.send_error_json(
+                    411, "a Content-Length header is required", "invalid_request_error", "length_required"
+                )
+                return None
+            return b""
+        if not length.isdigit() or int(length) > MAX_BODY:
+            self.close_connection = True
+            self.send_error_json(413, f"request body over {MAX_BODY} bytes", "invalid_request_error", "too_large")
+            return None
+        return self.rfile.read(int(length))
+
+    def forward(self, method: str) -> None:
+        started = time.perf_counter()
+        router = self.server.router
+        body = self.read_body()
+        if body is None:
+            return
+        path = self.path.split("?", 1)[0]
+        generation = method == "POST" and path in ROUTE_KINDS
+        if generation and (router.policy.needs_tokens or router.policy.name == "session"):
+            request = router.prompts.read(path, body, self.headers.get(SESSION_HEADER))
+        else:
+            request = RouteRequest(session=self.headers.get(SESSION_HEADER))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+        tried: list[Replica] = []
+        while True:
+            pool = router.healthy(exclude=tried)
+            if not pool:
+                why = "no healthy replica" if not tried else f"replica {tried[-1].url} failed and no other is healthy"
+                self.send_error_json(503, f"{why}; retry later", "service_unavailable", "no_replica")
+                return
+            replica, decision = router.choose(request, pool, retry=bool(tried))
+            tried.append(replica)
+            replica.begin()
+            sent = time.perf_counter()
+            try:
+                conn, response = replica.send(method, self.path, body, headers)
+            except UpstreamError as exc:
+                replica.end(None)
+                if exc.before_first_byte:
+                    router.set_health(replica, False, str(exc))
+                if exc.before_first_byte and len(tried) == 1:
+                    router.metrics.retries.inc()
+                    continue
+                self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
+                return
+            if generation:
+                router.policy.routed(request, replica.url)
+            break
+        try:
+            upstream_done, status = self.relay(replica, conn, response, "retry" if len(tried) > 1 else decision.reason)
+        finally:
+            replica.end(time.perf_counter() - sent)
+        router.metrics.routed.inc(replica=replica.url, status=str(status))
+        router.metrics.overhead.observe((sent - started) + max(time.perf_counter() - upstream_done, 0.0))
+
+    def relay(
+        self, replica: Replica, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, reason: str
+    ) -> tuple[float, int]:
+        """Send the replica's answer to the client; returns when the replica's last byte arrived, and the status."""
+        headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_HEADERS]
+        headers += [(REPLICA_HEADER, replica.url), (REASON_HEADER, reason)]
+        if not response.chunked:
+            try:
+                body = response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                message = f"replica {replica.url} failed while answering: {type(exc).__name__}: {exc}"
+                self.send_error_json(502, message, "server_error", "replica_failed")
+                return time.perf_counter(), 502
+            done = time.perf_counter()
+            replica.release(conn, response)
+            self.send_response(response.status)
+            for name, value in headers:
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return done, response.status
+        self.send_response(response.status)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.stream(replica, conn, response)
+        return time.perf_counter(), response.status
+
+    def stream(self, replica: Replica, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        """Relay a chunked answer as the replica writes it. Server-sent events are relayed whole: a replica that
+        dies mid-event must not leave half an event in front of the error event that ends the stream."""
+        events = (response.getheader("Content-Type") or "").startswith("text/event-stream")
+        pending = b""
+        while True:
+            try:
+                data = response.read1(65536)
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                self.close_connection = True
+                message = f"replica {replica.url} failed mid-stream: {type(exc).__name__}: {exc}"
+                self.server.router.metrics.errors.inc(code="replica_failed")
+                error = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
+                self.write_chunk(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+                self.write_chunk(b"")
+                return
+            pending += data
+            if events and data:
+                cut = pending.rfind(b"\n\n") + 2  # 1 when there is no complete event yet
+                ready, pending = (pending[:cut], pending[cut:]) if cut > 1 else (b"", pending)
+            else:
+                ready, pending = pending, b""
+            if (ready and not self.write_chunk(ready)) or (not data and not self.write_chunk(b"")):
+                conn.close()  # the client left: closing makes the replica stop generating for nobody
+                self.close_connection = True
+                return
+            if not data:
+                replica.release(conn, response)
+                return
+
+    def write_chunk(self, data: bytes) -> bool:
+        """One HTTP chunk (empty data: the last chunk); False when the client has gone away."""
+        framed = f"{len(data):x}\r\n".encode("ascii") + data + b"\r\n" if data else b"0\r\n\r\n"
+        try:
+            self.wfile.write(framed)
+            self.wfile.flush()
+        except OSError:
+            return False
+        return True

@@ -1,0 +1,91 @@
+"""Expected time to first token of a prompt on one replica, from what that replica's KV tiers hold. Pure.
+
+``ttft = queue wait + recomputed tokens x prefill cost + L1 tokens x L1 cost + L2 tokens x L2 cost``
+
+Chunks are taken in order and the walk stops at the first chunk found in no tier: a chunk's K/V depend on every token
+before it, so a hit after a miss cannot be used (docs/kv-events.md). Only ``cacheable_chunks`` count: the last
+prompt token is always computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+
+from preheat.kv.keys import cacheable_chunks, split_hits
+
+__all__ = ["Costs", "Estimate", "expected_ttft", "resolve_costs", "split_hits"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per token: computing a prompt token, and restoring one from L1 (host DRAM) or L2 (shared store)."""
+
+    prefill: float
+    l1: float
+    l2: float
+
+
+# Priors until a replica has measured its own costs (the replica publishes null before its first request of each
+# kind). Only their ratios matter when replicas are compared with each other; these are the CPU reference engine's
+# orders of magnitude, and a restore is always priced below a recompute so that a hit wins over a miss.
+DEFAULT_COSTS = Costs(prefill=2e-3, l1=2e-5, l2=2e-4)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One replica's expected TTFT for one prompt, and the token counts behind it (for logs and tests)."""
+
+    ttft: float
+    recompute_tokens: int
+    l1_tokens: int
+    l2_tokens: int
+    queue_wait: float
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.l1_tokens + self.l2_tokens
+
+
+def expected_ttft(
+    n_tokens: int,
+    keys: Sequence[str],
+    chunk_tokens: int,
+    *,
+    l1: Container[str],
+    l2: Container[str],
+    costs: Costs,
+    queue_wait: float = 0.0,
+) -> Estimate:
+    """The expected TTFT of an ``n_tokens`` prompt whose chunk keys are ``keys`` on a replica whose tiers hold
+    ``l1`` and ``l2``, with ``queue_wait`` seconds of work ahead of it.
+
+    >>> e = expected_ttft(1000, ["a", "b", "c"], 256, l1={"a"}, l2={"b"}, costs=Costs(1e-3, 1e-5, 1e-4))
+    >>> e.l1_tokens, e.l2_tokens, e.recompute_tokens, round(e.ttft, 6)
+    (256, 256, 488, 0.51616)
+    """
+    usable = list(keys[: cacheable_chunks(n_tokens, chunk_tokens)])
+    in_l1, in_l2 = split_hits(usable, l1, l2)
+    l1_tokens, l2_tokens = in_l1 * chunk_tokens, in_l2 * chunk_tokens
+    recompute = max(n_tokens - l1_tokens - l2_tokens, 0)
+    ttft = queue_wait + recompute * costs.prefill + l1_tokens * costs.l1 + l2_tokens * costs.l2
+    return Estimate(ttft, recompute, l1_tokens, l2_tokens, queue_wait)
+
+
+def resolve_costs(own: Sequence[float | None], others: Sequence[Sequence[float | None]]) -> Costs:
+    """A replica's costs (prefill, L1, L2), each its own when measured, else the mean of the other replicas'
+    measurements, else ``DEFAULT_COSTS``'s: borrowing a peer's number keeps a fresh replica comparable with warm ones.
+
+    >>> resolve_costs([1e-3, None, None], [[3e-3, 4e-5, None]])
+    Costs(prefill=0.001, l1=4e-05, l2=0.0002)
+    """
+    defaults = (DEFAULT_COSTS.prefill, DEFAULT_COSTS.l1, DEFAULT_COSTS.l2)
+    values: list[float] = []
+    for i, default in enumerate(defaults):
+        mine = own[i] if i < len(own) else None
+        if mine is not None:
+            values.append(mine)
+            continue
+        seen = [o[i] for o in others if i < len(o) and o[i] is not None]
+        values.append(sum(v for v in seen if v is not None) / len(seen) if seen else default)
+    return Costs(*values)

@@ -1,0 +1,134 @@
+"""The replicas behind the router: their URL, health, requests in flight, and a small pool of kept-alive connections.
+
+The router is on every request's path, so a request reuses an idle HTTP/1.1 connection to its replica instead of
+paying a TCP handshake (and a replica thread start) each time. A kept-alive connection the replica has meanwhile
+closed fails on first use; ``Replica.send`` then retries once on a fresh connection, which is safe because the
+replica never saw the request.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from preheat.errors import RouterError
+
+POOL_SIZE = 32  # idle connections kept per replica; more concurrent requests open (then close) extra ones
+SERVICE_EWMA = 0.2  # weight of the newest request in a replica's mean request duration
+
+
+class UpstreamError(RouterError):
+    """A replica could not be reached, or failed before sending a response (``before_first_byte``: safe to retry)."""
+
+    def __init__(self, message: str, *, before_first_byte: bool) -> None:
+        super().__init__(message)
+        self.before_first_byte = before_first_byte
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+    url: str
+
+
+def parse_url(url: str) -> Address:
+    """``http://host:port`` (a trailing slash or path is refused: the router forwards paths as they come)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        raise RouterError(f"replica {url!r}: give it as http://host:port (https and paths are not supported)")
+    port = parts.port or 80
+    return Address(parts.hostname, port, f"http://{parts.hostname}:{port}")
+
+
+class Replica:
+    """One replica: ``healthy`` (set by the health checker and by failed requests), ``in_flight`` (requests through
+    this router now), ``service_seconds`` (moving mean of a request's duration there) and its connection pool."""
+
+    def __init__(self, url: str, *, timeout: float = 300.0, connect_timeout: float = 2.0) -> None:
+        self.address = parse_url(url)
+        self.url = self.address.url
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.healthy = False  # until the first health check says otherwise
+        self.in_flight = 0
+        self.service_seconds: float | None = None
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    # -- load ----------------------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def end(self, seconds: float | None) -> None:
+        """One request is over; ``seconds`` (None when it failed) feeds the mean request duration."""
+        with self._lock:
+            self.in_flight -= 1
+            if seconds is not None:
+                old = self.service_seconds
+                self.service_seconds = seconds if old is None else old + SERVICE_EWMA * (seconds - old)
+
+    # -- connections ---------------------------------------------------------------------------------------------
+    def _acquire(self) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        conn = http.client.HTTPConnection(self.address.host, self.address.port, timeout=self.connect_timeout)
+        return conn, False
+
+    def release(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        """Return ``conn`` to the pool once ``response`` was read to its end, unless either side asked to close."""
+        if response.will_close or not response.isclosed():
+            conn.close()
+            return
+        with self._lock:
+            if len(self._idle) < POOL_SIZE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close_idle(self) -> None:
+        """Close every pooled connection (the replica was ejected: they point at a dead or restarted process)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def send(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send one request and wait for the response's status line and headers.
+
+        ``UpstreamError(before_first_byte=True)`` when the replica refused, reset or closed before answering
+        anything. A stale pooled connection is retried once on a fresh one first.
+        """
+        for attempt in range(2):
+            conn, reused = self._acquire()
+            try:
+                if conn.sock is None:
+                    conn.connect()  # with the short connect timeout: a dead host fails fast
+                    _no_delay(conn)
+                conn.sock.settimeout(self.timeout)
+                conn.request(method, path, body=body, headers=dict(headers))
+                return conn, conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
+                    continue  # the replica closed this idle connection: it never saw the request
+                # A timeout is not retried elsewhere: the replica may still be generating, and a second copy of a
+                # slow request on another replica only makes a slow fleet slower.
+                fresh = not isinstance(exc, TimeoutError)
+                raise UpstreamError(f"{self.url}{path}: {type(exc).__name__}: {exc}", before_first_byte=fresh) from exc
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def __repr__(self) -> str:
+        return f"Replica({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
+
+
+def _no_delay(conn: http.client.HTTPConnection) -> None:
+    """Send each write at once (see ``RouterHandler.setup``): the request path is latency, not bandwidth."""
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

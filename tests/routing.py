@@ -1,0 +1,102 @@
+"""Helpers for the router tests: real replicas (``preheat serve`` subprocesses), an in-process router in front of
+them, and a TCP proxy that makes a replica slow on demand. Nothing of the router is mocked."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from netfaults import LoopbackProxy
+from preheat.router.app import RouterService, RouterSettings
+from preheat.server.process import ServerProcess
+from serving import Client
+
+NAME = "tiny"
+
+
+def start_replicas(model: str, count: int, *extra: str) -> list[ServerProcess]:
+    """``count`` replicas of ``model`` started together (their loads overlap), each waited for."""
+    replicas: list[ServerProcess] = []
+    try:
+        for _ in range(count):
+            replicas.append(ServerProcess(model, "--served-model-name", NAME, *extra))
+        for replica in replicas:
+            replica.wait_ready(timeout=120)
+    except BaseException:
+        for replica in replicas:
+            replica.stop()
+        raise
+    return replicas
+
+
+@contextlib.contextmanager
+def running_router(replicas: Sequence[str], policy: str = "round-robin", **flags: Any) -> Iterator[RouterService]:
+    """A router on a free port in this process (its own threads), stopped on exit."""
+    settings = RouterSettings.resolve({"replicas": list(replicas), "policy": policy, "port": 0, **flags}, {})
+    service = RouterService(settings)
+    service.start()
+    thread = threading.Thread(target=service.serve, daemon=True)
+    thread.start()
+    try:
+        yield service
+    finally:
+        service.httpd.shutdown()
+        thread.join(timeout=10)
+        service.close()
+
+
+def replica_of(reply: Any) -> str:  # Any: serving.Reply or serving.Stream
+    return str(reply.headers.get("X-Preheat-Replica"))
+
+
+def wait_until(condition: Any, what: str, deadline: float = 30.0) -> None:  # Any: a zero-argument callable
+    """Poll ``condition()`` until true; raise naming ``what`` after ``deadline`` s (a hang, not a speed check)."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def router_metric(url: str, name: str, **labels: str) -> float:
+    return Client(url).metric(name, **labels)
+
+
+class SlowProxy(LoopbackProxy):
+    """A TCP proxy to a replica that holds each piece of its answers for ``delay`` seconds (0: a plain pipe), until
+    ``release()``: a replica that answers slowly, for as long as a test wants."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(upstream_port)
+        self.delay = 0.0
+        self.released = threading.Event()
+
+    def release(self) -> None:
+        self.delay = 0.0
+        self.released.set()
+
+    def closing(self) -> None:
+        self.released.set()
+
+    def handle(self, client: socket.socket) -> None:
+        try:
+            upstream = self.connect_upstream()
+        except OSError:
+            client.close()
+            return
+        threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+        self._pump(upstream, client, True)
+
+    def _pump(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if answers and self.delay:
+                    self.released.wait(self.delay)
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)

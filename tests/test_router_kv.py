@@ -1,0 +1,94 @@
+"""Policy ``kv`` against real replicas with KV tiers (an L1 each, one shared ``fs://`` L2): the router reads their
+``/v1/kv/events`` and sends a prompt where its prefix is cached, in the cheapest tier."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from preheat.router.app import RouterService
+from preheat.server.process import ServerProcess
+from routing import NAME, replica_of, running_router, start_replicas, wait_until
+from serving import Client, Reply
+
+C = 16
+STORY = "Once upon a time, in a kingdom by the sea, there lived a keeper of lighthouses and old maps. " * 3
+
+
+@pytest.fixture(scope="module")
+def kv_replicas(kv_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
+    l2 = tmp_path_factory.mktemp("shared-l2")
+    tiers = ("--kv-l1", "64MiB", "--kv-l2", f"fs://{l2}", "--kv-chunk-tokens", str(C), "--max-model-len", "512")
+    started = start_replicas(str(kv_model), 2, *tiers)
+    yield started
+    for replica in started:
+        replica.stop()
+
+
+def ask(router: RouterService, prompt: str) -> Reply:
+    reply = Client(router.url).post("/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 2})
+    assert reply.status == 200, reply.body
+    return reply
+
+
+def cached_tokens(reply: Reply) -> int:
+    return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def wait_indexed(router: RouterService, replica: str) -> None:
+    """Until the router has heard from ``replica`` that its L1 holds chunks."""
+
+    def indexed() -> bool:
+        state = router.kv_index.state(replica)
+        return state is not None and bool(state.l1)
+
+    wait_until(indexed, f"KV events from {replica}")
+
+
+def cache_once(urls: list[str], model: Path, prompt: str) -> str:
+    """Send ``prompt`` through a router that is then stopped; the replica that cached it, once the router heard so."""
+    with running_router(urls, "kv", model=str(model)) as router:
+        holder = replica_of(ask(router, prompt))
+        wait_indexed(router, holder)
+    return holder
+
+
+def test_kv_sends_a_prompt_where_its_prefix_is_cached(kv_replicas: list[ServerProcess], kv_model: Path) -> None:
+    urls = [r.url for r in kv_replicas]
+    with running_router(urls, "kv", model=str(kv_model)) as router:
+        first = ask(router, STORY + "The keeper")
+        holder = replica_of(first)
+        wait_indexed(router, holder)
+        again = [ask(router, STORY + f"Then {n}") for n in range(3)]
+    assert first.headers["X-Preheat-Route"] == "kv_no_hit"
+    assert {replica_of(r) for r in again} == {holder}
+    assert {r.headers["X-Preheat-Route"] for r in again} == {"kv_hit"}
+    assert all(cached_tokens(r) > 0 for r in again)
+
+
+def test_a_restarted_router_knows_the_caches_at_its_first_request(
+    kv_replicas: list[ServerProcess], kv_model: Path
+) -> None:
+    urls = [r.url for r in kv_replicas]
+    prompt = "A different tale: the lighthouse keeper counted every ship that passed the harbour wall. " * 3
+    holder = cache_once(urls, kv_model, prompt + "One")
+    with running_router(urls, "kv", model=str(kv_model)) as restarted:
+        first = ask(restarted, prompt + "Two")
+    assert first.headers["X-Preheat-Route"] == "kv_hit"
+    assert replica_of(first) == holder  # its L1 copy beats the other replica's L2 copy
+
+
+def test_a_shared_l2_hit_counts_for_a_replica_that_never_saw_the_prompt(
+    kv_replicas: list[ServerProcess], kv_model: Path
+) -> None:
+    urls = [r.url for r in kv_replicas]
+    prompt = "Yet another story, about a cartographer who drew the coastline one bay at a time, slowly. " * 3
+    holder = cache_once(urls, kv_model, prompt + "One")
+    other = next(u for u in urls if u != holder)
+    with running_router([other], "kv", model=str(kv_model)) as alone:
+        wait_until(lambda: bool(list(alone.kv_index.l2_view(other))), "the shared L2's keys")
+        reply = ask(alone, prompt + "Two")
+    assert reply.headers["X-Preheat-Route"] == "kv_hit"
+    assert cached_tokens(reply) > 0  # restored from the shared L2 by a replica that never computed it

@@ -1,0 +1,275 @@
+"""The router's pure parts: expected-TTFT scoring, the prefix index, the KV-event index and the routing policies.
+
+No sockets: recorded ``/v1/kv/events`` answers (shaped as docs/kv-events.md says) go in, decisions come out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from preheat.errors import ConfigError, RouterError
+from preheat.kv.keys import chunk_keys
+from preheat.router.app import RouterSettings
+from preheat.router.index import KVIndex, PrefixIndex, parse_update
+from preheat.router.policies import (
+    Candidate,
+    KVAware,
+    LoadGuard,
+    RouteRequest,
+    make_policy,
+    rendezvous,
+)
+from preheat.router.score import Costs, expected_ttft, resolve_costs
+
+FP = "ab" * 16
+C = 4
+TOKENS = list(range(40))  # ten chunks of four
+KEYS = chunk_keys(FP, TOKENS, C)
+COSTS = {"prefill_s_per_token": 1e-3, "l1_s_per_token": 1e-5, "l2_s_per_token": 1e-4}
+
+
+def snapshot(l1: list[str], l2: list[str], *, epoch: str = "e1", seq: int = 10, l2_id: str | None = "fs:///kv",
+             running: int = 0, waiting: int = 0) -> dict[str, object]:  # fmt: skip
+    return {
+        "epoch": epoch, "fingerprint": FP, "chunk_tokens": C, "seq": seq, "reset": True, "l2_id": l2_id,
+        "l1": l1, "l2": l2, "costs": COSTS, "load": {"running": running, "waiting": waiting},
+    }  # fmt: skip
+
+
+def events(*items: tuple[int, str, str, str], epoch: str = "e1", seq: int | None = None) -> dict[str, object]:
+    return {
+        "epoch": epoch, "fingerprint": FP, "chunk_tokens": C, "reset": False, "l2_id": "fs:///kv",
+        "seq": seq if seq is not None else max(i[0] for i in items),
+        "events": [{"seq": s, "op": op, "tier": tier, "key": key} for s, op, tier, key in items],
+        "costs": COSTS, "load": {"running": 0, "waiting": 0},
+    }  # fmt: skip
+
+
+# -- score ----------------------------------------------------------------------------------------------------------
+def test_hits_stop_at_the_first_chunk_no_tier_holds() -> None:
+    estimate = expected_ttft(40, KEYS, C, l1={KEYS[0], KEYS[2]}, l2=set(), costs=Costs(1.0, 0.0, 0.0))
+    assert estimate.l1_tokens == 4  # KEYS[2] cannot be used: KEYS[1] is recomputed, and K/V depend on it
+    assert estimate.recompute_tokens == 36
+
+
+def test_the_last_prompt_token_is_never_restored() -> None:
+    estimate = expected_ttft(40, KEYS, C, l1=set(KEYS), l2=set(), costs=Costs(1.0, 0.0, 0.0))
+    assert estimate.l1_tokens == 36  # 40 tokens = 10 full chunks, but only 9 may come from a cache
+    assert estimate.recompute_tokens == 4
+
+
+def test_an_l2_hit_costs_more_than_l1_and_less_than_recompute() -> None:
+    costs = Costs(1e-3, 1e-5, 1e-4)
+    in_l1 = expected_ttft(40, KEYS, C, l1=set(KEYS), l2=set(), costs=costs)
+    in_l2 = expected_ttft(40, KEYS, C, l1=set(), l2=set(KEYS), costs=costs)
+    cold = expected_ttft(40, KEYS, C, l1=set(), l2=set(), costs=costs)
+    assert in_l1.ttft < in_l2.ttft < cold.ttft
+
+
+def test_queue_wait_can_outweigh_a_cache_hit() -> None:
+    costs = Costs(1e-3, 1e-5, 1e-4)
+    busy_hit = expected_ttft(40, KEYS, C, l1=set(KEYS), l2=set(), costs=costs, queue_wait=1.0)
+    idle_miss = expected_ttft(40, KEYS, C, l1=set(), l2=set(), costs=costs)
+    assert idle_miss.ttft < busy_hit.ttft
+
+
+def test_unmeasured_costs_borrow_from_peers_then_defaults() -> None:
+    assert resolve_costs([None, None, None], [[4e-3, None, None]]).prefill == 4e-3
+    fallback = resolve_costs([None, None, None], [])
+    assert fallback.l1 < fallback.l2 < fallback.prefill
+
+
+# -- prefix index ---------------------------------------------------------------------------------------------------
+def test_prefix_index_matches_only_leading_keys() -> None:
+    index = PrefixIndex()
+    index.record("r1", KEYS[:3])
+    assert index.match("r1", KEYS) == 3
+    assert index.match("r1", KEYS[1:]) == 2
+    assert index.match("r2", KEYS) == 0
+
+
+def test_prefix_index_is_bounded_per_replica() -> None:
+    index = PrefixIndex(max_keys=5)
+    index.record("r1", KEYS)
+    assert index.size("r1") == 5
+    assert index.match("r1", KEYS) == 0  # the oldest (leading) keys went first
+    assert index.match("r1", KEYS[5:]) == 5
+
+
+def test_prefix_index_ages_keys_out() -> None:
+    now = [0.0]
+    index = PrefixIndex(ttl=10.0, clock=lambda: now[0])
+    index.record("r1", KEYS[:2])
+    now[0] = 11.0
+    assert index.match("r1", KEYS) == 0
+    index.record("r1", KEYS[2:3])  # a new record also drops the expired ones
+    assert index.size("r1") == 1
+
+
+# -- KV-event index -------------------------------------------------------------------------------------------------
+def test_snapshot_then_events_rebuild_the_tiers() -> None:
+    index = KVIndex()
+    index.apply("r1", parse_update(snapshot([KEYS[0]], []), "r1"))
+    index.apply("r1", parse_update(events((11, "store", "l1", KEYS[1]), (12, "evict", "l1", KEYS[0])), "r1"))
+    state = index.state("r1")
+    assert state is not None
+    assert state.l1 == {KEYS[1]}
+    assert index.cursor("r1") == ("e1", 12)
+
+
+def test_events_already_applied_are_skipped() -> None:
+    index = KVIndex()
+    index.apply("r1", parse_update(snapshot([], []), "r1"))
+    index.apply("r1", parse_update(events((9, "store", "l1", KEYS[0])), "r1"))  # seq 9 < the snapshot's 10
+    state = index.state("r1")
+    assert state is not None
+    assert state.l1 == set()
+
+
+def test_a_new_epoch_forgets_the_old_state() -> None:
+    index = KVIndex()
+    index.apply("r1", parse_update(snapshot([KEYS[0]], []), "r1"))
+    index.apply("r1", parse_update(events((11, "store", "l1", KEYS[1]), epoch="e2"), "r1"))
+    assert index.state("r1") is None
+    assert index.cursor("r1") is None  # the next poll asks for a snapshot
+
+
+def test_shared_l2_keys_count_for_every_replica_on_that_store() -> None:
+    index = KVIndex()
+    index.apply("r1", parse_update(snapshot([], [KEYS[0]]), "r1"))
+    index.apply("r2", parse_update(snapshot([], []), "r2"))
+    index.apply("r3", parse_update(snapshot([], [], l2_id="fs:///other"), "r3"))
+    assert KEYS[0] in index.l2_view("r2")
+    assert KEYS[0] not in index.l2_view("r3")
+
+
+def test_an_l2_eviction_reaches_every_replica_sharing_the_store() -> None:
+    index = KVIndex()
+    index.apply("r1", parse_update(snapshot([], [KEYS[0]]), "r1"))
+    index.apply("r2", parse_update(snapshot([], [KEYS[0]]), "r2"))
+    index.apply("r1", parse_update(events((11, "evict", "l2", KEYS[0])), "r1"))
+    assert KEYS[0] not in index.l2_view("r2")
+
+
+def test_a_malformed_answer_is_refused_naming_the_field() -> None:
+    with pytest.raises(RouterError, match="epoch"):
+        parse_update({"fingerprint": FP, "chunk_tokens": C, "seq": 1}, "http://r1")
+    with pytest.raises(RouterError, match="malformed event"):
+        parse_update(events((1, "store", "l9", KEYS[0])), "http://r1")
+
+
+# -- policies -------------------------------------------------------------------------------------------------------
+def idle(*names: str) -> list[Candidate]:
+    return [Candidate(n) for n in names]
+
+
+def test_round_robin_takes_turns() -> None:
+    policy = make_policy("round-robin")
+    picks = [policy.choose(RouteRequest(), idle("a", "b")).replica for _ in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+
+
+def test_least_load_picks_the_fewest_in_flight() -> None:
+    policy = make_policy("least-load")
+    assert policy.choose(RouteRequest(), [Candidate("a", 3), Candidate("b", 1)]).replica == "b"
+
+
+def test_session_is_sticky_and_only_a_lost_replicas_sessions_move() -> None:
+    policy = make_policy("session")
+    before = {s: policy.choose(RouteRequest(session=s), idle("a", "b", "c")).replica for s in map(str, range(60))}
+    after = {s: policy.choose(RouteRequest(session=s), idle("a", "b")).replica for s in before}
+    assert {s for s in before if before[s] != after[s]} == {s for s in before if before[s] == "c"}
+    assert rendezvous("x", ["a", "b"]) == rendezvous("x", ["b", "a"])
+
+
+def test_prefix_routes_to_the_longest_match() -> None:
+    policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C)
+    policy.routed(RouteRequest(token_ids=TOKENS[:8]), "a")
+    policy.routed(RouteRequest(token_ids=TOKENS[:20]), "b")
+    decision = policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b"))
+    assert (decision.replica, decision.reason) == ("b", "prefix_match")
+    assert policy.choose(RouteRequest(token_ids=[99] * 40), idle("a", "b")).reason == "no_match"
+
+
+def test_prefix_falls_back_to_least_load_when_queues_are_imbalanced() -> None:
+    policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=4, hot=100))
+    policy.routed(RouteRequest(token_ids=TOKENS), "a")
+    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 5), Candidate("b", 1)])
+    assert (decision.replica, decision.reason) == ("b", "load_guard")
+
+
+def test_a_hot_prefix_spreads_to_a_second_replica() -> None:
+    policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=100, hot=3))
+    policy.routed(RouteRequest(token_ids=TOKENS), "a")
+    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 3), Candidate("b", 1)])
+    assert (decision.replica, decision.reason) == ("b", "hot_spread")
+    policy.routed(RouteRequest(token_ids=TOKENS), "b")  # now both hold it: load decides between them
+    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 3), Candidate("b", 2)])
+    assert (decision.replica, decision.reason) == ("b", "prefix_match")
+
+
+def kv_policy(index: KVIndex) -> KVAware:
+    policy = make_policy("kv", kv_index=index)
+    assert isinstance(policy, KVAware)
+    return policy
+
+
+def test_kv_prefers_the_replica_holding_the_prefix_in_l1() -> None:
+    index = KVIndex()
+    index.apply("a", parse_update(snapshot([], [], l2_id=None), "a"))
+    index.apply("b", parse_update(snapshot(KEYS[:6], [], l2_id=None), "b"))
+    decision = kv_policy(index).choose(RouteRequest(token_ids=TOKENS), idle("a", "b"))
+    assert (decision.replica, decision.reason) == ("b", "kv_hit")
+    assert decision.estimate is not None
+    assert decision.estimate.l1_tokens == 24
+
+
+def test_kv_prices_the_tier_a_hit_lives_in() -> None:
+    index = KVIndex()  # same number of cached chunks on both; a's are in L2 only, b's in L1
+    index.apply("a", parse_update(snapshot([], KEYS[:6], l2_id=None), "a"))
+    index.apply("b", parse_update(snapshot(KEYS[:6], [], l2_id=None), "b"))
+    assert kv_policy(index).choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).replica == "b"
+
+
+def test_kv_counts_a_shared_l2_hit_for_every_replica() -> None:
+    index = KVIndex()
+    index.apply("a", parse_update(snapshot([], KEYS[:6]), "a"))
+    index.apply("b", parse_update(snapshot([], []), "b"))
+    policy = kv_policy(index)
+    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 1, 2.0), Candidate("b", 0, 2.0)])
+    assert (decision.replica, decision.reason) == ("b", "kv_hit")  # the L2 hit is b's too, and b is idle
+
+
+def test_kv_goes_by_load_when_nobody_holds_anything() -> None:
+    index = KVIndex()
+    index.apply("a", parse_update(snapshot([], []), "a"))
+    index.apply("b", parse_update(snapshot([], []), "b"))
+    decision = kv_policy(index).choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 2), Candidate("b", 0)])
+    assert (decision.replica, decision.reason) == ("b", "kv_no_hit")
+
+
+def test_kv_counts_what_it_just_routed_before_the_events_arrive() -> None:
+    index = KVIndex()
+    index.apply("a", parse_update(snapshot([], []), "a"))
+    index.apply("b", parse_update(snapshot([], []), "b"))
+    policy = kv_policy(index)
+    policy.routed(RouteRequest(token_ids=TOKENS), "b")
+    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).replica == "b"
+
+
+# -- settings -------------------------------------------------------------------------------------------------------
+def test_settings_refuse_what_cannot_work() -> None:
+    with pytest.raises(ConfigError, match="--replica"):
+        RouterSettings.resolve({}, {})
+    with pytest.raises(ConfigError, match="--model"):
+        RouterSettings.resolve({"replicas": ["http://127.0.0.1:1"], "policy": "prefix"}, {})
+    with pytest.raises(RouterError, match="http://host:port"):
+        RouterSettings.resolve({"replicas": ["https://127.0.0.1:1/v1"]}, {})
+    with pytest.raises(ConfigError, match="twice"):
+        RouterSettings.resolve({"replicas": ["http://127.0.0.1:1", "http://127.0.0.1:1/"]}, {})
+
+
+def test_flags_win_over_the_environment() -> None:
+    env = {"PREHEAT_ROUTER_REPLICAS": "http://a:1", "PREHEAT_ROUTER_POLICY": "least-load", "PREHEAT_ROUTER_PORT": "9"}
+    settings = RouterSettings.resolve({"policy": "session"}, env)
+    assert (settings.replicas, settings.policy, settings.port) == (("http://a:1",), "session", 9)

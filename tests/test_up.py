@@ -1,0 +1,79 @@
+"""``preheat up``: N replicas and a router as child processes, serving through the router, and every child gone
+after Ctrl-C or SIGTERM (checked in /proc, not trusted)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serving import Client
+
+NAME = "tiny"
+
+
+def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list[int]]:
+    """Run ``preheat up`` until it prints ``ready``; returns it, the router's URL and every child's pid."""
+    command = [sys.executable, "-m", "preheat", "up", str(model), "--replicas", "2", "--port", "0",
+               "--served-model-name", NAME, "--max-model-len", "256", *extra]  # fmt: skip
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids: list[int] = []
+    router = ""
+    assert up.stdout is not None
+    for line in up.stdout:
+        if found := re.match(r"(replica \d+|router): (\S+) \(pid (\d+)\)", line):
+            pids.append(int(found.group(3)))
+            router = found.group(2) if found.group(1) == "router" else router
+        if line.startswith("ready: "):
+            return up, router, pids
+    up.wait()
+    pytest.fail(f"preheat up exited with {up.returncode} before it was ready")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is dead: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], deadline: float = 30.0) -> list[int]:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_up_serves_through_its_router_and_stops_every_child(tiny_servable_model: Path, stop: signal.Signals) -> None:
+    up, router, pids = start_up(tiny_servable_model, "--policy", "least-load")
+    try:
+        assert len(pids) == 3
+        assert all(alive(p) for p in pids)
+        client = Client(router)
+        reply = client.post("/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 2})
+        assert reply.status == 200, reply.body
+        assert len(client.get("/health").json()["replicas"]) == 2
+        up.send_signal(stop)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert wait_gone(pids) == []
+
+
+def test_children_do_not_outlive_a_killed_up(tiny_servable_model: Path) -> None:
+    up, _, pids = start_up(tiny_servable_model)
+    up.kill()  # no chance to clean up: the kernel's parent-death signal stops the children
+    up.wait()
+    assert wait_gone(pids) == []
+    assert not os.path.exists(f"/proc/{up.pid}/stat") or not alive(up.pid)
