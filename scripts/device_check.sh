@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for a lent device machine (see README "GPU results"). Runs in under 8 minutes:
-#   1. the GPU tests (tests/test_gpu.py) plus the loader suite on that machine;
+#   1. the GPU tests (tests/test_gpu.py; tests/test_gpu_nixl.py, which skips unless a nixl wheel is carried in .whl/)
+#      plus the loader suite on that machine;
 #   2. the loader benchmark on CUDA: preheat read/direct/gds vs safetensors load_file(device="cuda"), with plain
 #      pinned host-to-device bandwidth measured in the same run.
 # Usage (from the repo root on the device machine): bash scripts/device_check.sh [OUTDIR]
@@ -9,7 +10,8 @@ cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/preheat-device}}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# Optional wheels carried in .whl/ (kvikio for GDS, runai-model-streamer, fastsafetensors).
+# Optional wheels carried in .whl/ (kvikio for GDS, runai-model-streamer, fastsafetensors, nixl-cu12 for the NIXL
+# peer transport).
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -17,8 +19,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_load.py tests/test_tensor_parallel.py \
-  2>&1 | tee "$out/tests.txt"
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_nixl.py tests/test_load.py \
+  tests/test_tensor_parallel.py 2>&1 | tee "$out/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 timeout 280 python3 bench/load.py --device cuda --size "${PREHEAT_DEVICE_BENCH_SIZE:-4GB}" --repeat 3 \

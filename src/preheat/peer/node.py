@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import CheckpointError, PreheatError
+from preheat.peer.nixl import NixlExport
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
 from preheat.peer.server import ArtifactLookup, PeerServer
 
@@ -76,11 +77,13 @@ def start_peering(
     world_size: int = 1,
     artifacts: ArtifactLookup | None = None,
     ttl: float = DEFAULT_TTL,
+    nixl: NixlExport | None = None,
 ) -> Peering:
-    """Serve checkpoint ``root`` to peers and, with ``registry``, announce it until ``stop()``."""
+    """Serve checkpoint ``root`` to peers and, with ``registry``, announce it until ``stop()``; with ``nixl``
+    (``preheat.peer.nixl.export_weights``), offer its GPU tensors over NIXL too."""
     manifest = manifest or read_manifest(root)
     server = PeerServer(
-        root, manifest, host=host, port=port, token=token, max_bps=max_bps, name=name, artifacts=artifacts
+        root, manifest, host=host, port=port, token=token, max_bps=max_bps, name=name, artifacts=artifacts, nixl=nixl
     ).start()
     address = f"{advertised_host(host)}:{server.port}"
     heartbeat = None
@@ -117,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--origin", default=os.environ.get("PREHEAT_ORIGIN"), help="origin URI to announce")
     parser.add_argument("--max-mbps", default=None, help="total outbound cap in MB/s (default: none)")
     parser.add_argument("--ttl", type=float, default=DEFAULT_TTL, help="registry entry lifetime in seconds")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda[:N]: also hold the weights on that GPU and offer them over NIXL when nixl is installed",
+    )
     args = parser.parse_args(argv)
     token = os.environ.get("PREHEAT_PEER_TOKEN") or None  # never on the command line: `ps` shows it to everyone
     import signal
@@ -125,8 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         max_bps = float(args.max_mbps) * 1e6 if args.max_mbps else None
+        root = os.path.realpath(args.root)
+        manifest = read_manifest(root)
+        nixl = _gpu_export(root, manifest, args.device) if args.device != "cpu" else None
         peering = start_peering(
-            os.path.realpath(args.root),
+            root,
+            manifest=manifest,
             host=args.host,
             port=args.port,
             token=token,
@@ -135,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name=args.name,
             origin=args.origin,
             ttl=args.ttl,
+            nixl=nixl,
         )
     except (PreheatError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -150,3 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         peering.stop()
     return 0
 
+
+def _gpu_export(root: str, manifest: mf.Manifest, device: str) -> NixlExport | None:
+    """The checkpoint loaded onto ``device`` and registered with NIXL (None, logged, when nixl is absent)."""
+    import preheat
+    from preheat.peer.nixl import export_weights
+
+    weights = preheat.load(root, device)
+    return export_weights(weights, manifest)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import CheckpointError, ConfigError, PeerError, RegistryError, SourceError, SourceNotFoundError
+from preheat.peer import nixl
 from preheat.peer.plan import parse_peer_uri, plan_pieces
 from preheat.peer.registry import PeerEntry, open_registry
 from preheat.peer.server import FILES_ROUTE
@@ -45,6 +46,7 @@ class PeerOptions:
     registry's. ``origin``: the URI to fall back to. ``token``: the peers' ``--peer-token``. ``max_peers``: peers
     pulled from at once. ``streams``: connections per peer. ``stall_timeout``: seconds without a byte before a peer
     is dropped as stalled (a dead one is dropped at once). ``chunk_bytes``: piece size (None: the caller's).
+    ``device``: where this replica loads (``cuda...`` lets peers that offer it send tensors over NIXL; docs/peer.md).
     """
 
     registry: str | None = None
@@ -57,6 +59,7 @@ class PeerOptions:
     stall_timeout: float = 2.0
     chunk_bytes: int | None = None
     connect_timeout: float = field(default=2.0)
+    device: str = "cpu"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **given: object) -> PeerOptions:
@@ -179,10 +182,7 @@ def pull_from_peers(
         if (path := cache.lookup(key)) is not None:
             notes.append("downloaded by another process; shared")
             return hit(key, path)
-        sources = [
-            StripeSource(f"peer {e.address}", peer_origin(e.address, options), streams=options.streams)
-            for e in peers[: options.max_peers]
-        ]
+        sources = [_peer_source(e.address, options) for e in peers[: options.max_peers]]
         if origin_uri is not None:
             sources.append(
                 StripeSource("origin", open_origin(origin_uri), streams=options.origin_streams, fallback=True)
@@ -193,6 +193,14 @@ def pull_from_peers(
     result.notes = notes + result.notes
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _peer_source(address: str, options: PeerOptions) -> StripeSource:
+    """The stripe source for one peer: over NIXL when both ends can (labelled ``peer ADDRESS (nixl)``), else TCP."""
+    http = peer_origin(address, options)
+    origin = nixl.peer_source_origin(address, http, device=options.device, token=options.token)
+    label = f"peer {address} (nixl)" if isinstance(origin, nixl.NixlOrigin) else f"peer {address}"
+    return StripeSource(label, origin, streams=options.streams)
 
 
 def piece_bytes(manifest: mf.Manifest, chunk_bytes: int, streams: int) -> int:
@@ -258,6 +266,7 @@ def _download(
         try:
             result.sources = fetch.run()
         finally:
+            fetch.notes += [s.origin.note() for s in sources if isinstance(s.origin, nixl.NixlOrigin)]
             for source in sources:
                 close = getattr(source.origin, "close", None)
                 if close is not None:

@@ -7,6 +7,8 @@ Routes (HTTP/1.1 keep-alive, one thread per connection):
   nothing is opened: the set of servable files is fixed from the manifest when the server starts.
 - ``GET /peer/v1/artifacts/<key>``: a packed compiled-artifact blob from the node cache (404 when absent).
 - ``GET /peer/v1/info``: identity, name and current load, as JSON.
+- ``GET /peer/v1/nixl``: the NIXL advert (``preheat.peer.nixl``) when this replica offers its GPU tensors over
+  NIXL; 404 otherwise (no nixl, or weights not on GPU), so pullers use the file routes.
 
 With a token every route needs ``Authorization: Bearer TOKEN`` (401 without, 403 when wrong; compared in constant
 time). ``max_bps`` caps the server's *total* outbound body bytes (one token bucket shared by every connection), so
@@ -32,6 +34,7 @@ from urllib.parse import unquote, urlsplit
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import ConfigError
+from preheat.peer.nixl import NIXL_ROUTE, NixlExport
 from preheat.sources.httpserve import TrackedHandler, TrackedServer
 from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
 
@@ -103,6 +106,11 @@ class _Handler(TrackedHandler):
                 self._artifact(path[len(ARTIFACTS_ROUTE) :], body=body)
             elif path == INFO_ROUTE:
                 self._json(json.dumps(peer.info()).encode(), body=body)
+            elif path == NIXL_ROUTE:
+                if peer.nixl is None:
+                    self.plain(404, "no GPU transport here: use the file routes\n")
+                else:
+                    self._json(peer.nixl.advert(), body=body)
             else:
                 self.plain(404, f"no route {path}\n")
 
@@ -186,6 +194,7 @@ class PeerServer:
 
     ``token``: require this bearer token. ``max_bps``: total outbound cap in bytes per second. ``artifacts``: a
     function from an artifact key to the path of its packed blob (or None), for ``/peer/v1/artifacts/<key>``.
+    ``nixl``: this replica's GPU tensors registered with NIXL, advertised on ``/peer/v1/nixl`` (closed on ``stop``).
 
     >>> with PeerServer("/cache/models/xxh3-128-...", manifest) as peer:    # doctest: +SKIP
     ...     print(peer.address)
@@ -202,6 +211,7 @@ class PeerServer:
         max_bps: float | None = None,
         name: str = "",
         artifacts: ArtifactLookup | None = None,
+        nixl: NixlExport | None = None,
     ) -> None:
         self.root = os.path.realpath(os.fspath(root))
         self.manifest = manifest
@@ -212,6 +222,7 @@ class PeerServer:
         self.bucket = TokenBucket(max_bps) if max_bps else None
         self.name = name
         self.artifacts = artifacts
+        self.nixl = nixl
         self._lock = threading.Lock()
         self._load = 0
         self._sent = 0
@@ -261,7 +272,13 @@ class PeerServer:
                 self._load -= 1
 
     def info(self) -> dict[str, object]:
-        return {"identity": self.identity, "name": self.name, "load": self.load, "bytes_sent": self.bytes_sent}
+        return {
+            "identity": self.identity,
+            "name": self.name,
+            "load": self.load,
+            "bytes_sent": self.bytes_sent,
+            "nixl": self.nixl is not None,
+        }
 
     def start(self) -> PeerServer:
         if self._server is not None:
@@ -284,6 +301,9 @@ class PeerServer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.nixl is not None:  # after the last connection: no advert outlives the registered memory
+            self.nixl.close()
+            self.nixl = None
 
     def __enter__(self) -> PeerServer:
         return self.start()

@@ -33,7 +33,10 @@ def peer_options(settings: ServeSettings) -> PeerOptions | None:
         return None
     from preheat.peer.pull import PeerOptions
 
-    return PeerOptions.from_env(registry=settings.registry, origin=settings.origin, token=settings.peer_token)
+    # device: a replica loading onto CUDA may read tensors from GPU peers over NIXL (preheat.peer.nixl).
+    return PeerOptions.from_env(
+        registry=settings.registry, origin=settings.origin, token=settings.peer_token, device=settings.device
+    )
 
 
 def _cache_root(settings: ServeSettings) -> str:
