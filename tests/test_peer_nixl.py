@@ -131,3 +131,10 @@ def test_an_advert_round_trips_and_a_malformed_one_is_refused() -> None:
         Advert.from_json(b'{"agent": "x", "metadata": "not base64!", "tensors": []}', where="test")
     with pytest.raises(NixlError, match="malformed NIXL advert"):
         Advert.from_json(b'{"agent": "x"}', where="test")
+
+
+def test_a_served_cpu_replica_offers_no_gpu_tensors(kv_model: Path) -> None:
+    # preheat serve --peer offers NIXL only for weights bound zero-copy on a GPU; on CPU the files go over TCP.
+    from preheat.engine import Engine
+
+    assert Engine.from_checkpoint(str(kv_model)).loaded_weights is None

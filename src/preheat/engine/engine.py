@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,6 +76,9 @@ class Engine:
         self.model = backend.model if isinstance(backend, NativeBackend) else None
         self.identity = identity  # the checkpoint's preheat.json identity, when it has one (KV fingerprints)
         self.kv_tiers: TieredKV | None = None  # set by ``attach_kv_tiers``: reuse prompt chunks across requests
+        # The tensors as loaded, when the model is bound to them zero-copy on a GPU: they then hold the checkpoint's
+        # own bytes, which a peer may offer over NIXL (preheat.peer.nixl). None otherwise (CPU, or converted).
+        self.loaded_weights: Mapping[str, torch.Tensor] | None = None
 
     @classmethod
     def from_checkpoint(
@@ -133,7 +136,7 @@ class Engine:
             )
         with timeline.stage("tokenizer"):
             tokenizer = TextTokenizer.from_dir(root, config_eos_ids=config.eos_token_ids)
-        return cls(
+        engine = cls(
             backend=backend,
             tokenizer=tokenizer,
             config=config,
@@ -144,6 +147,9 @@ class Engine:
             kv_cache=cache,
             identity=_identity(root),
         )
+        if dev.type == "cuda" and converted == 0:  # no copy was made: the model's tensors are the loaded bytes
+            engine.loaded_weights = weights
+        return engine
 
     def attach_kv_tiers(self, tiers: TieredKV | None) -> None:
         """Look prompts up in ``tiers`` (and store their new chunks there) from the next request on."""

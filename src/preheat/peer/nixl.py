@@ -164,6 +164,7 @@ class NixlExport:
                 and tensor.is_cuda
                 and tensor.is_contiguous()
                 and tuple(tensor.shape) == tuple(record.shape)
+                and _dtype_name(tensor) == record.dtype
                 and tensor.numel() * tensor.element_size() == record.nbytes
                 and record.nbytes > 0
             ):
@@ -432,3 +433,14 @@ def peer_source_origin(address: str, http: Origin, *, device: str, token: str | 
     except NixlError as exc:
         log.warning("pull: %s; using TCP", exc)
         return http
+
+
+def _dtype_name(tensor: torch.Tensor) -> str | None:
+    """The safetensors name of the tensor's dtype (None for one safetensors cannot store): a bf16 tensor never stands
+    in for an fp16 record of the same size."""
+    from preheat.checkpoint import dtypes
+
+    try:
+        return dtypes.from_torch(tensor.dtype)
+    except KeyError:
+        return None

@@ -28,14 +28,13 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import ConfigError
 from preheat.peer.nixl import NIXL_ROUTE, NixlExport
-from preheat.sources.httpserve import TrackedHandler, TrackedServer
+from preheat.sources.httpserve import BackgroundServer, TrackedHandler, TrackedServer
 from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
 
 log = logging.getLogger("preheat.peer")
@@ -189,7 +188,7 @@ class _Handler(TrackedHandler):
             peer.count(len(block))
 
 
-class PeerServer:
+class PeerServer(BackgroundServer):
     """Serve checkpoint ``root`` (described by ``manifest``) to other replicas on ``host:port`` (0: a free port).
 
     ``token``: require this bearer token. ``max_bps``: total outbound cap in bytes per second. ``artifacts``: a
@@ -199,6 +198,9 @@ class PeerServer:
     >>> with PeerServer("/cache/models/xxh3-128-...", manifest) as peer:    # doctest: +SKIP
     ...     print(peer.address)
     """
+
+    thread_name = "preheat-peer"
+    poll_interval = 0.1
 
     def __init__(
         self,
@@ -217,7 +219,7 @@ class PeerServer:
         self.manifest = manifest
         self.manifest_bytes = manifest.to_json()
         self.sizes = {f.name: f.size for f in (*manifest.files, *manifest.extra_files)}
-        self.host, self._port = host, port
+        super().__init__(host, port)
         self.token = token or None
         self.bucket = TokenBucket(max_bps) if max_bps else None
         self.name = name
@@ -226,19 +228,10 @@ class PeerServer:
         self._lock = threading.Lock()
         self._load = 0
         self._sent = 0
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._bound: int | None = None
 
     @property
     def identity(self) -> str:
         return self.manifest.identity
-
-    @property
-    def port(self) -> int:
-        if self._bound is None:
-            raise RuntimeError("the peer server was never started")
-        return self._bound
 
     @property
     def address(self) -> str:
@@ -280,33 +273,19 @@ class PeerServer:
             "nixl": self.nixl is not None,
         }
 
+    def make_server(self) -> _Server:
+        return _Server((self.host, self._port), self)
+
     def start(self) -> PeerServer:
-        if self._server is not None:
-            return self
-        server = _Server((self.host, self._port), self)
-        self._server, self._bound = server, int(server.server_address[1])
-        self._thread = threading.Thread(target=server.serve_forever, args=(0.1,), name="preheat-peer", daemon=True)
-        self._thread.start()
-        log.info("peer: serving %s (%s) on %s", self.root, self.identity, self.address)
+        started = self._server is None
+        super().start()
+        if started:
+            log.info("peer: serving %s (%s) on %s", self.root, self.identity, self.address)
         return self
 
     def stop(self) -> None:
         """Stop accepting and cut every open connection (pullers move our pieces elsewhere)."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.shutdown()
-        server.cut_connections()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        super().stop()
         if self.nixl is not None:  # after the last connection: no advert outlives the registered memory
             self.nixl.close()
             self.nixl = None
-
-    def __enter__(self) -> PeerServer:
-        return self.start()
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()

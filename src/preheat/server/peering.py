@@ -12,12 +12,13 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from preheat.errors import ConfigError, PeerError, RegistryError
+from preheat.errors import ConfigError, PeerError, PreheatError, RegistryError
 from preheat.server.settings import ServeSettings
 from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
+    from preheat.peer.nixl import NixlExport
     from preheat.peer.node import Peering
     from preheat.peer.pull import PeerOptions
     from preheat.server.app import ServerState
@@ -110,6 +111,7 @@ def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -
     from preheat.peer.node import start_peering
 
     store = ArtifactStore(_cache_root(settings))
+    nixl = _nixl_export(loaded)
     remote = settings.model if "://" in settings.model and not settings.model.startswith("preheat://") else None
     try:
         peering = start_peering(
@@ -122,6 +124,7 @@ def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -
             name=settings.model_name,
             origin=settings.origin or remote,
             artifacts=store.lookup,
+            nixl=nixl,
         )
     except (PeerError, ConfigError, OSError) as exc:  # the replica still serves its own clients
         log.warning("peer: not serving peers: %s", exc)
@@ -157,3 +160,19 @@ def stop_peer(state: ServerState) -> None:
     peering = _RUNNING.pop(id(state), None)
     if peering is not None:
         peering.stop()
+
+
+def _nixl_export(loaded: Loaded) -> NixlExport | None:
+    """The replica's GPU tensors offered over NIXL, when they are the checkpoint's own bytes (zero-copy on CUDA) and
+    nixl is installed; None otherwise (peers then read the files over TCP)."""
+    weights = loaded.engine.loaded_weights
+    if weights is None:
+        return None
+    from preheat.peer.nixl import export_weights
+    from preheat.peer.node import read_manifest
+
+    try:
+        return export_weights(weights, read_manifest(loaded.path))
+    except (PreheatError, OSError) as exc:
+        log.warning("peer: not offering NIXL: %s", exc)
+        return None

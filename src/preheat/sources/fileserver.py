@@ -33,13 +33,12 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from preheat.config import parse_size
 from preheat.errors import ConfigError
-from preheat.sources.httpserve import TrackedHandler, TrackedServer
+from preheat.sources.httpserve import BackgroundServer, TrackedHandler, TrackedServer
 from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
 
 log = logging.getLogger("preheat.fileserver")
@@ -282,7 +281,7 @@ class _Handler(TrackedHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
 
 
-class FileServer:
+class FileServer(BackgroundServer):
     """Serve ``root`` over HTTP on ``host:port`` (port 0: a free one) from a background thread.
 
     ``token``: require ``Authorization: Bearer <token>``. ``throttle_bps``: cap each connection at this many bytes
@@ -290,6 +289,8 @@ class FileServer:
     ``tls``: serve HTTPS with this server-side ``ssl.SSLContext`` (certificate loaded).
     ``stats`` counts requests, statuses, body bytes sent and faults injected.
     """
+
+    thread_name = "preheat-fileserver"
 
     def __init__(
         self,
@@ -307,21 +308,11 @@ class FileServer:
             raise ConfigError(f"{root}: not a directory, nothing to serve")
         if throttle_bps is not None and throttle_bps < 1:
             raise ConfigError(f"throttle_bps must be at least 1, got {throttle_bps}")
-        self.host, self._port = host, port
+        super().__init__(host, port)
         self.token, self.throttle_bps = token, throttle_bps
         self.faults = faults if faults is not None else Faults()
         self.tls = tls
         self.stats = ServerStats()
-        self._server: _Server | None = None
-        self._bound: int | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        """The bound port (still known after ``stop``, so URLs stay printable)."""
-        if self._bound is None:
-            raise RuntimeError("the server was never started; call start() first")
-        return self._bound
 
     @property
     def url(self) -> str:
@@ -333,10 +324,8 @@ class FileServer:
         """The URL of ``name`` (a path relative to the root)."""
         return f"{self.url}/{name.lstrip('/')}"
 
-    def start(self) -> FileServer:
-        if self._server is not None:
-            return self
-        server = _Server(
+    def make_server(self) -> _Server:
+        return _Server(
             (self.host, self._port),
             root=self.root,
             token=self.token,
@@ -345,33 +334,10 @@ class FileServer:
             stats=self.stats,
             tls=self.tls,
         )
-        self._server = server
-        self._bound = int(server.server_address[1])
-        # A short poll interval makes stop() prompt (serve_forever checks for shutdown between polls).
-        self._thread = threading.Thread(
-            target=server.serve_forever, args=(0.05,), name="preheat-fileserver", daemon=True
-        )
-        self._thread.start()
-        return self
 
-    def stop(self) -> None:
-        """Stop accepting, release stalled requests and cut every open connection."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.stopping.set()
-        server.shutdown()
-        server.cut_connections()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> FileServer:
-        return self.start()
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
+    def before_stop(self, server: TrackedServer) -> None:
+        assert isinstance(server, _Server)
+        server.stopping.set()  # release requests stalled by fault injection
 
 
 def main(argv: Sequence[str] | None = None) -> int:

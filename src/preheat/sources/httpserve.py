@@ -14,8 +14,11 @@ import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import TypeVar
 
 log = logging.getLogger("preheat.httpserve")
+_Runner = TypeVar("_Runner", bound="BackgroundServer")
 
 
 class TrackedServer(ThreadingHTTPServer):
@@ -47,6 +50,62 @@ class TrackedServer(ThreadingHTTPServer):
         for sock in active:
             with contextlib.suppress(OSError):  # already closed by its handler
                 sock.shutdown(socket.SHUT_RDWR)
+
+
+class BackgroundServer:
+    """A ``TrackedServer`` run on a daemon thread: ``start`` binds and serves, ``stop`` stops accepting, cuts every
+    open connection and joins; also a context manager. Subclasses build their server in ``make_server``."""
+
+    thread_name = "preheat-http"
+    poll_interval = 0.05  # serve_forever checks for shutdown between polls: short keeps stop() prompt
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self._port = host, port
+        self._server: TrackedServer | None = None
+        self._bound: int | None = None
+        self._thread: threading.Thread | None = None
+
+    def make_server(self) -> TrackedServer:
+        raise NotImplementedError
+
+    def before_stop(self, server: TrackedServer) -> None:
+        """Called with the running server just before it is shut down (release requests waiting on it)."""
+
+    @property
+    def port(self) -> int:
+        """The bound port (still known after ``stop``, so addresses stay printable)."""
+        if self._bound is None:
+            raise RuntimeError("the server was never started; call start() first")
+        return self._bound
+
+    def start(self: _Runner) -> _Runner:
+        if self._server is not None:
+            return self
+        server = self.make_server()
+        self._server, self._bound = server, int(server.server_address[1])
+        self._thread = threading.Thread(
+            target=server.serve_forever, args=(self.poll_interval,), name=self.thread_name, daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        self.before_stop(server)
+        server.shutdown()
+        server.cut_connections()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self: _Runner) -> _Runner:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
 
 
 class TrackedHandler(BaseHTTPRequestHandler):
