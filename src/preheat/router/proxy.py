@@ -24,6 +24,7 @@ from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
 from preheat.router.upstream import Replica, UpstreamError
 from preheat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from preheat.sources.httpserve import write_body
 
 log = logging.getLogger("preheat.router")
 MAX_BODY = 32 * 1024 * 1024  # the replica's own limit: larger bodies are refused here, without a round trip
@@ -115,13 +116,7 @@ class RouterHandler(BaseHTTPRequestHandler):
 
     # -- the router's own answers ---------------------------------------------------------------------------------
     def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
+        write_body(self, status, body, content_type, headers)
 
     def send_error_json(self, status: int, message: str, type_: str, code: str) -> None:
         """An OpenAI-shaped error the router itself answers (no replica, or the replica failed)."""

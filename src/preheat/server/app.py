@@ -31,6 +31,7 @@ from preheat.server import openai
 from preheat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.server.metrics import ServerMetrics
 from preheat.server.settings import ServeSettings
+from preheat.sources.httpserve import write_body
 from preheat.timeline import Timeline, process_start_time
 
 if TYPE_CHECKING:
@@ -114,13 +115,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_body(status, json.dumps(payload).encode(), "application/json", headers)
 
     def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
+        write_body(self, status, body, content_type, headers)
         self.count(status)
 
     def send_error_json(self, error: openai.APIError, headers: dict[str, str] | None = None) -> None:

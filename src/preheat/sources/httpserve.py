@@ -52,6 +52,19 @@ class TrackedServer(ThreadingHTTPServer):
                 sock.shutdown(socket.SHUT_RDWR)
 
 
+def write_body(
+    handler: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
+) -> None:
+    """A complete answer on ``handler``: status, ``Content-Type``, ``Content-Length``, ``headers``, then ``body``."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    for name, value in (headers or {}).items():
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class BackgroundServer:
     """A ``TrackedServer`` run on a daemon thread: ``start`` binds and serves, ``stop`` stops accepting, cuts every
     open connection and joins; also a context manager. Subclasses build their server in ``make_server``."""
