@@ -77,7 +77,6 @@ def build_tiers(engine: Engine, settings: KVSettings) -> TieredKV | None:
     return TieredKV(
         fingerprint=fp,
         chunk_tokens=settings.chunk_tokens,
-        expect=expect,
         events=events,
         l1=l1,
         l2=l2,

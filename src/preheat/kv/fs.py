@@ -90,8 +90,12 @@ class FileTier:
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key[:2], key + SUFFIX)
 
+    def _usable(self) -> bool:
+        """Up, or down long enough to try again and the probe now succeeds."""
+        return self.health.should_try() and (self.health.up or self._probe())
+
     def get(self, key: str) -> StoredChunk | None:
-        if not self.health.should_try() or (not self.health.up and not self._probe()):
+        if not self._usable():
             self.stats.add(misses=1)
             return None
         path = self.path(key)
@@ -121,11 +125,8 @@ class FileTier:
             os.utime(path)  # recency for the cross-process LRU sweep
         return chunk
 
-    def contains(self, key: str) -> bool:
-        return os.path.exists(self.path(key))
-
     def put(self, key: str, chunk: StoredChunk) -> bool:
-        if not self.health.should_try() or (not self.health.up and not self._probe()):
+        if not self._usable():
             return False
         path = self.path(key)
         if os.path.exists(path):

@@ -91,15 +91,6 @@ class RedisTier:
         self.stats.hit(len(blob), time.perf_counter() - start)
         return chunk
 
-    def contains(self, key: str) -> bool:
-        if not self.health.should_try():
-            return False
-        try:
-            return bool(self.client.exists(self.prefix + key))
-        except redis.RedisError as exc:
-            self.health.down(str(exc))
-            return False
-
     def put(self, key: str, chunk: StoredChunk) -> bool:
         if not self.health.should_try():
             return False

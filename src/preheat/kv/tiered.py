@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, store_form
 from preheat.kv.events import Costs, EventLog
 from preheat.kv.memory import MemoryTier
@@ -35,7 +34,6 @@ class TieredKV:
         *,
         fingerprint: str,
         chunk_tokens: int,
-        expect: chunkfile.Expect,
         events: EventLog,
         l1: MemoryTier | None = None,
         l2: Tier | None = None,
@@ -45,7 +43,6 @@ class TieredKV:
     ) -> None:
         self.fingerprint = fingerprint
         self.chunk_tokens = chunk_tokens
-        self.expect = expect
         self.kv_dtype = kv_dtype
         self.pin = pin
         self.l1 = l1

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
+from preheat.server.metrics import format_value
 from preheat.server.settings import ServeSettings
 from preheat.timeline import Timeline
 
@@ -75,7 +76,7 @@ def metric_lines(tiers: TieredKV | None) -> list[str]:
     for field, kind, help_text in series:
         name = f"preheat_kv_{field}_total"
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{tier="{tier}"}} {_number(snap[field])}' for tier, snap in snapshots.items()]
+        lines += [f'{name}{{tier="{tier}"}} {format_value(snap[field])}' for tier, snap in snapshots.items()]
     lines += [
         "# HELP preheat_kv_tier_up 1 when the tier is usable, 0 while it is down (requests recompute).",
         "# TYPE preheat_kv_tier_up gauge",
@@ -111,7 +112,3 @@ def events_payload(tiers: TieredKV, query: str, load: Callable[[], tuple[int, in
     else:
         payload["events"] = [e.to_dict() for e in events]
     return payload
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))

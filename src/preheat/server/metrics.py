@@ -32,7 +32,8 @@ def _format_labels(labels: Labels, extra: tuple[str, str] | None = None) -> str:
     return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(pairs, escaped, strict=True)) + "}"
 
 
-def _number(value: float) -> str:
+def format_value(value: float) -> str:
+    """A sample value as Prometheus writes it: integers without a fraction, infinities as +Inf/-Inf."""
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return repr(float(value)) if not float(value).is_integer() else str(int(value))
@@ -73,7 +74,7 @@ class Counter(_Metric):
     def lines(self) -> list[str]:
         with self._lock:
             items = sorted(self._values.items()) or [((), 0.0)]
-        return [f"{self.name}{_format_labels(k)} {_number(v)}" for k, v in items]
+        return [f"{self.name}{_format_labels(k)} {format_value(v)}" for k, v in items]
 
 
 class Gauge(_Metric):
@@ -97,7 +98,7 @@ class Gauge(_Metric):
             values = dict(self._values)
         if self._source is not None:
             values.update((_labels(labels), value) for labels, value in self._source())
-        return [f"{self.name}{_format_labels(k)} {_number(v)}" for k, v in sorted(values.items())]
+        return [f"{self.name}{_format_labels(k)} {format_value(v)}" for k, v in sorted(values.items())]
 
 
 class Histogram(_Metric):
@@ -126,8 +127,8 @@ class Histogram(_Metric):
         out, running = [], 0
         for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
             running += n
-            out.append(f"{self.name}_bucket{_format_labels((), ('le', _number(bound)))} {running}")
-        out += [f"{self.name}_sum {_number(total)}", f"{self.name}_count {running}"]
+            out.append(f"{self.name}_bucket{_format_labels((), ('le', format_value(bound)))} {running}")
+        out += [f"{self.name}_sum {format_value(total)}", f"{self.name}_count {running}"]
         return out
 
 
