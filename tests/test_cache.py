@@ -193,7 +193,7 @@ def _journal_bytes(cache_root: Path, chunk: int) -> int:
     journals = list((cache_root / "partial").glob("*/.journal"))
     if not journals:
         return 0
-    return sum(1 for _ in journals[0].read_text().splitlines()) * chunk
+    return sum(1 for line in journals[0].read_text().splitlines() if '"pin"' not in line) * chunk
 
 
 def spawn_pull(url: str, cache_root: Path, *, threads: int, chunk: str, quiet: bool = False) -> subprocess.Popen[str]:

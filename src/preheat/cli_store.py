@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -30,6 +31,7 @@ Inspect and manage the node-local cache (default ~/.cache/preheat, or PREHEAT_CA
 examples:
   preheat cache ls --json
   preheat cache gc --max-size 50GiB        # least recently used first; entries in use are never removed
+  preheat cache gc --stale-after 0         # only abandoned partial pulls and temp files, however young
   preheat cache rm xxh3-128:4f1c...
   preheat cache warm s3://models/llama      # for init containers and node DaemonSets: pull, print the path
 """
@@ -64,8 +66,17 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     rm.add_argument("target", help="an entry key (see 'cache ls') or its URI")
     rm.add_argument("--cache-dir", default=None, help="cache root")
     rm.set_defaults(func=_cmd_rm)
-    gc = verbs.add_parser("gc", help="remove least recently used entries until the cache fits --max-size")
-    gc.add_argument("--max-size", required=True, help="e.g. 50GiB")
+    gc = verbs.add_parser(
+        "gc",
+        help="remove abandoned partial pulls and temp files, and least recently used entries beyond --max-size",
+    )
+    gc.add_argument("--max-size", default=None, help="e.g. 50GiB: also remove entries until the cache fits")
+    gc.add_argument(
+        "--stale-after",
+        type=_duration,
+        default=None,
+        help="remove partial pulls no process runs and temp files untouched this long (30m, 2h, 0; default 1h)",
+    )
     gc.add_argument("--cache-dir", default=None, help="cache root")
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)
@@ -168,11 +179,28 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
+    from preheat.store.cache import STALE_AFTER
+
     cache = _cache(args)
-    removed = cache.gc(parse_size(args.max_size))
+    swept = cache.sweep(STALE_AFTER if args.stale_after is None else args.stale_after)
+    removed = cache.gc(parse_size(args.max_size)) if args.max_size is not None else []
     if args.json:
-        print(json.dumps([e.to_dict() for e in removed], indent=2))
+        print(json.dumps({"removed": [e.to_dict() for e in removed], "swept": [s.to_dict() for s in swept]}, indent=2))
     else:
-        freed = sum(e.size for e in removed)
-        print(f"removed {len(removed)} entries, freed {format_bytes(freed)}")
+        freed = sum(e.size for e in removed) + sum(s.size for s in swept)
+        leftovers = f"{len(swept)} abandoned pulls or temp files"
+        print(f"removed {len(removed)} entries and {leftovers}, freed {format_bytes(freed)}")
     return 0
+
+
+def _duration(text: str) -> float:
+    """Seconds from ``90``, ``30s``, ``30m``, ``2h`` or ``1d``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
+    try:
+        seconds = float(number) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90, 30m, 2h, 1d)") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be a finite number of seconds, 0 or more")
+    return seconds

@@ -40,6 +40,11 @@ class SourceAccessError(SourceError):
     """The source refused access (HTTP 401/403, S3 AccessDenied): the credentials or token are missing or wrong."""
 
 
+class SourceChangedError(SourceError):
+    """The origin's file changed while it was being read (another ETag, Last-Modified, size or inode than the one the
+    read started with, or HTTP 412): bytes of two versions must never be mixed, so the read starts over."""
+
+
 class PeerError(SourceError):
     """A peer or the peer registry failed: unreachable, stalled, refused the token, or sent bytes that do not match
     the manifest. Pulls treat it as a lost source and carry on with the others (other peers, then the origin)."""
@@ -48,6 +53,11 @@ class PeerError(SourceError):
 class RegistryError(PeerError):
     """The peer registry (Redis, or a shared directory) cannot be read or written; pulls fall back to the cache and
     the origin with a warning."""
+
+
+class ArtifactTrustError(PeerError):
+    """Compiled artifacts were refused because no trusted key vouches for them (unsigned, signed by a key not passed
+    to ``--trust-key``, or a signature that does not match). The message says how to sign and trust them."""
 
 
 class CacheError(PreheatError):

@@ -11,11 +11,17 @@ relative name and fetches small files (``config.json``, ``preheat.json``, an ind
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from preheat.errors import ConfigError
+from preheat.errors import ConfigError, SourceError
 
 REMOTE_SCHEMES = ("http://", "https://", "s3://")
+# The most ``Origin.read_bytes`` holds in memory: files fetched whole are configs, tokenizers (~35 MB at most),
+# indexes and manifests (~390 bytes a tensor: 256 MiB is ~650,000 tensors, a large MoE pre-sharded 8 ways). A server
+# that announces or sends more gets ``SourceError`` instead of the process's memory. ``NetSettings.whole_file_limit``
+# overrides it per remote origin.
+READ_BYTES_LIMIT = 256 * 1024 * 1024
 
 
 @runtime_checkable
@@ -58,12 +64,70 @@ class Origin(Protocol):
         ...
 
     def read_bytes(self, name: str) -> bytes:
-        """The whole content of small file ``name`` (configs, manifests, indexes)."""
+        """The whole content of small file ``name`` (configs, manifests, indexes); ``SourceError`` past
+        ``READ_BYTES_LIMIT`` bytes (``too_large``)."""
         ...
 
     def open(self, name: str) -> Source:
         """A ``Source`` for file ``name``."""
         ...
+
+
+@dataclass(frozen=True)
+class Validator:
+    """What names one version of an origin's file, so a resumed pull can tell whether it changed.
+
+    ``etag``: a strong entity tag (HTTP ``ETag``, S3 ``ETag``; weak ``W/`` tags say nothing about bytes and are not
+    kept). ``modified``: HTTP ``Last-Modified``, S3 ``LastModified`` or a local file's ``st_mtime_ns``. ``inode``:
+    local files only (a file replaced by rename gets a new one). Two validators are the same version only if every
+    field is equal; one that has neither ``etag`` nor ``modified`` (and no inode) cannot tell versions of equal size
+    apart, so it is ``weak`` and a pull never resumes over it.
+    """
+
+    size: int
+    etag: str | None = None
+    modified: str | None = None
+    inode: int | None = None
+
+    @property
+    def weak(self) -> bool:
+        return self.etag is None and self.modified is None and self.inode is None
+
+    def to_json(self) -> dict[str, object]:
+        doc: dict[str, object] = {"size": self.size}
+        fields = (("etag", self.etag), ("modified", self.modified), ("inode", self.inode))
+        doc.update({k: v for k, v in fields if v is not None})
+        return doc
+
+
+def strong_etag(value: str | None) -> str | None:
+    """``value`` if it is a strong entity tag (``"..."``), else None (absent, or weak ``W/"..."``)."""
+    value = (value or "").strip()
+    return value if len(value) >= 2 and value.startswith('"') and value.endswith('"') else None
+
+
+@runtime_checkable
+class Versioned(Protocol):
+    """A ``Source`` that can name the version of the file it reads, and hold its reads to one version."""
+
+    def validator(self) -> Validator:
+        """The file's validator as first seen by this source (the same request that learnt its size)."""
+        ...
+
+    def require(self, pinned: Validator) -> None:
+        """Read only version ``pinned`` from now on: raise ``SourceChangedError`` if this source sees another one
+        now, or when a later read finds the file changed (HTTP ``If-Match``/``If-Unmodified-Since``, S3 ``IfMatch``,
+        a local ``fstat``)."""
+        ...
+
+
+def too_large(where: str, size: int | None, limit: int) -> SourceError:
+    """The error for a file fetched whole that has (``size``) or sends more than ``limit`` bytes."""
+    has = f"is {size} bytes" if size is not None else "sent more than that"
+    return SourceError(
+        f"{where}: refused: files read whole (configs, tokenizers, indexes, manifests) may have at most {limit} "
+        f"bytes, and this one {has}"
+    )
 
 
 def is_uri(location: str) -> bool:

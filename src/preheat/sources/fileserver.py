@@ -4,8 +4,10 @@ It serves the files under one directory (never a byte outside it) over HTTP/1.1 
 single ``Range: bytes=a-b`` requests answered with 206 and ``Content-Range`` (416 past the end; several ranges get the
 whole file, which RFC 9110 allows), an optional bearer token (401 without one, 403 for a wrong one), an optional
 per-connection throttle (object stores cap each connection, e.g. at 50 MB/s, so bandwidth comes from parallel
-streams), and fault injection for tests (``Faults``: ignore Range, cut connections mid-body, flip bytes, answer a
-shifted range, fail with a status, or never answer).
+streams), validators (``ETag`` from inode, mtime and size; ``Last-Modified``) with ``If-Match`` and
+``If-Unmodified-Since`` (412 when they fail) and ``If-Range`` (the whole file when it fails), and fault injection for
+tests (``Faults``: ignore Range, cut connections mid-body, flip bytes, answer a shifted range, fail with a status,
+never answer, or send no validators).
 
 >>> with FileServer("/srv/models", throttle_bps=50_000_000) as server:      # doctest: +SKIP
 ...     weights = preheat.load(server.url_for("tiny"))
@@ -22,6 +24,8 @@ Binds 127.0.0.1 unless told otherwise. Meant for tests and trusted networks: HTT
 from __future__ import annotations
 
 import argparse
+import email.message
+import email.utils
 import logging
 import os
 import socket
@@ -58,6 +62,7 @@ class Faults:
       (a broken cache or proxy): a careful client must refuse it.
     - ``fail_status``: answer the next ``fail_times`` requests (None: all) with this status, e.g. 503.
     - ``stall``: read requests but never answer (until the server stops): a client must time out.
+    - ``omit_validators``: send no ``ETag``/``Last-Modified`` and ignore conditional headers (a bare server).
     """
 
     ignore_range: bool = False
@@ -68,6 +73,7 @@ class Faults:
     fail_status: int | None = None
     fail_times: int | None = 1
     stall: bool = False
+    omit_validators: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,16 +219,26 @@ class _Handler(TrackedHandler):
             if not stat.S_ISREG(info.st_mode):
                 self.plain(404, "not found\n")
                 return
-            self._send_file(handle, info.st_size, body=body)
+            self._send_file(handle, info, body=body)
 
-    def _send_file(self, handle: BinaryIO, size: int, *, body: bool) -> None:
-        faults = self.server.faults
+    def _send_file(self, handle: BinaryIO, info: os.stat_result, *, body: bool) -> None:
+        faults, size = self.server.faults, info.st_size
         headers = {"Content-Type": "application/octet-stream"}
+        use_range = True
+        if not faults.omit_validators:
+            etag = f'"{info.st_ino:x}-{info.st_mtime_ns:x}-{size:x}"'
+            headers["ETag"] = etag
+            headers["Last-Modified"] = email.utils.formatdate(info.st_mtime, usegmt=True)
+            if not _preconditions_hold(self.headers, etag, int(info.st_mtime)):
+                self.plain(412, "precondition failed: the file changed\n", {"ETag": etag})
+                return
+            if_range = self.headers.get("If-Range")
+            use_range = if_range is None or if_range.strip() in (etag, headers["Last-Modified"])
         span = None
         if not faults.ignore_range:
             headers["Accept-Ranges"] = "bytes"
             try:
-                span = parse_range(self.headers.get("Range"), size)
+                span = parse_range(self.headers.get("Range"), size) if use_range else None
             except UnsatisfiableRangeError:
                 self.plain(416, "", {"Content-Range": f"bytes */{size}"})
                 return
@@ -279,6 +295,22 @@ class _Handler(TrackedHandler):
             # Cut the connection mid-body, as a crashed proxy or a reset load balancer would.
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
+
+
+def _preconditions_hold(headers: email.message.Message, etag: str, mtime: int) -> bool:
+    """RFC 9110 ``If-Match`` (strong comparison) and, without it, ``If-Unmodified-Since``."""
+    if_match = headers.get("If-Match")
+    if if_match is not None:
+        tags = [t.strip() for t in if_match.split(",")]
+        return "*" in tags or etag in tags
+    since = headers.get("If-Unmodified-Since")
+    if since is not None:
+        try:
+            date = email.utils.parsedate_to_datetime(since)
+        except (TypeError, ValueError):
+            return True  # an unparseable date is ignored, as RFC 9110 says
+        return mtime <= date.timestamp()
+    return True
 
 
 class FileServer(BackgroundServer):

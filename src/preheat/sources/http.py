@@ -14,6 +14,11 @@ its bytes, and leaves the stream for the next reader. Reading a file front to ba
 about one pass plus up to N restarts, instead of a whole-file download per request. It is correct, but slower than a
 server that honours Range; a warning says so once per origin.
 
+Versions: the request that learns a file's size also records its ``ETag`` (strong only) and ``Last-Modified``
+(``HTTPFile.validator()``). After ``require(validator)`` every GET is conditional (``If-Match``, else
+``If-Unmodified-Since``) and an answer naming another version, or 412, raises ``SourceChangedError``: a resumed pull
+never mixes the bytes of two versions of a file.
+
 Authentication: ``PREHEAT_HTTP_TOKEN`` (or ``token=``) is sent as ``Authorization: Bearer <token>``, only to the
 origin's own host. Timeouts and retries: see ``preheat.sources.net``.
 """
@@ -27,8 +32,8 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from preheat.errors import ConfigError, SourceError, SourceNotFoundError
-from preheat.sources.base import check_name
+from preheat.errors import ConfigError, SourceChangedError, SourceError, SourceNotFoundError
+from preheat.sources.base import Validator, check_name, strong_etag, too_large
 from preheat.sources.httpclient import HTTPClient, Response, describe
 from preheat.sources.net import NetSettings, TransientError, retrying
 from preheat.sources.ranges import parse_content_range, range_header
@@ -114,9 +119,11 @@ class HTTPOrigin:
         return retrying(attempt, settings=self.settings, what=f"HEAD {url}", stats=self.stats)
 
     def read_bytes(self, name: str) -> bytes:
-        """GET a small file (config, manifest, index) whole."""
+        """GET a small file (config, manifest, index) whole: at most ``settings.whole_file_limit`` bytes, announced
+        or sent (``SourceError`` beyond, without reading the rest)."""
         url = self.join(name)
         client = self._state.client
+        limit = self.settings.whole_file_limit
 
         def attempt() -> bytes:
             response = client.send("GET", url)
@@ -124,12 +131,19 @@ class HTTPOrigin:
             if response.status != 200:
                 response.drain()
                 raise SourceError(f"GET {url}: expected HTTP 200, got {response.status}")
+            announced = response.int_header("Content-Length")
+            if announced is not None and announced > limit:
+                response.abandon()
+                raise too_large(f"GET {url}", announced, limit)
             try:
-                data = response.body.read()
+                data = response.body.read(limit + 1)
             except (OSError, http.client.HTTPException) as exc:
                 response.abandon()
                 raise TransientError(describe(exc, self.settings)) from exc
             self.stats.add(nbytes=len(data))
+            if len(data) > limit:  # no Content-Length (chunked), and more than the limit
+                response.abandon()
+                raise too_large(f"GET {url}", None, limit)
             return data
 
         return retrying(attempt, settings=self.settings, what=f"GET {url}", stats=self.stats)
@@ -158,6 +172,46 @@ class HTTPFile(RemoteFile):
         self._target = url  # where redirects lead; learnt from the first request and reused
         self._streams = _Streams()
         self._scratch = threading.local()
+        self._seen: Validator | None = None  # set by the size probe
+        self._pinned: Validator | None = None
+
+    def validator(self) -> Validator:
+        """The file's size, strong ETag and Last-Modified as the size probe saw them."""
+        size = self.size()
+        return self._seen if self._seen is not None else Validator(size)
+
+    def require(self, pinned: Validator) -> None:
+        """Read only version ``pinned``: ``SourceChangedError`` now if the server names another one, and later when
+        a conditional GET is refused (412) or answered for another version."""
+        seen = self.validator()
+        if seen != pinned:
+            raise SourceChangedError(f"{self._url} changed on the server: it is now {seen}, was {pinned}")
+        self._pinned = pinned
+
+    def _conditions(self) -> dict[str, str]:
+        pinned = self._pinned
+        if pinned is None:
+            return {}
+        if pinned.etag is not None:
+            return {"If-Match": pinned.etag}
+        return {"If-Unmodified-Since": pinned.modified} if pinned.modified is not None else {}
+
+    def _check_version(self, response: Response, what: str) -> None:
+        """Refuse an answer for another version than the pinned one (412, or its own ETag/Last-Modified differ)."""
+        pinned = self._pinned
+        if pinned is None:
+            return
+        etag, modified = strong_etag(response.header("ETag")), response.header("Last-Modified")
+        if (
+            response.status == 412
+            or (pinned.etag is not None and etag is not None and etag != pinned.etag)
+            or (pinned.modified is not None and modified is not None and modified != pinned.modified)
+        ):
+            response.drain()
+            raise SourceChangedError(
+                f"{what}: the file changed on the server (HTTP {response.status}, ETag {etag}, Last-Modified "
+                f"{modified}; was {pinned.etag}, {pinned.modified})"
+            )
 
     def close(self) -> None:
         self._streams.close()
@@ -170,7 +224,8 @@ class HTTPFile(RemoteFile):
             return
         first, last = offset + cursor.done, offset + cursor.total - 1
         what = f"GET {self._url} bytes {first}-{last}"
-        response = self._client.send("GET", self._target, {"Range": range_header(first, last)})
+        response = self._client.send("GET", self._target, {"Range": range_header(first, last), **self._conditions()})
+        self._check_version(response, what)
         if response.status == 206:
             self._check_partial(response, first, last, size, what)
             self._fill(response, cursor, last - first + 1, to_end=True)
@@ -180,7 +235,7 @@ class HTTPFile(RemoteFile):
         elif response.status == 416:
             answer = response.header("Content-Range")
             response.drain()
-            raise SourceError(
+            raise SourceChangedError(
                 f"{what}: the server says this is past the end ({answer}); the file changed on the server"
             )
         else:
@@ -200,7 +255,7 @@ class HTTPFile(RemoteFile):
             )
         if got.total is not None and got.total != size:
             response.abandon()
-            raise SourceError(f"{what}: the file is now {got.total} bytes, was {size}; it changed on the server")
+            raise SourceChangedError(f"{what}: the file is now {got.total} bytes, was {size}; it changed on the server")
 
     def _fill(self, response: Response, cursor: Cursor, n: int, *, to_end: bool) -> None:
         """Read exactly ``n`` body bytes into ``cursor``; ``to_end``: they are the whole body (keep the connection)."""
@@ -238,12 +293,15 @@ class HTTPFile(RemoteFile):
         length = response.int_header("Content-Length")
         if length is not None and length != size:
             response.abandon()
-            raise SourceError(f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server")
+            raise SourceChangedError(
+                f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server"
+            )
         self._client.pool.detach(response.conn)
         return _Stream(response, 0)
 
     def _open_stream(self, size: int) -> _Stream:
-        response = self._client.send("GET", self._target, dedicated=True)
+        response = self._client.send("GET", self._target, self._conditions(), dedicated=True)
+        self._check_version(response, f"GET {self._url}")
         if response.status != 200:
             self._client.check(response, f"GET {self._url}")
             response.abandon()
@@ -251,7 +309,9 @@ class HTTPFile(RemoteFile):
         length = response.int_header("Content-Length")
         if length is not None and length != size:
             response.abandon()
-            raise SourceError(f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server")
+            raise SourceChangedError(
+                f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server"
+            )
         return _Stream(response, 0)
 
     def _from_stream(self, offset: int, cursor: Cursor, size: int, stream: _Stream | None) -> None:
@@ -301,6 +361,7 @@ class HTTPFile(RemoteFile):
                 self._state.mark_ignores_range()
             length = response.int_header("Content-Length")
             if length is not None:
+                self._seen = _validator_of(response, length)
                 return length
         elif response.status not in (405, 501):
             self._client.check(response, what)
@@ -311,6 +372,7 @@ class HTTPFile(RemoteFile):
             got = parse_content_range(response.header("Content-Range"))
             response.drain()
             if got is not None and got.total is not None:
+                self._seen = _validator_of(response, got.total)
                 return got.total
             raise SourceError(f"{what}: the server did not say the file's size (Content-Range {got})")
         self._client.check(response, what)
@@ -318,8 +380,13 @@ class HTTPFile(RemoteFile):
         response.abandon()
         if response.status == 200 and length is not None:
             self._state.mark_ignores_range()
+            self._seen = _validator_of(response, length)
             return length
         raise SourceError(f"{what}: the server sends neither Content-Length nor Content-Range, so the size is unknown")
+
+
+def _validator_of(response: Response, size: int) -> Validator:
+    return Validator(size, etag=strong_etag(response.header("ETag")), modified=response.header("Last-Modified"))
 
 
 @dataclass(eq=False)

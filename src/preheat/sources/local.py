@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 
-from preheat.errors import SourceError
-from preheat.sources.base import check_name
+from preheat.errors import SourceChangedError, SourceError
+from preheat.sources.base import READ_BYTES_LIMIT, Validator, check_name, too_large
 
 
 class LocalFile:
@@ -20,6 +21,7 @@ class LocalFile:
             except OSError as exc:
                 raise SourceError(f"{path}: cannot open: {exc.strerror}") from None
         self._fd: int | None = fd
+        self._pinned: Validator | None = None
 
     @classmethod
     def from_fd(cls, path: str, fd: int) -> LocalFile:
@@ -35,7 +37,22 @@ class LocalFile:
 
     def readv(self, offset: int, buffers: Sequence[memoryview]) -> int:
         # OSError propagates: the reader turns it into a CheckpointError naming the file and offset.
-        return os.preadv(self._require(), list(buffers), offset)
+        n = os.preadv(self._require(), list(buffers), offset)
+        if self._pinned is not None and self.validator() != self._pinned:  # written in place while we read it
+            raise SourceChangedError(f"{self._path} changed while it was read: it is now {self.validator()}")
+        return n
+
+    def validator(self) -> Validator:
+        """Size, ``st_mtime_ns`` and inode of the open file."""
+        info = os.fstat(self._require())
+        return Validator(info.st_size, modified=str(info.st_mtime_ns), inode=info.st_ino)
+
+    def require(self, pinned: Validator) -> None:
+        """Read only version ``pinned``: ``SourceChangedError`` now or after any read that finds the file changed."""
+        seen = self.validator()
+        if seen != pinned:
+            raise SourceChangedError(f"{self._path} changed: it is now {seen}, was {pinned}")
+        self._pinned = pinned
 
     def close(self) -> None:
         if self._fd is not None:
@@ -65,12 +82,22 @@ class LocalOrigin:
         return os.path.isfile(self.join(name))
 
     def read_bytes(self, name: str) -> bytes:
+        """The whole of regular file ``name``, at most ``READ_BYTES_LIMIT`` bytes (``SourceError`` otherwise)."""
         path = self.join(name)
         try:
-            with open(path, "rb") as handle:
-                return handle.read()
+            # O_NONBLOCK: opening a FIFO planted under this name would otherwise wait for a writer forever.
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as handle:
+                info = os.fstat(handle.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    raise SourceError(f"{path}: not a regular file")
+                if info.st_size > READ_BYTES_LIMIT:
+                    raise too_large(path, info.st_size, READ_BYTES_LIMIT)
+                data = handle.read(READ_BYTES_LIMIT + 1)
         except OSError as exc:
             raise SourceError(f"{path}: cannot read: {exc.strerror}") from None
+        if len(data) > READ_BYTES_LIMIT:  # it grew while being read
+            raise too_large(path, None, READ_BYTES_LIMIT)
+        return data
 
     def open(self, name: str) -> LocalFile:
         return LocalFile(self.join(name))

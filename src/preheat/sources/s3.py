@@ -11,6 +11,9 @@ backoffs as HTTP and a connection dropped mid-body resumes from the bytes alread
 not exactly the range asked for is refused. botocore's stream copies each block once (urllib3 reads, then copies into
 the buffer); blocks are bounded to 1 MiB so that copy never needs a large temporary.
 
+Versions: ``HeadObject``'s ``ETag`` and ``LastModified`` are the object's validator; after ``require(validator)``
+every ranged ``GetObject`` carries ``IfMatch`` and a replaced object raises ``SourceChangedError``.
+
 Install with ``pip install 'preheat[s3]'``.
 """
 
@@ -20,8 +23,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from preheat.errors import ConfigError, SourceAccessError, SourceError, SourceNotFoundError
-from preheat.sources.base import check_name
+from preheat.errors import ConfigError, SourceAccessError, SourceChangedError, SourceError, SourceNotFoundError
+from preheat.sources.base import Validator, check_name, strong_etag, too_large
 from preheat.sources.net import NetSettings, TransientError, retrying
 from preheat.sources.ranges import parse_content_range, range_header
 from preheat.sources.remote import Cursor, RemoteFile
@@ -109,17 +112,23 @@ class S3Origin:
         return retrying(attempt, settings=self.settings, what=f"HeadObject {url}", stats=self.stats)
 
     def read_bytes(self, name: str) -> bytes:
-        """GetObject of a small file, whole."""
+        """GetObject of a small file, whole: at most ``settings.whole_file_limit`` bytes (``SourceError`` beyond)."""
         key, url = self.key(name), self.join(name)
+        limit = self.settings.whole_file_limit
 
         def attempt() -> bytes:
             response = self.request(url, lambda: self.client.get_object(Bucket=self.bucket, Key=key))
             body = response["Body"]
             try:
-                data = bytes(_stream_call(body.read))
+                announced = response.get("ContentLength")
+                if isinstance(announced, int) and announced > limit:
+                    raise too_large(url, announced, limit)
+                data = bytes(_stream_call(partial(body.read, limit + 1)))
             finally:
                 body.close()
             self.stats.add(nbytes=len(data))
+            if len(data) > limit:
+                raise too_large(url, None, limit)
             return data
 
         return retrying(attempt, settings=self.settings, what=f"GetObject {url}", stats=self.stats)
@@ -145,23 +154,51 @@ class S3Object(RemoteFile):
         super().__init__(url, settings=origin.settings, stats=origin.stats)
         self._origin = origin
         self._key = key
+        self._seen: Validator | None = None  # set by the size probe
+        self._pinned: Validator | None = None
+
+    def validator(self) -> Validator:
+        """The object's size, ETag and LastModified as HeadObject saw them."""
+        size = self.size()
+        return self._seen if self._seen is not None else Validator(size)
+
+    def require(self, pinned: Validator) -> None:
+        """Read only version ``pinned``: ``SourceChangedError`` now if the object was replaced, and later when a
+        conditional GetObject is refused (412 PreconditionFailed) or answers for another ETag."""
+        seen = self.validator()
+        if seen != pinned:
+            raise SourceChangedError(f"{self._url} was replaced: it is now {seen}, was {pinned}")
+        self._pinned = pinned
 
     def _probe_size(self) -> int:
         origin = self._origin
         response = origin.request(self._url, lambda: origin.client.head_object(Bucket=origin.bucket, Key=self._key))
-        return int(response["ContentLength"])
+        size = int(response["ContentLength"])
+        modified = response.get("LastModified")
+        self._seen = Validator(
+            size,
+            etag=strong_etag(response.get("ETag")),
+            modified=modified.isoformat() if modified is not None else None,
+        )
+        return size
 
     def _attempt(self, offset: int, cursor: Cursor, size: int) -> None:
         origin = self._origin
         first, last = offset + cursor.done, offset + cursor.total - 1
         what = f"GetObject {self._url} bytes {first}-{last}"
-        response = origin.request(
+        conditions = {"IfMatch": self._pinned.etag} if self._pinned is not None and self._pinned.etag else {}
+        response = origin.request(  # a replaced object: 412 PreconditionFailed -> SourceChangedError
             self._url,
-            lambda: origin.client.get_object(Bucket=origin.bucket, Key=self._key, Range=range_header(first, last)),
+            lambda: origin.client.get_object(
+                Bucket=origin.bucket, Key=self._key, Range=range_header(first, last), **conditions
+            ),
         )
         body = response["Body"]
         received = 0
         try:
+            etag = strong_etag(response.get("ETag"))
+            if self._pinned is not None and self._pinned.etag and etag and etag != self._pinned.etag:
+                raise SourceChangedError(f"{what}: the object was replaced (ETag {etag}, was {self._pinned.etag})")
             got = parse_content_range(response.get("ContentRange"))
             if got is None or (got.first, got.last) != (first, last):
                 raise SourceError(
@@ -169,7 +206,7 @@ class S3Object(RemoteFile):
                     "that may not be the ones asked for"
                 )
             if got.total is not None and got.total != size:
-                raise SourceError(f"{what}: the object is now {got.total} bytes, was {size}; it was replaced")
+                raise SourceChangedError(f"{what}: the object is now {got.total} bytes, was {size}; it was replaced")
             while cursor.remaining:
                 n = _stream_call(partial(body.readinto, cursor.next_view(_BLOCK)))
                 if n == 0:
@@ -193,6 +230,8 @@ def _client_call(url: str, request: Callable[[], T]) -> T:
         code = str(error.get("Code", ""))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         message = error.get("Message") or code
+        if code == "PreconditionFailed" or status == 412:
+            raise SourceChangedError(f"{url}: replaced since it was first read ({code}: {message})") from None
         if code in _NOT_FOUND or status == 404:
             raise SourceNotFoundError(f"{url}: not found ({code}: {message})") from None
         if code in _DENIED or status in (401, 403):

@@ -7,8 +7,9 @@ Layout under the cache root (default ``~/.cache/preheat``, or ``PREHEAT_CACHE_DI
     locks/<key>.pull            held exclusively by the one process downloading <key>
     locks/<key>.use             held shared by every process using <key>; gc/rm need it exclusively
 
-An entry appears only by ``rename(partial/<key>, models/<key>)`` after every digest was checked, so a directory under
-``models/`` is always complete. ``<key>`` is the checkpoint identity from its manifest (``xxh3-128-...``), or
+An entry appears only by ``rename(partial/<key>, models/<key>)`` after every digest was checked and every file and
+directory of it was fsynced, and the rename itself is fsynced: a directory under ``models/`` is always complete, also
+after a power loss. ``<key>`` is the checkpoint identity from its manifest (``xxh3-128-...``), or
 ``url-<hash of the URI>`` for an origin without a manifest.
 """
 
@@ -24,9 +25,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from preheat.errors import CacheError
-from preheat.store import locks
+from preheat.store import durable, locks
 
 META_NAME = ".preheat-cache.json"
+STALE_AFTER = 3600.0  # seconds: an abandoned partial younger than this is kept for a pull to resume
 
 
 def default_cache_dir() -> str:
@@ -57,6 +59,18 @@ class CacheEntry:
     created: float
     last_used: float
     in_use: bool
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Swept:
+    """Something ``sweep`` removed: an abandoned ``partial`` pull, or a ``temp`` file or directory."""
+
+    path: str
+    kind: str
+    size: int
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -228,19 +242,103 @@ class ModelCache:
         shutil.rmtree(os.path.join(self.root, "trash"), ignore_errors=True)
         return removed
 
+    def sweep(self, stale_after: float = STALE_AFTER) -> list[Swept]:
+        """Remove what dead processes left behind, untouched for ``stale_after`` seconds: ``partial/<key>`` of pulls
+        no process runs (nobody holds ``locks/<key>.pull``) and temporary files (``trash/``, ``locks/.probe-*``).
+
+        A live pull's partial is never touched, whatever its age: the sweep holds the pull lock while it removes one,
+        so a pull that starts meanwhile waits and then starts afresh. Lock files stay (removing a lock file that a
+        process is about to open would let two processes hold "the" lock).
+        """
+        now = time.time()
+        swept: list[Swept] = []
+        partials = os.path.join(self.root, "partial")
+        for name in sorted(os.listdir(partials)) if os.path.isdir(partials) else []:
+            path = os.path.join(partials, name)
+            if name.startswith(".") or not os.path.isdir(path):
+                continue
+            held = locks.try_exclusive(os.path.join(self.root, "locks", f"{name}.pull"))
+            if held is None:
+                continue  # a pull is running
+            try:
+                if now - _newest_mtime(path) >= stale_after:
+                    size = _tree_size(path)
+                    self._discard(path, name)
+                    swept.append(Swept(path, "partial", size))
+            finally:
+                os.close(held)
+        leftovers = [os.path.join(self.root, "trash", n) for n in _listdir(os.path.join(self.root, "trash"))]
+        leftovers += [
+            os.path.join(self.root, "locks", n) for n in _listdir(os.path.join(self.root, "locks")) if n.startswith(".")
+        ]
+        for path in leftovers:
+            try:
+                if now - _newest_mtime(path) < stale_after:
+                    continue
+                size = _tree_size(path)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue  # removed by its owner meanwhile
+            swept.append(Swept(path, "temp", size))
+        return swept
+
+    def _discard(self, path: str, name: str) -> None:
+        """Rename ``path`` into ``trash/`` (it vanishes at once), then delete it."""
+        trash = os.path.join(self.root, "trash", f"{name}-{os.getpid()}-{time.monotonic_ns()}")
+        os.makedirs(os.path.dirname(trash), exist_ok=True)
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
     def publish(self, key: str, uri: str) -> str:
-        """Atomically move a finished ``partial/<key>`` into ``models/<key>``; returns the entry directory."""
+        """Atomically and durably move a finished ``partial/<key>`` into ``models/<key>``; returns the entry directory.
+
+        Every file and directory of the entry is fsynced before the rename, and the directories whose names changed
+        after it: once this returns, a power loss leaves the complete entry; before, it leaves no entry.
+        """
         partial = self.partial_dir(key)
         meta = {"key": key, "uri": uri, "created": time.time(), "format": 1}
         with open(os.path.join(partial, META_NAME), "w", encoding="utf-8") as handle:
             json.dump(meta, handle)
+        durable.fsync_tree(partial)
         target = self.entry_dir(key)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.rename(partial, target)
+        durable.fsync_path(os.path.dirname(target))
+        durable.fsync_path(os.path.dirname(partial))
         return target
 
 
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+
+
+def _newest_mtime(path: str) -> float:
+    """The latest modification time of ``path`` or anything under it (0 when it is gone)."""
+    paths = [path]
+    if os.path.isdir(path) and not os.path.islink(path):
+        for dirpath, dirs, files in os.walk(path):
+            paths += [os.path.join(dirpath, name) for name in (*dirs, *files)]
+    newest = 0.0
+    for one in paths:
+        try:
+            newest = max(newest, os.lstat(one).st_mtime)
+        except OSError:
+            continue
+    return newest
+
+
 def _tree_size(path: str) -> int:
+    if not os.path.isdir(path):
+        try:
+            return os.lstat(path).st_blocks * 512
+        except OSError:
+            return 0
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:

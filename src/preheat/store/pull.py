@@ -4,17 +4,21 @@
    layout, is keyed by its URI). A published entry is a hit: nothing is downloaded.
 2. Take ``locks/<key>.pull``. Another process pulling the same key holds it, so we wait, then find its entry
    published and share it: the model is downloaded once per node.
-3. Preallocate every file in ``partial/<key>/`` (a full disk fails here, before any download) and fetch the chunks
-   the journal does not list yet, in parallel, each written with ``pwrite`` and then recorded in the journal. A
-   killed pull resumes from the journal: only missing chunks are fetched again.
-4. Verify every file against the manifest's digests; a mismatch names the first bad tensor, discards that file, and
+3. Pin each file's version in the journal (its manifest digest; without a manifest the origin's ETag/Last-Modified
+   and size) and drop the progress of every file whose version changed since an interrupted pull (store/journal.py).
+4. Preallocate every file in ``partial/<key>/`` (a full disk fails here, before any download) and fetch the chunks
+   the journal does not list yet, in parallel, each written with ``pwrite``, made durable, then recorded in the
+   journal. Reads are held to the pinned version; a file that changes mid-pull starts that file over.
+5. Verify every file against the manifest's digests; a mismatch names the first bad tensor, discards that file, and
    publishes nothing. Without a manifest, each safetensors header is validated and a manifest is written for the entry.
-5. ``rename`` the directory into ``models/<key>``.
+6. fsync the entry, ``rename`` the directory into ``models/<key>``, fsync the directories (``ModelCache.publish``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import shutil
 import threading
@@ -28,17 +32,20 @@ import xxhash
 
 from preheat.checkpoint import manifest as mf
 from preheat.checkpoint.layout import INDEX_NAME, SINGLE_NAME, open_checkpoint, resolve_remote_names
-from preheat.errors import CacheError, CheckpointError, PreheatError
+from preheat.errors import CacheError, CheckpointError, PreheatError, SourceChangedError
 from preheat.io.reads import read_at_least
-from preheat.sources.base import Origin, Source, open_origin
-from preheat.store import locks
+from preheat.sources.base import Origin, Source, Validator, Versioned, open_origin
+from preheat.store import durable, journal, locks
 from preheat.store.cache import ModelCache
 
 if TYPE_CHECKING:
     from preheat.peer.pull import PeerOptions
 
+log = logging.getLogger("preheat.cache")
+
 MiB = 1024 * 1024
 JOURNAL = ".journal"
+CHANGE_RESTARTS = 3  # a file that changes mid-pull starts over; an origin that keeps changing fails after this many
 # Small files a Hugging Face layout may carry beside its weights; fetched whole when present.
 HF_EXTRA_FILES = (
     "config.json",
@@ -56,11 +63,21 @@ Progress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """A file to fetch: its relative name, size, and expected digest (None when the origin has no manifest)."""
+    """A file to fetch: its relative name, size, expected digest (None when the origin has no manifest) and, without a
+    manifest, the version of it the origin named when the pull planned it."""
 
     name: str
     size: int
     digest: str | None
+    validator: Validator | None = None
+
+    def pin(self) -> journal.Pin | None:
+        """What the journal pins this file's chunks to; None when nothing can tell its versions apart."""
+        if self.digest is not None:
+            return {"digest": self.digest, "size": self.size}
+        if self.validator is None or self.validator.weak:
+            return None
+        return self.validator.to_json()
 
 
 @dataclass
@@ -148,7 +165,22 @@ def pull(
             result = PullResult(key, published, uri, hit=True, seconds=time.perf_counter() - started)
             result.notes.append("downloaded by another process; shared")
             return result
-        result = _download(origin, cache, key, manifest, threads=threads, chunk_bytes=chunk_bytes, progress=progress)
+        notes: list[str] = []
+        attempt = 1
+        while True:
+            try:
+                result = _download(
+                    origin, cache, key, manifest, threads=threads, chunk_bytes=chunk_bytes, progress=progress
+                )
+                break
+            except SourceChangedError as exc:
+                # With a manifest its digests name the bytes: an origin disagreeing with its own manifest is broken.
+                if manifest is not None or attempt >= CHANGE_RESTARTS:
+                    raise
+                log.warning("pull %s: %s; starting the changed file over", origin.uri, exc)
+                notes.append(f"{exc}; started that file over")
+                attempt += 1
+        result.notes[:0] = notes
     result.seconds = time.perf_counter() - started
     return result
 
@@ -164,7 +196,8 @@ def _plan_files(origin: Origin, manifest: mf.Manifest | None) -> tuple[list[Remo
     for name in names:
         source = origin.open(name)
         try:
-            large.append(RemoteFile(name, source.size(), None))
+            version = source.validator() if isinstance(source, Versioned) else None
+            large.append(RemoteFile(name, source.size(), None, version))
         finally:
             source.close()
     small = [n for n in (INDEX_NAME, *HF_EXTRA_FILES) if n not in names and origin.exists(n)]
@@ -189,8 +222,8 @@ def _download(
     result = PullResult(key, cache.entry_dir(key), origin.uri, hit=False, bytes_total=total, files=len(large))
     os.makedirs(partial, exist_ok=True)
     journal_path = os.path.join(partial, JOURNAL)
-    done = _read_journal(journal_path)
     try:
+        done = _resume(partial, journal_path, large, result)
         _preallocate(partial, large)
         chunks = [
             (f, index, offset, min(chunk_bytes, f.size - offset))
@@ -201,6 +234,12 @@ def _download(
         result.bytes_resumed = total - sum(c[3] for c in chunks)
         if result.bytes_resumed:
             result.notes.append(f"resumed: {result.bytes_resumed} bytes were already here")
+        for f in large:
+            if f.pin() is None:
+                result.notes.append(
+                    f"{origin.join(f.name)}: the origin names no version (no ETag or Last-Modified); "
+                    "an interrupted pull of it starts over"
+                )
         fetcher = _ChunkFetcher(origin, partial, journal_path, chunk_bytes)
         result.bytes_fetched = _fetch_chunks(
             fetcher, chunks, threads=threads, progress=progress, already=result.bytes_resumed, total=total
@@ -228,18 +267,17 @@ def _download(
     return result
 
 
-def _read_journal(path: str) -> set[tuple[str, int, int]]:
-    """Chunks already written by an earlier, interrupted pull: ``(file, index, chunk_bytes)``."""
-    done: set[tuple[str, int, int]] = set()
-    try:
-        with open(path, encoding="utf-8") as journal:
-            for line in journal:
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-                    done.add((parts[0], int(parts[1]), int(parts[2])))
-    except FileNotFoundError:
-        pass
-    return done
+def _resume(partial: str, journal_path: str, files: list[RemoteFile], result: PullResult) -> set[journal.Chunk]:
+    """Chunks an interrupted pull already has of the versions the origin names now; the journal is rewritten pinned
+    to those versions, and every other file's partial bytes are discarded."""
+    state, dropped = journal.reconcile(journal.read(journal_path), {f.name: f.pin() for f in files})
+    journal.rewrite(journal_path, state)
+    for name, why in sorted(dropped.items()):
+        log.warning("pull %s: discarding the partial %s: %s", result.uri, name, why)
+        result.notes.append(f"discarded the partial {name}: {why}")
+        with contextlib.suppress(FileNotFoundError):
+            os.truncate(os.path.join(partial, name), 0)
+    return state.chunks
 
 
 def _preallocate(partial: str, files: list[RemoteFile]) -> None:
@@ -262,7 +300,7 @@ class _ChunkFetcher:
 
     def __init__(self, origin: Origin, partial: str, journal_path: str, chunk_bytes: int) -> None:
         self.origin, self.partial, self.chunk_bytes = origin, partial, chunk_bytes
-        self.journal = open(journal_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.journal = journal.Appender(journal_path)
         self.lock = threading.Lock()
         self.local = threading.local()
         self.sources: list[Source] = []
@@ -275,26 +313,30 @@ class _ChunkFetcher:
                 self.fds[name] = os.open(os.path.join(self.partial, name), os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
             return self.fds[name]
 
-    def source(self, name: str) -> Source:
+    def source(self, f: RemoteFile) -> Source:
+        """This thread's source for ``f``, held to the version the pull pinned (``SourceChangedError`` otherwise)."""
         mine: dict[str, Source] | None = getattr(self.local, "sources", None)
         if mine is None:
             mine = self.local.sources = {}
-        if name not in mine:
-            mine[name] = self.origin.open(name)
+        if f.name not in mine:
+            source = self.origin.open(f.name)
             with self.lock:
-                self.sources.append(mine[name])
-        return mine[name]
+                self.sources.append(source)
+            if f.validator is not None and isinstance(source, Versioned):
+                source.require(f.validator)
+            mine[f.name] = source
+        return mine[f.name]
 
     def fetch(self, f: RemoteFile, index: int, offset: int, length: int) -> int:
         view = memoryview(bytearray(length))
-        read_at_least(self.source(f.name), view, offset, length, path=self.origin.join(f.name))
+        read_at_least(self.source(f), view, offset, length, path=self.origin.join(f.name))
         fd = self.fd(f.name)
         written = 0
         while written < length:
             written += os.pwrite(fd, view[written:], offset + written)
+        os.fdatasync(fd)  # the journal line below must never survive a power loss that the bytes did not
         with self.lock:
-            self.journal.write(f"{f.name}\t{index}\t{self.chunk_bytes}\n")
-            self.journal.flush()  # a killed process loses nothing the kernel has; a lost line only refetches a chunk
+            self.journal.chunk(f.name, index, self.chunk_bytes)
             self.fetched += length
         return length
 
@@ -345,10 +387,7 @@ def _fetch_chunks(
 def _write_small(partial: str, name: str, data: bytes) -> None:
     path = os.path.join(partial, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
+    durable.write_file(path, data)
 
 
 def _verify(partial: str, files: list[RemoteFile], manifest: mf.Manifest | None, journal_path: str) -> None:
@@ -364,8 +403,8 @@ def _verify(partial: str, files: list[RemoteFile], manifest: mf.Manifest | None,
             bad.append((f, actual, _first_bad_tensor(partial, f.name, manifest)))
     for f, _, _ in bad:
         os.unlink(os.path.join(partial, f.name))
-        _forget(journal_path, f.name)
     if bad:
+        journal.forget(journal_path, [f.name for f, _, _ in bad])
         f, actual, culprit = bad[0]
         what = f"tensor {culprit!r} in {f.name}" if culprit else f"file {f.name}"
         others = f" ({len(bad) - 1} more bad file(s) discarded too)" if len(bad) > 1 else ""
@@ -389,20 +428,6 @@ def _first_bad_tensor(partial: str, name: str, manifest: mf.Manifest | None) -> 
             if mf.digest_bytes(handle.read(record.nbytes)) != record.digest:
                 return record.name
     return None
-
-
-def _forget(journal_path: str, name: str) -> None:
-    kept = [line for line in _journal_lines(journal_path) if line.split("\t", 1)[0] != name]
-    with open(journal_path, "w", encoding="utf-8") as journal:
-        journal.writelines(kept)
-
-
-def _journal_lines(path: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as journal:
-            return journal.readlines()
-    except FileNotFoundError:
-        return []
 
 
 def _describe(partial: str) -> None:

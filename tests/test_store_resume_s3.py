@@ -1,0 +1,94 @@
+"""Resuming a pull from an S3 prefix without a manifest (moto's real S3 server): the journal pins each object's ETag,
+LastModified and size, and ranged GetObjects carry IfMatch, so a replaced object is fetched again whole."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from preheat.store import ModelCache
+from preheat.store.pull import pull
+from test_cache import make_origin
+from test_store_resume import CHUNK, PullInterruptedError, assert_entry_holds, interrupt_at, new_version
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+URI = "s3://models/hf"
+_AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # Nothing from this machine's ~/.aws or an instance metadata service may leak into the tests.
+    "AWS_CONFIG_FILE": "/nonexistent/preheat-test-aws-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/preheat-test-aws-credentials",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:  # Any: boto3 has no stubs
+    """A moto S3 server with an empty bucket ``models``, found through ``AWS_ENDPOINT_URL``; yields a client."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for name, value in _AWS.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+    client = boto3.client("s3", region_name="us-east-1")
+    client.create_bucket(Bucket="models")
+    yield client
+    server.stop()
+
+
+def upload(client: Any, origin: Path, replaced: dict[str, bytes] | None = None) -> None:  # Any: boto3 has no stubs
+    for path in origin.iterdir():
+        data = (replaced or {}).get(path.name) or path.read_bytes()
+        client.put_object(Bucket="models", Key=f"hf/{path.name}", Body=data)
+
+
+@pytest.fixture
+def hf_origin(tmp_path: Path) -> Path:
+    return make_origin(tmp_path / "hf", manifest=False)
+
+
+def test_s3_resume_over_a_replaced_object_publishes_only_the_new_bytes(
+    s3: Any, hf_origin: Path, tmp_path: Path
+) -> None:
+    cache = ModelCache(tmp_path / "cache")
+    upload(s3, hf_origin)
+    with pytest.raises(PullInterruptedError):
+        pull(URI, cache, threads=1, chunk_bytes=CHUNK, progress=interrupt_at(0.5))
+    [journal] = (tmp_path / "cache" / "partial").glob("*/.journal")
+    pin = json.loads(journal.read_text().splitlines()[0])["pin"]
+    assert pin["etag"]  # S3's ETag and LastModified are pinned
+    assert pin["modified"]
+    newer = new_version(hf_origin, seed=4)
+    upload(s3, hf_origin, newer)
+    result = pull(URI, cache, threads=4, chunk_bytes=CHUNK)
+    assert_entry_holds(result.path, newer)
+    assert any("changed on the origin" in note for note in result.notes), result.notes
+
+
+def test_s3_object_replaced_mid_pull_is_fetched_again_whole(s3: Any, hf_origin: Path, tmp_path: Path) -> None:
+    upload(s3, hf_origin)
+    newer = new_version(hf_origin, seed=5)
+    lock, replaced = threading.Lock(), threading.Event()
+
+    def replace_at_a_third(done: int, total: int) -> None:
+        with lock:
+            if done >= total / 3 and not replaced.is_set():
+                upload(s3, hf_origin, newer)  # the GetObjects after this one carry an IfMatch that no longer holds
+                replaced.set()
+
+    result = pull(URI, ModelCache(tmp_path / "cache"), threads=2, chunk_bytes=CHUNK, progress=replace_at_a_third)
+    assert_entry_holds(result.path, newer)
+    assert replaced.is_set()
+    assert any("started that file over" in note for note in result.notes), result.notes
