@@ -1,41 +1,73 @@
-"""Compiled artifacts: torch.compile's caches packed under a key of everything that makes them valid.
+"""Compiled artifacts: torch.compile's caches packed under a key of everything that makes them valid, and installed
+only when this node built them or a key its operator trusts signed them.
 
 A cold ``torch.compile`` spends most of its time generating and compiling kernels (Inductor's C++/Triton code);
 with the Inductor cache directory of a replica that compiled the same model already, the newcomer only traces. The
-directory (``TORCHINDUCTOR_CACHE_DIR``: FX graphs, AOT autograd entries, compiled kernels) is packed into one blob:
+directory (``TORCHINDUCTOR_CACHE_DIR``: FX graphs, AOT autograd entries, compiled kernels) is packed into one blob
+(spec: docs/peer.md):
 
-    b"PREHEAT-ARTIFACT 1\\n" | 8-byte little-endian header length | header JSON | tar payload
+    body = b"PREHEAT-ARTIFACT 2\\n" | u64 LE header length | header JSON {"key", "size", "sha256"} | tar payload
+    blob = body [ | b"PREHEAT-SIGNATURE 1\\n" | 32-byte Ed25519 public key | 64-byte signature ]
 
-The header holds the ``ArtifactKey`` fields and the payload's xxh3-128 checksum. Blobs live in the node cache at
-``compiled/<key>.blob`` and peers serve them at ``/peer/v1/artifacts/<key>``. A blob is installed only when its
-header's key equals the local key field by field (torch, triton and preheat versions, device kind and architecture,
-checkpoint identity, engine dtype and context length) and its checksum matches: anything else is refused, never
-"probably compatible".
+The signature signs ``SIGNING_CONTEXT + SHA-256(body)``: the header (so the key it was built for) and the payload,
+byte for byte. The header's ``sha256`` only tells corruption from tampering in messages; it is self-declared, so it
+is never a reason to trust a blob. A blob is code (generated Python, shared objects, pickled graphs), hence:
+
+- it is installed only when its header's key equals the local key field by field, and it was *built on this node*
+  (the node cache's ``compiled/<key>.local`` names the SHA-256 of the body this node packed) or *signed by a trusted
+  key* (``--trust-key``); anything else is refused, with a message saying how to enable signed artifacts;
+- a node stores (and so re-serves to its peers) only blobs that passed those checks, and checks them again before
+  serving each one, so a key no longer trusted stops both (``preheat.peer.artifact_store``: the cache and fetches);
+- the tar payload may hold only regular files and directories with relative names inside the target directory.
+
+Bounds: a blob is at most ``MAX_BLOB_BYTES`` (1 GiB; fetches stop reading there), its header ``MAX_HEADER_BYTES``
+(64 KiB), its payload ``MAX_MEMBERS`` members (100,000). Checking a blob holds it, one copy of its payload and one
+``TarInfo`` per member (each member takes at least 512 bytes of payload), so memory is a small multiple of its size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
-import logging
 import os
 import platform
+import posixpath
 import struct
 import tarfile
-import urllib.error
-import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import xxhash
 
-from preheat.checkpoint import digest
-from preheat.errors import PeerError
-from preheat.peer.server import ARTIFACTS_ROUTE
+from preheat.errors import ArtifactTrustError, PeerError
+from preheat.peer.signing import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    SigningKey,
+    TrustedKeys,
+    fingerprint,
+    verify_signature,
+)
 
-log = logging.getLogger("preheat.peer")
-MAGIC = b"PREHEAT-ARTIFACT 1\n"
+MAGIC = b"PREHEAT-ARTIFACT 2\n"
+SIGNATURE_MAGIC = b"PREHEAT-SIGNATURE 1\n"
+SIGNING_CONTEXT = b"preheat compiled-artifact signature 1\n"  # so a signature over a blob means nothing elsewhere
 _LENGTH = struct.Struct("<Q")
+_TRAILER = len(SIGNATURE_MAGIC) + PUBLIC_KEY_BYTES + SIGNATURE_BYTES
+MAX_BLOB_BYTES = 1 << 30  # an Inductor cache for one model is tens of MB; this leaves room, and bounds memory
+MAX_HEADER_BYTES = 64 * 1024
+MAX_MEMBERS = 100_000
+_MAX_NAME = 4096
+_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+BUILT_HERE = "built on this node"
+HOW_TO_TRUST = (
+    "compiled artifacts are code, so a replica installs another's only when a key it trusts signed them. "
+    "To enable: `preheat artifacts keygen fleet.key` once; `preheat artifacts sign --key fleet.key` on the replica "
+    "(or build job) that compiled them; `--trust-key fleet.key.pub` (PREHEAT_TRUST_KEY) on the replicas that "
+    "install them (docs/peer.md)"
+)
 # CPU features that change the code Inductor generates (vector width, bf16/fp16 and matrix instructions).
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "fma", "asimd")
 
@@ -52,12 +84,18 @@ class ArtifactKey:
     identity: str  # the checkpoint's preheat.json identity
     dtype: str
     max_model_len: int
-    format: str = "inductor-dir-1"
+    # 2: signed blobs. Bumped so directories installed unverified by format 1 are never reused under a new key.
+    format: str = "inductor-dir-2"
 
     @property
     def hex(self) -> str:
         """The key's name: xxh3-128 of its canonical JSON (32 hex digits), used in paths and URLs."""
-        return xxhash.xxh3_128_hexdigest(json.dumps(asdict(self), sort_keys=True).encode())
+        return key_hex(asdict(self))
+
+
+def key_hex(fields: dict[str, object]) -> str:
+    """The name of a key given as its fields (a blob header's ``key``), as ``ArtifactKey.hex`` computes it."""
+    return xxhash.xxh3_128_hexdigest(json.dumps(fields, sort_keys=True).encode())
 
 
 def cpu_arch() -> str:
@@ -108,98 +146,232 @@ def artifact_key(*, identity: str, device: str, dtype: str, max_model_len: int) 
     )
 
 
+# -- the format (pure) -------------------------------------------------------------------------------------------
+
+
 def pack(key: ArtifactKey, directory: str) -> bytes:
-    """The blob of ``directory`` (an Inductor cache dir) for ``key``. Lock files are left out."""
+    """The unsigned blob of ``directory`` (an Inductor cache dir) for ``key``. Lock files are left out; so are
+    symlinks and anything but files and directories, which the payload may not hold."""
     payload = io.BytesIO()
-    with tarfile.open(fileobj=payload, mode="w") as tar:
+    with tarfile.open(fileobj=payload, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name in sorted(os.listdir(directory)):
             if name != "locks":
-                tar.add(os.path.join(directory, name), arcname=name)
-    data = payload.getvalue()
-    header = json.dumps({"key": asdict(key), "checksum": digest.digest_bytes(data), "size": len(data)}).encode()
-    return MAGIC + _LENGTH.pack(len(header)) + header + data
+                tar.add(os.path.join(directory, name), arcname=name, filter=_packable)
+    return encode(key, payload.getvalue())
 
 
-def unpack(blob: bytes, key: ArtifactKey, *, where: str) -> bytes:
-    """The tar payload of ``blob`` if it was made for exactly ``key`` and is intact; ``PeerError`` otherwise."""
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + _LENGTH.size:
+def _packable(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    return info if info.isdir() or info.type in _FILE_TYPES else None
+
+
+def encode(key: ArtifactKey, payload: bytes) -> bytes:
+    """The unsigned blob of a tar ``payload`` for ``key``."""
+    header = {"key": asdict(key), "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    data = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + _LENGTH.pack(len(data)) + data + payload
+
+
+@dataclass(frozen=True, eq=False)
+class Parsed:
+    """A blob's parts, its structure checked (not its trust). ``payload`` is a view into the blob."""
+
+    key: dict[str, object]  # the header's key fields, as sent
+    key_hex: str
+    payload: memoryview
+    body_end: int  # the signed part is blob[:body_end]
+    body_sha256: str
+    signer: bytes | None
+    signature: bytes | None
+
+
+def parse(raw: bytes, *, where: str) -> Parsed:
+    """Split a blob into header, payload and signature; ``PeerError`` naming ``where`` for anything malformed."""
+    if len(raw) > MAX_BLOB_BYTES:
+        raise PeerError(f"{where}: artifact blob of {len(raw)} bytes is larger than {MAX_BLOB_BYTES}; refused")
+    if not raw.startswith(MAGIC):
+        if raw.startswith(MAGIC[:17]):
+            raise PeerError(f"{where}: artifact blob of another format version (this build reads 2); refused")
         raise PeerError(f"{where}: not a preheat artifact blob")
-    (length,) = _LENGTH.unpack_from(blob, len(MAGIC))
     start = len(MAGIC) + _LENGTH.size
+    if len(raw) < start:
+        raise PeerError(f"{where}: artifact blob truncated in its header")
+    (length,) = _LENGTH.unpack_from(raw, len(MAGIC))
+    if length > MAX_HEADER_BYTES or start + length > len(raw):
+        raise PeerError(f"{where}: artifact header length {length} is impossible (truncated or not a blob)")
+    view = memoryview(raw)
     try:
-        header = json.loads(blob[start : start + length])
-    except ValueError:
+        header = json.loads(bytes(view[start : start + length]).decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: nesting too deep
         raise PeerError(f"{where}: artifact header is not JSON") from None
-    data = blob[start + length :]
-    if not isinstance(header, dict) or header.get("key") != asdict(key):
-        theirs = header.get("key") if isinstance(header, dict) else None
-        differ = sorted(k for k, v in asdict(key).items() if not isinstance(theirs, dict) or theirs.get(k) != v)
-        raise PeerError(f"{where}: artifacts were compiled for another key (differs in {', '.join(differ)}); refused")
-    if header.get("size") != len(data) or header.get("checksum") != digest.digest_bytes(data):
-        raise PeerError(f"{where}: artifact checksum mismatch (corrupt or truncated); refused")
-    return data
-
-
-def install(blob: bytes, key: ArtifactKey, directory: str, *, where: str) -> None:
-    """Check ``blob`` against ``key`` and extract it into ``directory`` (members outside it are refused)."""
-    data = unpack(blob, key, where=where)
-    os.makedirs(directory, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-        try:
-            tar.extractall(directory, filter="data")  # refuses absolute paths, "..", links leaving the directory
-        except tarfile.TarError as exc:
-            raise PeerError(f"{where}: artifact payload refused: {exc}") from None
-
-
-class ArtifactStore:
-    """Blobs in the node cache: ``<cache>/compiled/<key>.blob``, and each key's Inductor directory beside it."""
-
-    def __init__(self, cache_root: str) -> None:
-        self.root = os.path.join(cache_root, "compiled")
-
-    def blob_path(self, hex_key: str) -> str:
-        return os.path.join(self.root, f"{hex_key}.blob")
-
-    def inductor_dir(self, key: ArtifactKey) -> str:
-        return os.path.join(self.root, key.hex, "inductor")
-
-    def lookup(self, hex_key: str) -> str | None:
-        """The blob's path if this node has it (what the peer server serves)."""
-        path = self.blob_path(hex_key)
-        return path if os.path.isfile(path) else None
-
-    def get(self, key: ArtifactKey) -> bytes | None:
-        path = self.lookup(key.hex)
-        if path is None:
-            return None
-        with open(path, "rb") as handle:
-            return handle.read()
-
-    def put(self, key: ArtifactKey, blob: bytes) -> str:
-        """Store ``blob`` atomically (checked first: a bad blob is never kept); returns its path."""
-        unpack(blob, key, where="artifact to store")
-        os.makedirs(self.root, exist_ok=True)
-        path = self.blob_path(key.hex)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as handle:
-            handle.write(blob)
-        os.replace(tmp, path)
-        return path
-
-
-def fetch(address: str, key: ArtifactKey, *, token: str | None, timeout: float = 5.0) -> bytes | None:
-    """The blob for ``key`` from the peer at ``address``, or None when it has none (or cannot be reached)."""
-    request = urllib.request.Request(f"http://{address}{ARTIFACTS_ROUTE}{key.hex}")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
+    if not isinstance(header, dict):
+        raise PeerError(f"{where}: artifact header is not a JSON object")
+    key, size, checksum = header.get("key"), header.get("size"), header.get("sha256")
+    if not isinstance(key, dict) or type(size) is not int or size < 0 or not isinstance(checksum, str):
+        raise PeerError(f"{where}: artifact header lacks key, size or sha256")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return bytes(response.read())
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        if exc.code != 404:
-            log.warning("compile: peer %s refused artifacts: HTTP %d", address, exc.code)
-        return None
+        name = key_hex(key)
+    except (ValueError, RecursionError):
+        raise PeerError(f"{where}: artifact key cannot be encoded") from None
+    payload_start = start + length
+    body_end = payload_start + size
+    if body_end > len(raw):
+        raise PeerError(f"{where}: artifact payload truncated ({len(raw) - payload_start} of {size} bytes)")
+    payload = view[payload_start:body_end]
+    if hashlib.sha256(payload).hexdigest() != checksum:
+        raise PeerError(f"{where}: artifact checksum mismatch (corrupt or altered); refused")
+    trailer = bytes(view[body_end:])
+    signer = signature = None
+    if trailer:
+        if len(trailer) != _TRAILER or not trailer.startswith(SIGNATURE_MAGIC):
+            raise PeerError(f"{where}: {len(trailer)} unexpected bytes after the artifact payload; refused")
+        signer = trailer[len(SIGNATURE_MAGIC) : len(SIGNATURE_MAGIC) + PUBLIC_KEY_BYTES]
+        signature = trailer[len(SIGNATURE_MAGIC) + PUBLIC_KEY_BYTES :]
+    body_sha256 = hashlib.sha256(view[:body_end]).hexdigest()
+    return Parsed(key, name, payload, body_end, body_sha256, signer, signature)
+
+
+def signed_message(body_sha256: str) -> bytes:
+    """What a signature signs: the context string and the SHA-256 of the blob's body (header and payload)."""
+    return SIGNING_CONTEXT + bytes.fromhex(body_sha256)
+
+
+def sign(raw: bytes, key: SigningKey, *, where: str) -> bytes:
+    """``raw`` (a well-formed blob, signed or not) signed by ``key``; a previous signature is replaced."""
+    parsed = parse(raw, where=where)
+    signature = key.sign(signed_message(parsed.body_sha256))
+    return raw[: parsed.body_end] + SIGNATURE_MAGIC + key.public + signature
+
+
+@contextlib.contextmanager
+def _checked_tar(payload: memoryview | bytes, *, where: str) -> Iterator[tuple[tarfile.TarFile, list[tarfile.TarInfo]]]:
+    """The payload's tar and its members, each checked: a regular file or a directory, a relative name with no
+    ``..``, inside the payload's bytes, not twice, not under a file. ``PeerError`` for anything else."""
+    size = len(payload)
+    members: list[tarfile.TarInfo] = []
+    seen: dict[str, str] = {}  # normalized name -> "file", "dir", or "implied" (a directory a member is under)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(payload), mode="r:") as tar:  # "r:": never decompress (no bombs)
+            for info in tar:
+                if len(members) >= MAX_MEMBERS:
+                    raise PeerError(f"{where}: artifact payload has more than {MAX_MEMBERS} members; refused")
+                _check_member(info, size, seen, where=where)
+                members.append(info)
+            yield tar, members
+    except (tarfile.TarError, ValueError, OverflowError, EOFError) as exc:  # ValueError: e.g. GNU sparse pax fields
+        raise PeerError(f"{where}: artifact payload refused: {exc}") from None
+
+
+def _check_member(info: tarfile.TarInfo, size: int, seen: dict[str, str], *, where: str) -> None:
+    name = info.name
+    norm = posixpath.normpath(name)
+    kind = "dir" if info.isdir() else "file"
+    refuse = ""
+    if info.issparse() or not (info.isdir() or info.type in _FILE_TYPES):
+        refuse = "is not a regular file or directory (links and devices are refused)"
+    elif not name or len(name) > _MAX_NAME or name.startswith("/") or ".." in name.split("/") or "\\" in name:
+        refuse = "is not a relative name inside the directory"
+    elif norm == ".":
+        refuse = "names the directory itself"
+    elif info.size < 0 or info.offset_data + info.size > size:
+        refuse = "runs past the end of the payload"
+    elif seen.get(norm) in ("file", "dir"):
+        refuse = "appears twice"
+    elif seen.get(norm) == "implied" and kind == "file":
+        refuse = "is a file where other members need a directory"
+    else:
+        ancestors = [posixpath.dirname(norm)]
+        while ancestors[-1]:
+            ancestors.append(posixpath.dirname(ancestors[-1]))
+        if any(seen.get(a) == "file" for a in ancestors):
+            refuse = "is under a file"
+        seen.update((a, seen.get(a, "implied")) for a in ancestors if a)
+        seen[norm] = kind
+    if refuse:
+        raise PeerError(f"{where}: artifact payload member {name[:200]!r} {refuse}; refused")
+
+
+def check_payload(payload: memoryview | bytes, *, where: str) -> int:
+    """Check every member of a tar payload (see ``_checked_tar``); returns how many there are."""
+    with _checked_tar(payload, where=where) as (_, members):
+        return len(members)
+
+
+# -- trust ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Verified:
+    """A blob this node may install, store and re-serve: built here, or signed by a trusted key, for the key it
+    names, with a safe payload. Made only by ``verify`` and ``built_here``: holding one means the checks ran."""
+
+    hex: str
+    blob: bytes
+    payload: memoryview
+    body_sha256: str
+    provenance: str  # BUILT_HERE, or "signed by ed25519:..."
+
+    @property
+    def local(self) -> bool:
+        return self.provenance == BUILT_HERE
+
+
+def _check_key(parsed: Parsed, key: ArtifactKey, *, where: str) -> None:
+    if parsed.key_hex != key.hex:
+        theirs = parsed.key
+        differ = sorted(k for k, v in asdict(key).items() if theirs.get(k) != v or type(theirs.get(k)) is not type(v))
+        raise PeerError(
+            f"{where}: artifacts were compiled for another key (differs in {', '.join(differ) or 'extra fields'}); "
+            "refused"
+        )
+
+
+def _authorize(parsed: Parsed, trusted: TrustedKeys, *, built_here: str | None, where: str) -> str:
+    """The blob's provenance, or ``ArtifactTrustError`` saying why it is not trusted and how to trust it."""
+    if built_here is not None and built_here == parsed.body_sha256:
+        return BUILT_HERE
+    if parsed.signer is None or parsed.signature is None:
+        raise ArtifactTrustError(f"{where}: artifacts are not signed; refused. {HOW_TO_TRUST}")
+    who = fingerprint(parsed.signer)
+    if parsed.signer not in trusted:
+        raise ArtifactTrustError(
+            f"{where}: artifacts are signed by {who}, which is not a trusted key (trusted: {trusted.describe()}); "
+            f"refused. {HOW_TO_TRUST}"
+        )
+    if not verify_signature(parsed.signer, parsed.signature, signed_message(parsed.body_sha256)):
+        raise ArtifactTrustError(f"{where}: artifact signature by {who} does not match its contents (altered); refused")
+    return f"signed by {who}"
+
+
+def verify(
+    raw: bytes, key: ArtifactKey | str, trusted: TrustedKeys, *, where: str, built_here: str | None = None
+) -> Verified:
+    """Check ``raw`` for ``key`` (an ``ArtifactKey``, or just its hex name): structure, key, trust, payload.
+
+    ``built_here`` is the body SHA-256 this node recorded when it packed the blob (the node cache's marker): such a
+    blob needs no signature. Raises ``PeerError`` (``ArtifactTrustError`` when only trust is missing)."""
+    parsed = parse(raw, where=where)
+    if isinstance(key, ArtifactKey):
+        _check_key(parsed, key, where=where)
+    elif parsed.key_hex != key:
+        raise PeerError(f"{where}: artifact blob names key {parsed.key_hex}, not {key}; refused")
+    provenance = _authorize(parsed, trusted, built_here=built_here, where=where)
+    check_payload(parsed.payload, where=where)
+    return Verified(parsed.key_hex, raw, parsed.payload, parsed.body_sha256, provenance)
+
+
+def built_here(key: ArtifactKey, raw: bytes) -> Verified:
+    """The blob this process just packed (``pack``), as a ``Verified`` of local provenance."""
+    parsed = parse(raw, where="artifacts packed here")
+    return verify(raw, key, TrustedKeys(), where="artifacts packed here", built_here=parsed.body_sha256)
+
+
+def install(verified: Verified, directory: str, *, where: str) -> None:
+    """Extract a verified blob's payload into ``directory`` (its members were checked; the ``data`` filter too)."""
+    if not hasattr(tarfile, "data_filter"):  # Python < 3.10.12 / 3.11.4: no filter, so no owner/mode clean-up
+        raise PeerError(f"{where}: this Python lacks tarfile's data filter (3.10.12+, 3.11.4+); not installed")
+    os.makedirs(directory, exist_ok=True)
+    try:
+        with _checked_tar(verified.payload, where=where) as (tar, members):
+            tar.extractall(directory, members=members, filter="data")
     except OSError as exc:
-        log.warning("compile: peer %s unreachable for artifacts: %s", address, exc)
-        return None
+        raise PeerError(f"{where}: artifact payload cannot be installed in {directory}: {exc}") from None

@@ -1,0 +1,235 @@
+"""Compiled artifacts at the edges: the node cache's ``compiled/`` directory and fetching blobs from peers.
+
+The format and the trust rules are in ``preheat.peer.artifacts`` (pure); this module stores only what passed them,
+re-checks before serving, and fetches with bounds: at most ``MAX_BLOB_BYTES`` read from a peer, at most 3 redirects,
+and the peer token never sent to another scheme, host or port than the one the registry named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
+
+from preheat.errors import PeerError
+from preheat.peer.artifacts import MAX_BLOB_BYTES, ArtifactKey, Verified, verify
+from preheat.peer.server import ARTIFACTS_ROUTE
+from preheat.peer.signing import TrustedKeys
+
+log = logging.getLogger("preheat.peer")
+_KEY = re.compile(r"[0-9a-f]{32}")  # fullmatch: an ArtifactKey.hex
+
+
+class ArtifactStore:
+    """Blobs in the node cache: ``<cache>/compiled/<key>.blob``, ``<key>.local`` beside a blob this node built (the
+    SHA-256 of its body), and each key's Inductor directory ``<key>/inductor``.
+
+    Only ``Verified`` blobs are stored, and ``load``/``lookup`` verify again against ``trusted`` (so a revoked key
+    stops installs and re-serving at once); a blob that appeared there any other way is neither installed nor served.
+    """
+
+    def __init__(self, cache_root: str, trusted: TrustedKeys | None = None) -> None:
+        self.root = os.path.join(cache_root, "compiled")
+        self.trusted = trusted or TrustedKeys()
+        # hex -> (stat of the blob + its built-here record, verdict) of the last check for serving
+        self._served: dict[str, tuple[tuple[object, ...], bool]] = {}
+        self._lock = threading.Lock()
+
+    def blob_path(self, hex_key: str) -> str:
+        if not _KEY.fullmatch(hex_key):  # names from URLs and directory listings: never a path of their own
+            raise PeerError(f"artifact key {hex_key[:80]!r} is not 32 hex digits")
+        return os.path.join(self.root, f"{hex_key}.blob")
+
+    def marker_path(self, hex_key: str) -> str:
+        return self.blob_path(hex_key).removesuffix(".blob") + ".local"
+
+    def inductor_dir(self, key: ArtifactKey) -> str:
+        return os.path.join(self.root, key.hex, "inductor")
+
+    def _marker(self, hex_key: str) -> str | None:
+        with contextlib.suppress(OSError, UnicodeDecodeError), open(self.marker_path(hex_key), encoding="ascii") as f:
+            return f.read(200).strip().removeprefix("sha256:")
+        return None
+
+    def _read(self, hex_key: str) -> tuple[bytes, tuple[int, ...]] | None:
+        path = self.blob_path(hex_key)
+        try:
+            with open(path, "rb") as handle:
+                st = os.fstat(handle.fileno())
+                if st.st_size > MAX_BLOB_BYTES:
+                    raise PeerError(f"{path}: {st.st_size} bytes, larger than {MAX_BLOB_BYTES}; refused")
+                return handle.read(MAX_BLOB_BYTES + 1), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise PeerError(f"{path}: cannot read ({exc.strerror})") from None
+
+    def load(self, key: ArtifactKey | str) -> Verified | None:
+        """The stored blob for ``key``, verified; None when there is none; ``PeerError`` when it is refused."""
+        hex_key = key if isinstance(key, str) else key.hex
+        found = self._read(hex_key)
+        if found is None:
+            return None
+        return verify(found[0], key, self.trusted, where=self.blob_path(hex_key), built_here=self._marker(hex_key))
+
+    def lookup(self, hex_key: str) -> str | None:
+        """The blob's path if this node has it *and* it verifies (what the peer server serves), else None. The
+        verdict is kept per file version (device, inode, size, mtime, built-here record), so a blob is read and
+        checked once, not on every request."""
+        if not _KEY.fullmatch(hex_key):
+            return None
+        path = self.blob_path(hex_key)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, self._marker(hex_key))
+        with self._lock:
+            verdict = self._served.get(hex_key)
+        if verdict is None or verdict[0] != stamp:
+            verdict = (stamp, self._servable(hex_key, stamp))
+            with self._lock:
+                self._served[hex_key] = verdict
+        # Replaced between the check and the send? Only this node writes here, by rename, and it writes only
+        # verified blobs; a stranger with write access to the cache is out of this model (docs/peer.md).
+        return path if verdict[1] else None
+
+    def _servable(self, hex_key: str, stamp: tuple[object, ...]) -> bool:
+        try:
+            found = self._read(hex_key)
+            if found is None or found[1] != stamp[:4]:
+                return False  # replaced while we looked: the next request sees a new stamp and checks again
+            built_here = stamp[4] if isinstance(stamp[4], str) else None
+            verify(found[0], hex_key, self.trusted, where=self.blob_path(hex_key), built_here=built_here)
+        except PeerError as exc:
+            log.warning("peer: not serving artifacts %s: %s", hex_key, exc)
+            return False
+        return True
+
+    def put(self, verified: Verified) -> str:
+        """Store a verified blob atomically (and, when it was built here, the marker that says so); its path."""
+        os.makedirs(self.root, exist_ok=True)
+        path = self.blob_path(verified.hex)
+        _write_atomic(path, verified.blob)
+        marker = self.marker_path(verified.hex)
+        if verified.local:
+            _write_atomic(marker, f"sha256:{verified.body_sha256}\n".encode())
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+        return path
+
+    def discard(self, hex_key: str) -> None:
+        """Remove a key's blob, its built-here record and its Inductor directory (a blob this node no longer trusts:
+        what was installed from it must not be reused either)."""
+        for path in (self.blob_path(hex_key), self.marker_path(hex_key)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        shutil.rmtree(self.blob_path(hex_key).removesuffix(".blob"), ignore_errors=True)
+        with self._lock:
+            self._served.pop(hex_key, None)
+
+    def hex_keys(self) -> list[str]:
+        """The keys of the blobs stored here (verified or not)."""
+        with contextlib.suppress(FileNotFoundError):
+            names = (n.removesuffix(".blob") for n in os.listdir(self.root) if n.endswith(".blob"))
+            return sorted(n for n in names if _KEY.fullmatch(n))
+        return []
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+# -- fetching from peers -------------------------------------------------------------------------------------------
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        port = -1
+    return parts.scheme, (parts.hostname or ""), port
+
+
+class _CredentialSafeRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows at most 3 redirects, to http(s) only, and drops ``Authorization`` when scheme, host or port change:
+    the peer token is for the peer the registry named, never for wherever it points."""
+
+    max_redirections = 3
+
+    def redirect_request(  # noqa: PLR0917 - urllib's signature, called positionally by urllib
+        self,
+        req: urllib.request.Request,
+        fp: object,
+        code: int,
+        msg: str,
+        headers: object,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        if urlsplit(newurl).scheme not in ("http", "https"):
+            raise PeerError(f"{req.full_url}: redirect to {newurl!r} refused (http or https only)")
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)  # type: ignore[arg-type]
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def fetch(
+    address: str,
+    key: ArtifactKey,
+    *,
+    token: str | None,
+    timeout: float = 5.0,
+    max_bytes: int = MAX_BLOB_BYTES,
+    deadline_s: float = 300.0,
+) -> bytes | None:
+    """The blob for ``key`` from the peer at ``address`` (unverified: pass it to ``verify``), or None when it has
+    none, cannot be reached, sends more than ``max_bytes``, or takes longer than ``deadline_s`` in all."""
+    url = f"http://{address}{ARTIFACTS_ROUTE}{key.hex}"
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener(_CredentialSafeRedirects)
+    started = time.monotonic()
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                log.warning(
+                    "compile: peer %s offers %s bytes of artifacts, over the %d cap", address, declared, max_bytes
+                )
+                return None
+            chunks: list[bytes] = []
+            received = 0
+            while chunk := response.read(min(1 << 20, max_bytes + 1 - received)):
+                chunks.append(chunk)
+                received += len(chunk)
+                if received > max_bytes:
+                    log.warning("compile: peer %s sent more than %d bytes of artifacts; dropped", address, max_bytes)
+                    return None
+                if time.monotonic() - started > deadline_s:
+                    log.warning("compile: peer %s took over %.0f s to send artifacts; dropped", address, deadline_s)
+                    return None
+            return b"".join(chunks)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        if exc.code != 404:
+            log.warning("compile: peer %s refused artifacts: HTTP %d", address, exc.code)
+        return None
+    except (OSError, PeerError) as exc:  # URLError is an OSError; PeerError: a redirect we refuse to follow
+        log.warning("compile: peer %s unreachable for artifacts: %s", address, exc)
+        return None
