@@ -11,7 +11,8 @@ peers once it has sent a quarter of the model, and reports the delay beyond the 
 (the bytes it sent / its capped rate): that is what failure detection and reassignment cost.
 
 Compile: `preheat serve --compile` of a tiny model with an empty Inductor cache (cold), then a second replica, with
-another empty cache, that installs the first one's artifacts from it as a peer. The compile stage includes the
+another empty cache, that installs the first one's artifacts from it as a peer once they are signed by a key the
+newcomer trusts (`preheat artifacts keygen|sign`, `--trust-key`). The compile stage includes the
 warm-up forward passes that trigger compilation. Ratios are what matter: the machine may be shared.
 """
 
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -189,8 +191,14 @@ def main() -> int:
                 deadline = time.monotonic() + 60
                 while not any("peer serving" in line for line in cold.lines) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                runs.append(measure("compile, artifacts from a peer", str(tiny), "--compile", "--registry", creg,
-                                    env=env, stage="compile"))
+                # Peers' artifacts are code: the newcomer installs them only when signed by a key it trusts.
+                key = work / "fleet.key"
+                preheat = [sys.executable, "-m", "preheat", "artifacts"]
+                subprocess.run([*preheat, "keygen", str(key)], check=True, capture_output=True)
+                subprocess.run([*preheat, "sign", "--key", str(key), "--cache-dir", cold_cache], check=True,
+                               capture_output=True)
+                runs.append(measure("compile, signed artifacts from a peer", str(tiny), "--compile", "--registry",
+                                    creg, "--trust-key", f"{key}.pub", env=env, stage="compile"))
             shutil.rmtree(cold_cache, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

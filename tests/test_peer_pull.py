@@ -165,7 +165,7 @@ def test_a_registry_entry_whose_peer_is_gone_falls_back_to_the_origin(
     registry = FileRegistry(str(tmp_path / "registry"))
     gone = f"127.0.0.1:{free_port()}"  # nothing listens there any more
     registry.announce(PeerEntry(identity=manifest.identity, address=gone, name="tiny", origin=origin.url), ttl=60)
-    options = PeerOptions(registry=registry.url, chunk_bytes=PIECE)  # the origin comes from the entry itself
+    options = PeerOptions(registry=registry.url, origin=origin.url, chunk_bytes=PIECE)  # only ever the operator's
     result = pull_from_peers("preheat://tiny", cache, options)
     assert_published_intact(result, manifest)
     assert set(result.sources) == {"origin"}

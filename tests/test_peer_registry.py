@@ -1,13 +1,21 @@
-"""The peer registry: entries with a TTL refreshed by a heartbeat, in a real Redis and in a shared directory."""
+"""The peer registry: entries with a TTL refreshed by a heartbeat, in a real Redis and in a shared directory.
+
+No test sleeps for a fixed time against a TTL. Expiry as the registry's readers see it runs on a ``Clock`` the test
+moves by hand; what needs real time (Redis forgetting a key, a heartbeat thread beating, a killed process's entry
+going) is waited for by polling the condition up to a generous deadline, never asserted to take a given time.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 
 from peers import write_peer_checkpoint
 from preheat.errors import ConfigError, RegistryError
@@ -15,6 +23,22 @@ from preheat.peer.registry import FileRegistry, Heartbeat, PeerEntry, RedisRegis
 from redisserver import RedisServer, free_port
 
 IDENTITY = "xxh3-128:" + "ab" * 16
+
+
+class Clock:
+    """Epoch seconds that move only when the test says so."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
 
 
 def entry(address: str, load: int = 0) -> PeerEntry:
@@ -25,13 +49,14 @@ def registries(tmp_path: Path, redis: RedisServer) -> list[Registry]:
     return [FileRegistry(str(tmp_path / "registry")), RedisRegistry(redis.url)]
 
 
-def wait_until(predicate: object, timeout: float = 10.0) -> bool:
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass: a deadline for progress, not a speed test."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return True
-        time.sleep(0.05)
-    return False
+        time.sleep(0.02)
+    return bool(predicate())
 
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
@@ -51,20 +76,57 @@ def test_entries_are_found_by_identity_or_name_least_loaded_first(
     assert registry.find("tiny") == []
 
 
+def test_a_file_entry_is_gone_once_its_ttl_has_passed_and_is_tidied_up(tmp_path: Path) -> None:
+    clock = Clock()
+    registry = FileRegistry(str(tmp_path / "registry"), clock=clock)
+    registry.announce(entry("10.0.0.3:9000"), ttl=10)  # announced once, then the process "died"
+    clock.advance(9.9)
+    assert [e.address for e in registry.find("tiny")] == ["10.0.0.3:9000"]
+    clock.advance(0.2)
+    assert registry.find("tiny") == []
+    assert list((tmp_path / "registry").rglob("*.json")) == []  # the reader removed the stale file
+
+
+def test_redis_itself_forgets_an_entry_whose_heartbeat_stopped(redis_server: RedisServer) -> None:
+    registry = RedisRegistry(redis_server.url)
+    registry.announce(entry("10.0.0.3:9001"), ttl=300)
+    assert [e.address for e in registry.find("tiny")] == ["10.0.0.3:9001"]
+    registry.announce(entry("10.0.0.3:9001"), ttl=0.2)  # the last beat of a process that then died
+    key = f"preheat:peer:{IDENTITY}:10.0.0.3:9001"
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        assert wait_until(lambda: not raw.exists(key))  # expired by Redis, not merely filtered by the reader
+    finally:
+        raw.close()
+    assert registry.find("tiny") == []
+
+
 @pytest.mark.parametrize("kind", ["file", "redis"])
-def test_an_entry_disappears_when_its_heartbeat_stops(kind: str, tmp_path: Path, redis_server: RedisServer) -> None:
-    registry = registries(tmp_path, redis_server)[kind == "redis"]
-    registry.announce(entry("10.0.0.3:9000"), ttl=0.5)  # announced once, then the process "died"
-    assert registry.find("tiny")
-    assert wait_until(lambda: registry.find("tiny") == [])
+def test_a_reader_skips_an_entry_past_its_expiry_on_its_own_clock(
+    kind: str, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    clock = Clock()
+    registry: Registry = (
+        FileRegistry(str(tmp_path / "registry"), clock=clock)
+        if kind == "file"
+        else RedisRegistry(redis_server.url, clock=clock)
+    )
+    registry.announce(entry("10.0.0.3:9002"), ttl=60)
+    assert [e.address for e in registry.find("tiny")] == ["10.0.0.3:9002"]
+    clock.advance(61)  # Redis still holds the key (its own TTL is real time), the entry says it has expired
+    assert registry.find("tiny") == []
+    registry.withdraw(entry("10.0.0.3:9002"))
 
 
 def test_a_heartbeat_keeps_an_entry_alive_past_its_ttl(tmp_path: Path) -> None:
-    registry = FileRegistry(str(tmp_path / "registry"))
+    clock = Clock()
+    registry = FileRegistry(str(tmp_path / "registry"), clock=clock)
     beat = Heartbeat(registry, lambda: entry("10.0.0.4:9000"), ttl=0.6).start()
     try:
-        time.sleep(1.5)
-        assert [e.address for e in registry.find("tiny")] == ["10.0.0.4:9000"]
+        [first] = registry.find("tiny")
+        clock.advance(1.5)  # the first announcement's TTL has passed: only a later beat can bring the entry back
+        assert wait_until(lambda: [e.expires for e in registry.find("tiny")] == [clock() + 0.6])
+        assert first.expires < clock()
     finally:
         beat.stop()
     assert registry.find("tiny") == []  # a clean stop withdraws at once
@@ -73,14 +135,15 @@ def test_a_heartbeat_keeps_an_entry_alive_past_its_ttl(tmp_path: Path) -> None:
 def test_a_killed_seed_peer_leaves_redis_within_its_ttl(tmp_path: Path, redis_server: RedisServer) -> None:
     root = write_peer_checkpoint(tmp_path / "ckpt")
     command = [sys.executable, "-m", "preheat.peer", str(root), "--registry", redis_server.url, "--name", "ttl-test"]
-    proc = subprocess.Popen([*command, "--ttl", "1"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*command, "--ttl", "3"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         address = proc.stdout.readline().rsplit(" at ", 1)[1].strip()
         registry = RedisRegistry(redis_server.url)
-        assert [e.address for e in registry.find("ttl-test")] == [address]
-        time.sleep(1.2)  # longer than the TTL: only the heartbeat keeps it there
-        assert [e.address for e in registry.find("ttl-test")] == [address]
+        [first] = registry.find("ttl-test")  # announced before the address was printed, for 3 s
+        assert first.address == address
+        # Re-announced with a later expiry: the heartbeat, not the first SET, is what keeps it there.
+        assert wait_until(lambda: any(e.expires > first.expires for e in registry.find("ttl-test")))
         proc.kill()  # no clean shutdown: the entry must expire by itself
         proc.wait()
         assert wait_until(lambda: registry.find("ttl-test") == [])

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from preheat.checkpoint.manifest import MANIFEST_NAME
 from preheat.peer.registry import FileRegistry
@@ -31,12 +35,19 @@ def test_a_new_replica_pulls_from_a_serving_peer_then_serves_as_one(kv_model: Pa
     registry = f"file://{tmp_path / 'registry'}"
     identity = json.loads((kv_model / MANIFEST_NAME).read_bytes())["identity"]
     common = ("--registry", registry, "--peer")
-    with ServerProcess(str(kv_model), "--served-model-name", "tiny", *common) as first:
+    # The first peer listens on every interface, so it needs the fleet's token; the API stays on loopback.
+    env = {**os.environ, "PREHEAT_PEER_TOKEN": "fleet-secret", "PREHEAT_PEER_ADVERTISE": "127.0.0.1"}
+    with ServerProcess(
+        str(kv_model), "--served-model-name", "tiny", "--peer-host", "0.0.0.0", *common, env=env
+    ) as first:
         first.wait_ready()
         line = wait_for_line(first, "peer serving")
         first_address = line.split(" on ", 1)[1].split(",", 1)[0]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://{first_address}/peer/v1/info", timeout=10)
+        assert refused.value.code == 401
         cache = str(tmp_path / "cache")
-        with ServerProcess("preheat://tiny", "--cache-dir", cache, *common) as second:
+        with ServerProcess("preheat://tiny", "--cache-dir", cache, *common, env=env) as second:
             second.wait_ready()
             wait_for_line(second, "peer serving")
             timeline = get_json(second.url + "/v1/preheat/timeline")

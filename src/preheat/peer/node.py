@@ -13,11 +13,13 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import CheckpointError, PreheatError
+from preheat.errors import CheckpointError, ConfigError, PreheatError
+from preheat.peer.access import require_token
 from preheat.peer.nixl import NixlExport
-from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
+from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry, valid_address
 from preheat.peer.server import ArtifactLookup, PeerServer
 
 log = logging.getLogger("preheat.peer")
@@ -46,6 +48,16 @@ def advertised_host(host: str) -> str:
     import socket
 
     return socket.gethostbyname(socket.gethostname())
+
+
+def announceable(origin: str | None) -> str | None:
+    """``origin`` as a registry entry may show it: a remote URI without userinfo, query or fragment (whoever reads
+    the registry must not learn a credential from it), else None. Pullers never use it as their origin."""
+    if not origin or "://" not in origin or origin.startswith("preheat://"):
+        return None
+    parts = urlsplit(origin)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 @dataclass
@@ -85,11 +97,17 @@ def start_peering(
     server = PeerServer(
         root, manifest, host=host, port=port, token=token, max_bps=max_bps, name=name, artifacts=artifacts, nixl=nixl
     ).start()
-    address = f"{advertised_host(host)}:{server.port}"
+    advertised = advertised_host(host)
+    if ":" in advertised and not advertised.startswith("["):  # IPv6: bracketed, or host:port would be ambiguous
+        advertised = f"[{advertised}]"
+    address = f"{advertised}:{server.port}"
+    if not valid_address(address):  # readers would skip the entry: say so now rather than serve unseen
+        server.stop()
+        raise ConfigError(f"PREHEAT_PEER_ADVERTISE / bind host gives {address!r}, not host:port that peers can dial")
     heartbeat = None
     if registry is not None:
         reg = open_registry(registry) if isinstance(registry, str) else registry
-        remote_origin = origin if origin and "://" in origin and not origin.startswith("preheat://") else None
+        remote_origin = announceable(origin)
 
         def entry() -> PeerEntry:
             return PeerEntry(
@@ -113,11 +131,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Serve a checkpoint directory to replicas pulling preheat://NAME (a seed peer, no engine).",
     )
     parser.add_argument("root", help="checkpoint directory (with preheat.json, or one is built)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; any other needs PREHEAT_PEER_TOKEN)"
+    )
     parser.add_argument("--port", type=int, default=0, help="port (default: 0, a free one; printed)")
     parser.add_argument("--name", default="", help="name to announce (pullers may ask for preheat://NAME)")
     parser.add_argument("--registry", default=os.environ.get("PREHEAT_REGISTRY"), help="redis://... or file:///dir")
-    parser.add_argument("--origin", default=os.environ.get("PREHEAT_ORIGIN"), help="origin URI to announce")
+    parser.add_argument(
+        "--origin",
+        default=os.environ.get("PREHEAT_ORIGIN"),
+        help="origin URI to announce (informational: pullers use only their own --origin)",
+    )
     parser.add_argument("--max-mbps", default=None, help="total outbound cap in MB/s (default: none)")
     parser.add_argument("--ttl", type=float, default=DEFAULT_TTL, help="registry entry lifetime in seconds")
     parser.add_argument(
@@ -132,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        require_token(args.host, token, token_flag="PREHEAT_PEER_TOKEN", host_flag="--host")
         max_bps = float(args.max_mbps) * 1e6 if args.max_mbps else None
         root = os.path.realpath(args.root)
         manifest = read_manifest(root)

@@ -6,8 +6,14 @@ is the end-to-end check: with ``preheat://xxh3-128:...`` every manifest received
 the identity the registry announces is the one required. Every tensor is then checked against the manifest as it
 lands, and every file before publishing.
 
-Where the origin comes from: ``PeerOptions.origin`` (``--origin``, ``PREHEAT_ORIGIN``), else the ``origin`` a peer
-announced (the URI it loaded from itself, when that was remote).
+Where the origin comes from: ``PeerOptions.origin`` (``--origin``, ``PREHEAT_ORIGIN``) and nowhere else. A registry
+entry's ``origin`` (the URI that peer loaded from) is never adopted: whoever can write the registry could otherwise
+point every newcomer, with the node's origin credentials (``PREHEAT_HTTP_TOKEN``, its S3 role), at a server of their
+choosing, or at a local path. An announced origin that differs from the operator's is only mentioned, in the log
+and the pull's notes (and so in the error when no origin is left), for the operator to adopt if they trust it.
+
+Credentials: the peer token (``PeerOptions.token``) is sent only to peers, the origin's own credentials only to the
+origin (and never across a redirect to another scheme, host or port: ``preheat.sources.httpclient``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from preheat.checkpoint import manifest as mf
 from preheat.errors import CheckpointError, ConfigError, PeerError, RegistryError, SourceError, SourceNotFoundError
 from preheat.peer import nixl
 from preheat.peer.plan import parse_peer_uri, plan_pieces
-from preheat.peer.registry import PeerEntry, open_registry
+from preheat.peer.registry import PeerEntry, open_registry, valid_address
 from preheat.peer.server import FILES_ROUTE
 from preheat.peer.striped import Progress, StripedFetch, StripeSource
 from preheat.sources.base import open_origin
@@ -43,7 +49,8 @@ class PeerOptions:
     """How to find peers and what to fall back to. Every field has a ``PREHEAT_*`` variable (``from_env``).
 
     ``registry``: ``redis://...`` or ``file:///dir``. ``peers``: addresses (``host:port``) to use besides the
-    registry's. ``origin``: the URI to fall back to. ``token``: the peers' ``--peer-token``. ``max_peers``: peers
+    registry's. ``origin``: the URI to fall back to, the only one used (never a registry entry's). ``token``: the
+    peers' ``--peer-token``, sent to peers only. ``max_peers``: peers
     pulled from at once. ``streams``: connections per peer. ``stall_timeout``: seconds without a byte before a peer
     is dropped as stalled (a dead one is dropped at once). ``chunk_bytes``: piece size (None: the caller's).
     ``device``: where this replica loads (``cuda...`` lets peers that offer it send tensors over NIXL; docs/peer.md).
@@ -93,6 +100,9 @@ class PeerOptions:
         return options
 
     def check(self) -> None:
+        bad = [a for a in self.peers if not valid_address(a)]
+        if bad:
+            raise ConfigError(f"PREHEAT_PEERS {bad[0]!r}: write peers as host:port (IPv6 as [addr]:port)")
         if self.max_peers < 1 or self.streams < 1 or self.origin_streams < 1:
             raise ConfigError("peer pulls need max_peers, streams and origin_streams of at least 1")
         if self.stall_timeout <= 0:
@@ -156,14 +166,15 @@ def pull_from_peers(
     identity = target.name if target.is_identity else _announced_identity(entries)
     if identity is not None and (path := cache.lookup(identity)) is not None:
         return hit(identity, path)
-    origin_uri = options.origin or next((e.origin for e in entries if e.origin), None)
+    origin_uri = options.origin
+    _note_announced_origins(entries, origin_uri, notes)
     candidates = [e for e in entries if not e.identity or identity is None or e.identity == identity]
     manifest, peers = _manifest_from_peers(candidates, identity, options, notes)
     if manifest is None:
         if origin_uri is None:
             raise SourceNotFoundError(
                 f"{uri}: no live peer holds it ({'; '.join(notes) or 'none announced'}) and no origin to fall back "
-                "to: pass --origin URI (or PREHEAT_ORIGIN)"
+                "to: pass --origin URI (or PREHEAT_ORIGIN); an origin a registry entry names is never used by itself"
             )
         origin = open_origin(origin_uri)
         _, manifest = origin_key(origin)
@@ -208,6 +219,17 @@ def piece_bytes(manifest: mf.Manifest, chunk_bytes: int, streams: int) -> int:
     connections take them all and the others idle (a 40 MB model in 16 MiB pieces is three pieces)."""
     total = manifest.total_bytes + sum(f.size for f in manifest.extra_files)
     return max(min(chunk_bytes, -(-total // (4 * max(1, streams)))), 256 * 1024)
+
+
+def _note_announced_origins(entries: list[PeerEntry], origin: str | None, notes: list[str]) -> None:
+    """Say (once per pull) that origins named by registry entries are ignored, when one differs from ``origin``."""
+    announced = sorted({e.origin for e in entries if e.origin and e.origin != origin})
+    if not announced:
+        return
+    shown = ", ".join(repr(o[:200]) for o in announced[:3]) + (" ..." if len(announced) > 3 else "")
+    note = f"ignored the origin peers announce ({shown}): only --origin/PREHEAT_ORIGIN is used as an origin"
+    log.info("pull: %s", note)
+    notes.append(note)
 
 
 def _announced_identity(entries: list[PeerEntry]) -> str | None:

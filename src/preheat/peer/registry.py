@@ -8,26 +8,44 @@ them), and a pull treats any entry as a hint: a peer that does not answer is dro
 
 Layout: Redis keys ``preheat:peer:<identity>:<address>`` (a JSON value, ``EX ttl``); a directory holds
 ``<identity-as-dirname>/<address>.json`` files written atomically, with an ``expires`` field.
+
+Entries are outside input: whoever can write the registry writes them. A reader takes at most ``MAX_ENTRY_BYTES`` of
+each (a regular file, never a FIFO or device) and at most ``MAX_ENTRIES`` per lookup, and an entry parses only if
+every field has its type and range (``PeerEntry.from_json``); anything else is skipped. What an entry can make a
+puller do is bounded too (docs/peer.md, "Trust"): dial ``address`` for files it then verifies, never adopt its
+``origin``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
+import math
 import os
+import re
+import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from preheat.errors import ConfigError, RegistryError
+from preheat.peer.plan import IDENTITY
 
 log = logging.getLogger("preheat.peer")
 DEFAULT_TTL = 10.0
+MAX_ENTRY_BYTES = 16 * 1024  # an entry is ~300 bytes; anything past this is not one, and is not read further
+MAX_ENTRIES = 4096  # entries looked at per lookup (a registry holds a few hundred)
 _REDIS_PREFIX = "preheat:peer:"
+# host:port, the host a DNS name, an IPv4 address or a bracketed IPv6 one: nothing that changes the URL around it.
+_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252}))[:]([0-9]{1,5})$")
+_MAX_NAME = 1024
+_MAX_ORIGIN = 4096
+Clock = Callable[[], float]  # epoch seconds: time.time, or a test's clock
 
 
 @dataclass(frozen=True)
@@ -50,21 +68,46 @@ class PeerEntry:
 
     @classmethod
     def from_json(cls, raw: str | bytes, *, where: str) -> PeerEntry:
-        """Parse an entry; ``RegistryError`` naming ``where`` if it is not one."""
+        """Parse an entry; ``RegistryError`` naming ``where`` if it is not one: more than ``MAX_ENTRY_BYTES``, not
+        JSON (or nested too deep), not an object, or a field of the wrong type or out of range. Unknown fields are
+        ignored (a newer peer's).
+
+        >>> raw = json.dumps({"identity": "xxh3-128:" + 32 * "0", "address": "10.0.0.7:41231", "load": 2})
+        >>> PeerEntry.from_json(raw, where="redis key ...").load
+        2
+        """
+        if len(raw) > MAX_ENTRY_BYTES:
+            raise RegistryError(f"{where}: not a peer entry (over {MAX_ENTRY_BYTES} bytes)")
         try:
             doc = json.loads(raw)
-            return cls(
-                identity=str(doc["identity"]),
-                address=str(doc["address"]),
-                name=str(doc.get("name", "")),
-                rank=int(doc.get("rank", 0)),
-                world_size=int(doc.get("world_size", 1)),
-                load=int(doc.get("load", 0)),
-                origin=None if doc.get("origin") is None else str(doc["origin"]),
-                expires=float(doc.get("expires", 0.0)),
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise RegistryError(f"{where}: not a peer entry (not JSON: {type(exc).__name__})") from None
+        if not isinstance(doc, dict):
+            raise RegistryError(f"{where}: not a peer entry (a JSON {type(doc).__name__}, not an object)")
+        try:
+            entry = cls(
+                identity=_text(doc, "identity", None, 64),
+                address=_text(doc, "address", None, 300),
+                name=_text(doc, "name", "", _MAX_NAME),
+                rank=_count(doc, "rank", 0),
+                world_size=_count(doc, "world_size", 1),
+                load=_count(doc, "load", 0),
+                origin=None if doc.get("origin") is None else _text(doc, "origin", None, _MAX_ORIGIN),
+                expires=_seconds(doc, "expires"),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+            entry.check()
+        except ValueError as exc:
             raise RegistryError(f"{where}: not a peer entry ({exc})") from None
+        return entry
+
+    def check(self) -> None:
+        """``ValueError`` unless the fields make sense: an identity, a ``host:port``, a rank inside the world."""
+        if IDENTITY.match(self.identity) is None:
+            raise ValueError(f"identity {self.identity[:80]!r} is not xxh3-128:<32 hex>")
+        if not valid_address(self.address):
+            raise ValueError(f"address {self.address[:80]!r} is not host:port")
+        if not (1 <= self.world_size <= 65536 and 0 <= self.rank < self.world_size):
+            raise ValueError(f"rank {self.rank} of world size {self.world_size}")
 
     def matches(self, wanted: str) -> bool:
         """Whether this entry holds ``wanted``: a checkpoint identity or a served name."""
@@ -90,6 +133,57 @@ class Registry(Protocol):
         ...
 
 
+def valid_address(address: str) -> bool:
+    """Whether ``address`` is ``host:port`` with a port of 1-65535 (and nothing a URL would read as more)."""
+    match = _ADDRESS.match(address)
+    return match is not None and 1 <= int(match.group(1)) <= 65535
+
+
+def _text(doc: dict[str, object], key: str, default: str | None, limit: int) -> str:
+    value = doc.get(key, default)
+    if not isinstance(value, str):
+        raise ValueError(f"{key} is {'missing' if value is None else type(value).__name__}, not a string")
+    if len(value) > limit or not value.isprintable():
+        raise ValueError(f"{key} is not a printable string of at most {limit} characters")
+    return value
+
+
+def _count(doc: dict[str, object], key: str, default: int) -> int:
+    value = doc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        raise ValueError(f"{key} {str(value)[:40]} is not a count")
+    return value
+
+
+def _seconds(doc: dict[str, object], key: str) -> float:
+    value = doc.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{key} {str(value)[:40]} is not epoch seconds")
+    return float(value)
+
+
+def _read_entry(path: str) -> tuple[bytes, int]:
+    """At most ``MAX_ENTRY_BYTES + 1`` bytes of the regular file ``path``, and its inode (OSError for anything else:
+    a planted FIFO would otherwise block the reader, a device or a huge file fill its memory)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path}: not a regular file")
+        chunks: list[bytes] = []
+        left = MAX_ENTRY_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks), info.st_ino
+    finally:
+        os.close(fd)
+
+
 def open_registry(url: str) -> Registry:
     """``redis://...`` (or ``rediss://``) or ``file:///shared/dir``; ``ConfigError`` for anything else."""
     if url.startswith(("redis://", "rediss://", "unix://")):
@@ -106,10 +200,11 @@ def _sorted(entries: list[PeerEntry]) -> list[PeerEntry]:
 class FileRegistry:
     """Entries as small JSON files in a directory every replica can see (one node, or NFS)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, clock: Clock = time.time) -> None:
         if not root:
             raise ConfigError("file registry: write file:///absolute/dir")
         self.root = root
+        self.clock = clock
 
     @property
     def url(self) -> str:
@@ -120,7 +215,7 @@ class FileRegistry:
 
     def announce(self, entry: PeerEntry, ttl: float) -> None:
         path = self._path(entry)
-        stamped = replace(entry, expires=time.time() + ttl)
+        stamped = replace(entry, expires=self.clock() + ttl)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -135,7 +230,7 @@ class FileRegistry:
             os.unlink(self._path(entry))
 
     def find(self, wanted: str) -> list[PeerEntry]:
-        now = time.time()
+        now = self.clock()
         found: list[PeerEntry] = []
         try:
             groups = os.listdir(self.root)
@@ -143,35 +238,40 @@ class FileRegistry:
             return []
         except OSError as exc:
             raise RegistryError(f"registry {self.url}: cannot list: {exc.strerror}") from None
+        for path in itertools.islice(self._entry_paths(groups), MAX_ENTRIES):
+            try:
+                raw, inode = _read_entry(path)
+                entry = PeerEntry.from_json(raw, where=path)
+            except (OSError, RegistryError) as exc:
+                log.debug("registry: skipping %s: %s", path, exc)
+                continue
+            if entry.expires < now:
+                with contextlib.suppress(OSError):  # the peer stopped heartbeating: tidy up for it
+                    if os.stat(path, follow_symlinks=False).st_ino == inode:  # not a beat that replaced it since
+                        os.unlink(path)
+                continue
+            if entry.matches(wanted):
+                found.append(entry)
+        return _sorted(found)
+
+    def _entry_paths(self, groups: list[str]) -> Iterator[str]:
         for group in groups:
             directory = os.path.join(self.root, group)
-            with contextlib.suppress(OSError):  # a group removed while we look: nothing in it
-                for name in os.listdir(directory):
-                    if not name.endswith(".json"):
-                        continue
-                    path = os.path.join(directory, name)
-                    try:
-                        with open(path, encoding="utf-8") as handle:
-                            entry = PeerEntry.from_json(handle.read(), where=path)
-                    except (OSError, RegistryError) as exc:
-                        log.debug("registry: skipping %s: %s", path, exc)
-                        continue
-                    if entry.expires < now:
-                        with contextlib.suppress(OSError):  # the peer stopped heartbeating: tidy up for it
-                            os.unlink(path)
-                        continue
-                    if entry.matches(wanted):
-                        found.append(entry)
-        return _sorted(found)
+            try:
+                names = os.listdir(directory)
+            except OSError:  # a group removed while we look (or a planted non-directory): nothing in it
+                continue
+            yield from (os.path.join(directory, name) for name in names if name.endswith(".json"))
 
 
 class RedisRegistry:
     """Entries as Redis keys with a TTL (``SET ... EX``): Redis itself forgets a peer whose heartbeat stopped."""
 
-    def __init__(self, url: str, *, timeout: float = 2.0) -> None:
+    def __init__(self, url: str, *, timeout: float = 2.0, clock: Clock = time.time) -> None:
         import redis
 
         self._url = url
+        self.clock = clock
         # Short timeouts: a registry that is down must cost a pull seconds, not the client's default of forever.
         self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
@@ -185,7 +285,7 @@ class RedisRegistry:
     def announce(self, entry: PeerEntry, ttl: float) -> None:
         import redis
 
-        stamped = replace(entry, expires=time.time() + ttl)
+        stamped = replace(entry, expires=self.clock() + ttl)
         try:
             self._client.set(_REDIS_PREFIX + f"{entry.identity}:{entry.address}", stamped.to_json(), px=int(ttl * 1000))
         except redis.RedisError as exc:
@@ -205,14 +305,18 @@ class RedisRegistry:
         # An identity names its keys directly; a served name needs a scan (registries hold a few hundred keys).
         pattern = _REDIS_PREFIX + (f"{wanted}:*" if wanted.startswith("xxh3-128:") else "*")
         found: list[PeerEntry] = []
-        now = time.time()
+        now = self.clock()
         try:
-            keys = list(self._client.scan_iter(match=pattern, count=500))
-            values = self._client.mget(keys) if keys else []
+            keys = list(itertools.islice(self._client.scan_iter(match=pattern, count=500), MAX_ENTRIES))
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:  # GETRANGE, not GET: at most MAX_ENTRY_BYTES + 1 of a value however large it is
+                pipe.getrange(key, 0, MAX_ENTRY_BYTES)
+            # raise_on_error=False: a key of another type (WRONGTYPE) is that entry's problem, not the lookup's.
+            values = pipe.execute(raise_on_error=False) if keys else []
         except redis.RedisError as exc:
             raise self._fail("lookup", exc) from None
         for key, raw in zip(keys, values, strict=True):
-            if raw is None:  # expired between SCAN and MGET
+            if not isinstance(raw, bytes | str) or not raw:  # an error, or expired between SCAN and GETRANGE
                 continue
             try:
                 entry = PeerEntry.from_json(raw, where=f"{self._url} key {key!r}")

@@ -4,15 +4,20 @@ Routes (HTTP/1.1 keep-alive, one thread per connection):
 
 - ``GET|HEAD /peer/v1/files/<name>``: a file named in the manifest (``preheat.json`` itself included), with single
   ``Range: bytes=a-b`` requests answered 206. Any other name, a path outside the checkpoint included, gets 403 and
-  nothing is opened: the set of servable files is fixed from the manifest when the server starts.
+  nothing is opened: the set of servable files is fixed from the manifest when the server starts, each name resolved
+  then to a real path inside the checkpoint directory (a manifest file that is a symlink leading outside it is not
+  served), and opened without following a symlink planted there since.
 - ``GET /peer/v1/artifacts/<key>``: a packed compiled-artifact blob from the node cache (404 when absent).
 - ``GET /peer/v1/info``: identity, name and current load, as JSON.
 - ``GET /peer/v1/nixl``: the NIXL advert (``preheat.peer.nixl``) when this replica offers its GPU tensors over
   NIXL; 404 otherwise (no nixl, or weights not on GPU), so pullers use the file routes.
 
 With a token every route needs ``Authorization: Bearer TOKEN`` (401 without, 403 when wrong; compared in constant
-time). ``max_bps`` caps the server's *total* outbound body bytes (one token bucket shared by every connection), so
-serving peers never starves the replica's own clients of network or page cache.
+time). A token is required to bind anything but a loopback address (``preheat.peer.access``): a server that would
+hand every weight file to whoever reaches the port refuses to start instead (``ConfigError``).
+
+``max_bps`` caps the server's *total* outbound body bytes (one token bucket shared by every connection), so serving
+peers never starves the replica's own clients of network or page cache.
 
 Bytes come from the files (the page cache, or the mapping the engine already faulted in on CPU): the files the
 replica loaded are the files it serves, and the puller checks every tensor against the manifest anyway.
@@ -25,6 +30,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +39,7 @@ from urllib.parse import unquote, urlsplit
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import ConfigError
+from preheat.peer.access import require_token
 from preheat.peer.nixl import NIXL_ROUTE, NixlExport
 from preheat.sources.httpserve import BackgroundServer, TrackedHandler, TrackedServer
 from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
@@ -118,16 +125,22 @@ class _Handler(TrackedHandler):
         if name == mf.MANIFEST_NAME:
             self._json(peer.manifest_bytes, body=body)
             return
-        size = peer.sizes.get(name)
-        if size is None:  # also every "../", absolute or symlinked path: only manifest names are ever opened
+        servable = peer.files.get(name)
+        if servable is None:  # also every "../", absolute or symlinked path: only manifest names are ever opened
             self.plain(403, "forbidden: not a file of the served checkpoint\n")
             return
+        path, size = servable
         try:
-            handle = open(os.path.join(peer.root, name), "rb")  # noqa: SIM115 - closed below, after the body
+            # O_NOFOLLOW: the path had no symlink at start; one planted since is not followed. O_NONBLOCK: a FIFO
+            # planted in its place opens at once (and is refused below) instead of hanging this thread.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             self.plain(404, "not found\n")
             return
-        with handle:
+        with open(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self.plain(403, "forbidden: not a regular file\n")
+                return
             self._send(handle, size, body=body)
 
     def _artifact(self, key: str, *, body: bool) -> None:
@@ -188,10 +201,24 @@ class _Handler(TrackedHandler):
             peer.count(len(block))
 
 
+def servable_files(root: str, manifest: mf.Manifest) -> dict[str, tuple[str, int]]:
+    """Manifest name -> (real path, size) for every file of ``manifest`` whose real path lies inside ``root`` (a real
+    path itself); a file that resolves outside it (a symlink, or a name that climbs out) is left out, with a warning."""
+    files: dict[str, tuple[str, int]] = {}
+    for record in (*manifest.files, *manifest.extra_files):
+        real = os.path.realpath(os.path.join(root, record.name))
+        if os.path.commonpath((root, real)) != root or real == root:
+            log.warning("peer: not serving %s: it resolves to %s, outside the checkpoint %s", record.name, real, root)
+            continue
+        files[record.name] = (real, record.size)
+    return files
+
+
 class PeerServer(BackgroundServer):
     """Serve checkpoint ``root`` (described by ``manifest``) to other replicas on ``host:port`` (0: a free port).
 
-    ``token``: require this bearer token. ``max_bps``: total outbound cap in bytes per second. ``artifacts``: a
+    ``token``: require this bearer token (required unless ``host`` is loopback: ``ConfigError`` otherwise).
+    ``max_bps``: total outbound cap in bytes per second. ``artifacts``: a
     function from an artifact key to the path of its packed blob (or None), for ``/peer/v1/artifacts/<key>``.
     ``nixl``: this replica's GPU tensors registered with NIXL, advertised on ``/peer/v1/nixl`` (closed on ``stop``).
 
@@ -215,10 +242,11 @@ class PeerServer(BackgroundServer):
         artifacts: ArtifactLookup | None = None,
         nixl: NixlExport | None = None,
     ) -> None:
+        require_token(host, token)
         self.root = os.path.realpath(os.fspath(root))
         self.manifest = manifest
         self.manifest_bytes = manifest.to_json()
-        self.sizes = {f.name: f.size for f in (*manifest.files, *manifest.extra_files)}
+        self.files = servable_files(self.root, manifest)
         super().__init__(host, port)
         self.token = token or None
         self.bucket = TokenBucket(max_bps) if max_bps else None

@@ -1,9 +1,15 @@
 """A small HTTP/1.1 client on ``http.client`` for the HTTP(S) source.
 
 What it adds to the standard library: keep-alive connections (one per thread and host, so reader threads never share
-a socket), separate connect and read timeouts, redirects (the token is only ever sent to the origin's own host), and
-status codes mapped to preheat's errors (404 -> ``SourceNotFoundError``, 401/403 -> ``SourceAccessError``, 5xx/429
-and network failures -> ``TransientError`` for the retry loop in ``preheat.sources.net``).
+a socket), separate connect and read timeouts, redirects, and status codes mapped to preheat's errors (404 ->
+``SourceNotFoundError``, 401/403 -> ``SourceAccessError``, 5xx/429 and network failures -> ``TransientError`` for the
+retry loop in ``preheat.sources.net``).
+
+Credentials and redirects: the bearer token goes only to the token's origin, where an origin is the scheme, host and
+port of a URL (RFC 6454; the default port filled in, so ``https://h`` and ``https://h:443`` are one origin, and two
+ports on one host are two origins). A redirect that changes any of the three drops the token, and any
+``Authorization`` or ``Cookie`` header the caller gave, for the rest of that request's redirects, even one that comes
+back (``https://a -> http://a`` or ``https://a -> https://b -> https://a`` is answered without it).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from urllib.parse import urljoin, urlsplit
 
 from preheat.errors import SourceAccessError, SourceError, SourceNotFoundError
 from preheat.sources.net import NetSettings, TransientError
+from preheat.sources.ranges import parse_length
 from preheat.sources.stats import TransferStats
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+DEFAULT_PORTS = {"http": 80, "https": 443}
+_CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})  # never carried to another origin
 MAX_REDIRECTS = 5
 DRAIN_LIMIT = 64 * 1024  # read an unwanted body this small to keep the connection; close it for anything larger
 USER_AGENT = "preheat/0.1"
@@ -162,7 +171,7 @@ class Response:
 
     def int_header(self, name: str) -> int | None:
         value = self.header(name)
-        return int(value) if value is not None and value.strip().isdigit() else None
+        return parse_length(value)  # ASCII digits only, at most 19 of them: anything else is None
 
     def drain(self) -> None:
         """Discard a small body to keep the connection alive; close the connection for a large or unknown one."""
@@ -191,7 +200,7 @@ class HTTPClient:
         self.settings = settings
         self.stats = stats
         self.pool = ConnectionPool(settings)
-        self._token = token
+        self._token = token or None  # "" means none (a peer origin passes it so PREHEAT_HTTP_TOKEN is not read)
         self._token_netloc = token_netloc
 
     def send(
@@ -202,13 +211,21 @@ class HTTPClient:
         ``dedicated`` sends it on a new connection that no thread owns (for a body read by several threads in turn).
         Raises ``TransientError`` for network failures, ``SourceError`` for TLS failures and redirect loops.
         """
+        given = dict(headers or {})
+        authorize = self._token is not None and urlsplit(url).netloc == self._token_netloc
+        here = origin_of(url)
         for _ in range(MAX_REDIRECTS + 1):
-            response = self._send_once(method, url, headers or {}, dedicated=dedicated)
+            response = self._send_once(method, url, given, dedicated=dedicated, authorize=authorize)
             location = response.header("Location")
             if response.status not in REDIRECTS or not location:
                 return response
             response.drain()
             url = urljoin(url, location)
+            there = origin_of(url)
+            if there != here:  # another scheme, host or port: credentials stay behind, for good
+                authorize = False
+                given = {k: v for k, v in given.items() if k.lower() not in _CREDENTIALS}
+            here = there
         raise SourceError(f"{url}: more than {MAX_REDIRECTS} redirects")
 
     def check(self, response: Response, what: str) -> None:
@@ -236,13 +253,19 @@ class HTTPClient:
             )
         return "a bearer token was sent (PREHEAT_HTTP_TOKEN or token=) and refused: check that it is valid here"
 
-    def _send_once(self, method: str, url: str, headers: Mapping[str, str], *, dedicated: bool) -> Response:
+    def _send_once(
+        self, method: str, url: str, headers: Mapping[str, str], *, dedicated: bool, authorize: bool
+    ) -> Response:
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise SourceError(f"{url}: not an http(s) URL")
+        try:
+            parts.port  # noqa: B018 - raises ValueError for a port that is not 0-65535 (a redirect may name one)
+        except ValueError:
+            raise SourceError(f"{url}: not a valid port") from None
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         sent = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers}
-        if self._token is not None and parts.netloc == self._token_netloc:
+        if authorize and self._token is not None:
             sent["Authorization"] = f"Bearer {self._token}"
         conn = (
             self.pool.dedicated(parts.scheme, parts.netloc) if dedicated else self.pool.get(parts.scheme, parts.netloc)
@@ -266,6 +289,22 @@ class HTTPClient:
             conn.requests += 1
             self.stats.add(requests=1)
             return Response(method, url, body, conn, self.pool)
+
+
+def origin_of(url: str) -> tuple[str, str, int | None]:
+    """``(scheme, host, port)`` of ``url``, host lower-cased and the scheme's default port filled in: two URLs with
+    equal tuples are one origin (RFC 6454), and only the token's origin sees the token.
+
+    >>> origin_of("HTTPS://Models.Example") == origin_of("https://models.example:443/llama")
+    True
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:  # not a port: an origin of its own, which _send_once then refuses
+        port = -1
+    return scheme, (parts.hostname or ""), DEFAULT_PORTS.get(scheme) if port is None else port
 
 
 def describe(exc: BaseException, settings: NetSettings) -> str:

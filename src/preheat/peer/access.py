@@ -1,0 +1,45 @@
+"""Who may reach a peer server: the rule that a peer listening beyond loopback must require a token.
+
+Torch-free and import-light on purpose: ``preheat serve`` checks it while validating its settings, before it binds
+its socket and long before it imports the model code (``preheat.peer.server`` imports the checkpoint layer, which
+imports torch).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from preheat.errors import ConfigError
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine: ``localhost`` or a loopback address
+    (``127.0.0.0/8``, ``::1``). A wildcard (``0.0.0.0``, ``::``, ``""``) or any other name is the network.
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("0.0.0.0"), is_loopback("10.0.0.7")
+    (True, True, False, False)
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it resolves to whatever DNS says, so it counts as the network
+        return False
+
+
+def require_token(
+    host: str,
+    token: str | None,
+    *,
+    token_flag: str = "PREHEAT_PEER_TOKEN (or --peer-token)",
+    host_flag: str = "--peer-host",
+) -> None:
+    """``ConfigError`` when a peer server would bind ``host`` beyond loopback without a token; the message names
+    the caller's flags (``preheat serve``'s by default)."""
+    if token or is_loopback(host):
+        return
+    raise ConfigError(
+        f"the peer server would serve every weight file to anyone who reaches {host or '*'}, with no token: set "
+        f"{token_flag} to a shared secret on every replica, or bind the peer server to loopback "
+        f"({host_flag} 127.0.0.1)"
+    )

@@ -1,0 +1,207 @@
+"""Credentials and redirects in the HTTP client: the bearer token goes only to its own origin (scheme, host, port).
+
+Real servers on 127.0.0.1 record the ``Authorization`` header of every request they get. Two ports on one host are
+two origins; the first server also speaks TLS and plain HTTP on the *same* port, so a redirect that changes only the
+scheme (``https://127.0.0.1:P`` -> ``http://127.0.0.1:P``) can be told apart from one that changes the port.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from preheat.errors import SourceError
+from preheat.sources.http import HTTPOrigin
+from preheat.sources.httpclient import HTTPClient, origin_of
+from preheat.sources.net import NetSettings
+from preheat.sources.stats import TransferStats
+from test_sources_http import certificate  # noqa: F401 - a fixture (a self-signed certificate for 127.0.0.1)
+
+TOKEN = "s3cret"
+
+
+@dataclass(frozen=True)
+class Seen:
+    scheme: str
+    path: str
+    authorization: str | None
+    cookie: str | None
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: RecordingServer
+
+    def do_GET(self) -> None:
+        scheme = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"
+        with self.server.lock:
+            self.server.seen.append(
+                Seen(scheme, self.path, self.headers.get("Authorization"), self.headers.get("Cookie"))
+            )
+        target = self.server.redirects.get((scheme, self.path))
+        if target is not None:
+            self.send_response(302)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = b"the file\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class RecordingServer(http.server.ThreadingHTTPServer):
+    """Answers 200 (or a configured redirect) and records every request; with ``tls``, a connection that opens with
+    a TLS handshake is served over TLS and any other as plain HTTP, on the one port."""
+
+    daemon_threads = True
+
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(("127.0.0.1", 0), _Recorder)
+        self.tls = tls
+        self.lock = threading.Lock()
+        self.seen: list[Seen] = []
+        self.redirects: dict[tuple[str, str], str] = {}  # (scheme, path) -> Location
+        self.thread = threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
+        sock, address = super().get_request()
+        if self.tls is not None:
+            sock.settimeout(5)
+            if sock.recv(1, socket.MSG_PEEK) == b"\x16":  # a TLS handshake record
+                sock = self.tls.wrap_socket(sock, server_side=True)
+            sock.settimeout(None)
+        return sock, address
+
+    def __enter__(self) -> RecordingServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.fixture
+def front() -> Iterator[RecordingServer]:
+    with RecordingServer() as server:
+        yield server
+
+
+@pytest.fixture
+def other() -> Iterator[RecordingServer]:
+    with RecordingServer() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PREHEAT_HTTP_TOKEN", raising=False)
+
+
+def quick() -> NetSettings:
+    return NetSettings(connect_timeout=5, read_timeout=5, attempts=1, backoff=0.01)
+
+
+def test_the_token_is_dropped_when_a_redirect_goes_from_https_to_http_on_the_same_host_and_port(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert: tuple[Path, Path] = request.getfixturevalue("certificate")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert[0]))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(*cert)
+    with RecordingServer(tls=context) as both:
+        both.redirects[("https", "/models/tiny/config.json")] = f"http://127.0.0.1:{both.port}/plain/config.json"
+        origin = HTTPOrigin(f"https://127.0.0.1:{both.port}/models/tiny", token=TOKEN, settings=quick())
+        assert origin.read_bytes("config.json") == b"the file\n"
+    assert [(s.scheme, s.path, s.authorization) for s in both.seen] == [
+        ("https", "/models/tiny/config.json", f"Bearer {TOKEN}"),
+        ("http", "/plain/config.json", None),  # same host and port, but the token would cross the wire in clear
+    ]
+
+
+def test_the_token_is_dropped_when_a_redirect_goes_to_another_port(
+    front: RecordingServer, other: RecordingServer
+) -> None:
+    front.redirects[("http", "/m/config.json")] = f"http://127.0.0.1:{other.port}/m/config.json"
+    origin = HTTPOrigin(f"http://127.0.0.1:{front.port}/m", token=TOKEN, settings=quick())
+    assert origin.read_bytes("config.json") == b"the file\n"
+    assert [s.authorization for s in front.seen] == [f"Bearer {TOKEN}"]
+    assert [s.authorization for s in other.seen] == [None]  # host:port is the origin: another port, another server
+
+
+def test_a_redirect_that_comes_back_to_the_origin_does_not_get_the_token_back(
+    front: RecordingServer, other: RecordingServer
+) -> None:
+    front.redirects[("http", "/m/config.json")] = f"http://127.0.0.1:{other.port}/bounce"
+    other.redirects[("http", "/bounce")] = f"http://127.0.0.1:{front.port}/m/back.json"
+    origin = HTTPOrigin(f"http://127.0.0.1:{front.port}/m", token=TOKEN, settings=quick())
+    assert origin.read_bytes("config.json") == b"the file\n"
+    assert [(s.path, s.authorization) for s in front.seen] == [
+        ("/m/config.json", f"Bearer {TOKEN}"),
+        ("/m/back.json", None),  # the other server chose this URL: it could be anything the token unlocks
+    ]
+    assert [s.authorization for s in other.seen] == [None]
+
+
+def test_a_redirect_within_the_origin_keeps_the_token(front: RecordingServer) -> None:
+    front.redirects[("http", "/m/config.json")] = "/moved/config.json"  # relative: the same origin
+    origin = HTTPOrigin(f"http://127.0.0.1:{front.port}/m", token=TOKEN, settings=quick())
+    assert origin.read_bytes("config.json") == b"the file\n"
+    assert [s.authorization for s in front.seen] == [f"Bearer {TOKEN}", f"Bearer {TOKEN}"]
+
+
+def test_credentials_the_caller_sends_stay_behind_on_another_origin(
+    front: RecordingServer, other: RecordingServer
+) -> None:
+    front.redirects[("http", "/x")] = f"http://127.0.0.1:{other.port}/x"
+    client = HTTPClient(token=None, token_netloc=f"127.0.0.1:{front.port}", settings=quick(), stats=TransferStats())
+    response = client.send(
+        "GET", f"http://127.0.0.1:{front.port}/x", {"Authorization": "Basic dXNlcjpwdw==", "Cookie": "session=1"}
+    )
+    assert response.body.read() == b"the file\n"
+    assert [(s.authorization, s.cookie) for s in front.seen] == [("Basic dXNlcjpwdw==", "session=1")]
+    assert [(s.authorization, s.cookie) for s in other.seen] == [(None, None)]
+
+
+def test_a_redirect_to_an_impossible_port_is_a_source_error(front: RecordingServer) -> None:
+    front.redirects[("http", "/m/config.json")] = "http://127.0.0.1:99999/m/config.json"
+    origin = HTTPOrigin(f"http://127.0.0.1:{front.port}/m", settings=quick())
+    with pytest.raises(SourceError, match="port"):
+        origin.read_bytes("config.json")
+
+
+def test_an_empty_token_sends_no_authorization_header(front: RecordingServer) -> None:
+    origin = HTTPOrigin(f"http://127.0.0.1:{front.port}/m", token="", settings=quick())  # a tokenless peer
+    assert origin.read_bytes("config.json") == b"the file\n"
+    assert [s.authorization for s in front.seen] == [None]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("https://h/x", "https://h:443/y", True),
+        ("http://H:80/", "http://h/", True),
+        ("https://h/", "http://h/", False),
+        ("http://h:8000/", "http://h:8001/", False),
+        ("http://h/", "http://g/", False),
+    ],
+)
+def test_an_origin_is_scheme_host_and_port(a: str, b: str, same: bool) -> None:
+    assert (origin_of(a) == origin_of(b)) is same
