@@ -39,3 +39,16 @@ def same(a: StoredChunk, b: StoredChunk) -> bool:
     return a.data.dtype == b.data.dtype and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and (
         scales_equal
     )
+
+
+class Clock:
+    """A monotonic clock the test moves by hand: a tier's retry interval passes without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -15,6 +15,8 @@ from preheat.checkpoint.synthetic import make_tiny_servable_model
 from preheat.engine import Engine
 from preheat.engine.sampling import SamplingParams
 from preheat.kv.build import build_tiers
+from preheat.kv.fs import FileTier
+from preheat.kv.keys import chunk_keys
 from preheat.kv.settings import KVSettings
 from preheat.kv.tiered import TieredKV
 from smollm2 import SmolLM2
@@ -86,6 +88,36 @@ def test_l2_hits_from_another_engine_give_identical_output(kv_model: Path, tmp_p
     assert generate(reader, ids) == (expected, 768)  # promoted: now from L1
     assert tiers_r.l1 is not None
     assert tiers_r.l1.stats.snapshot()["hits"] == 3
+
+
+@pytest.mark.parametrize("l1", [None, "64MiB"])
+def test_a_damaged_l2_heals_after_one_recompute(kv_model: Path, tmp_path: Path, l1: str | None) -> None:
+    writer, replica = Engine.from_checkpoint(str(kv_model)), Engine.from_checkpoint(str(kv_model))
+    ids = prompt_ids(writer, 2000)
+    expected, _ = generate(replica, ids)
+    full = (len(ids) - 1) // 256 * 256  # 7 chunks
+    shared = f"fs://{tmp_path}"
+    tiers = with_tiers(writer, l2=shared)
+    generate(writer, ids)
+    tiers.flush()
+    assert isinstance(tiers.l2, FileTier)
+    for index in (2, 3, 5):  # damage three chunk files; the lookup will stop at the first
+        path = Path(tiers.l2.path(chunk_keys(tiers.fingerprint, ids, 256)[index]))
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0x01
+        path.write_bytes(bytes(data))
+    restarted = with_tiers(replica, l2=shared, **({"l1": l1} if l1 else {}))  # a replica restarted on the damage
+    cached = []
+    for _ in range(3):
+        tokens, hit = generate(replica, ids)
+        restarted.flush()
+        assert tokens == expected
+        cached.append(hit)
+    assert cached == [512, full, full]  # one recompute stored every damaged chunk again
+    assert restarted.l2 is not None
+    assert restarted.l2.stats.snapshot()["corrupt"] == 3  # one found by the lookup, two by the stores
+    with_tiers(writer, l2=shared)  # another replica, L2 only: the directory itself healed
+    assert generate(writer, ids) == (expected, full)
 
 
 def test_another_checkpoint_never_hits_its_chunks(kv_model: Path, tmp_path: Path) -> None:

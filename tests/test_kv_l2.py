@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvchunks import chunk, expect, key, same
+from kvchunks import Clock, chunk, expect, key, same
 from preheat.kv.fs import FileTier
 from preheat.kv.redis_tier import RedisTier
 from redisserver import RedisServer
@@ -46,6 +47,79 @@ def test_fs_flipped_bit_is_a_miss_and_the_file_is_removed(tmp_path: Path) -> Non
     assert tier.get(key(0)) is None
     assert not path.exists()
     assert tier.stats.snapshot()["corrupt"] == 1
+
+
+def test_fs_store_over_a_damaged_file_replaces_it(tmp_path: Path) -> None:
+    # A lookup stops at the first missing chunk, so damaged files after it are never read: a store of the recomputed
+    # chunk must not take the damaged file for a stored one, or the chunk would never heal.
+    tier = FileTier(str(tmp_path), expect())
+    tier.put(key(0), chunk(0))
+    path = Path(tier.path(key(0)))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert tier.put(key(0), chunk(0))
+    found = FileTier(str(tmp_path), expect()).get(key(0))
+    assert found is not None
+    assert same(found, chunk(0))
+    assert tier.stats.snapshot()["corrupt"] == 1
+    assert tier.put(key(0), chunk(0))  # a valid file is kept as it is
+    assert tier.stats.snapshot()["stores"] == 2
+
+
+def test_fs_planted_huge_file_is_a_miss_without_reading_it(tmp_path: Path) -> None:
+    tier = FileTier(str(tmp_path), expect())
+    path = Path(tier.path(key(0)))
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as handle:
+        handle.truncate(1 << 30)  # 1 GiB, sparse: costs no disk, but a reader that trusts it allocates 1 GiB
+    with allocations() as peak:
+        assert tier.get(key(0)) is None
+    assert peak() < 8 << 20
+    assert not path.exists()
+    assert tier.stats.snapshot()["corrupt"] == 1
+    with open(path, "wb") as handle:
+        handle.truncate(1 << 30)
+    with allocations() as peak:
+        assert tier.put(key(0), chunk(0))  # checking the planted file before replacing it reads none of it either
+    assert peak() < 8 << 20
+    assert tier.get(key(0)) is not None
+
+
+@pytest.mark.timeout(60)  # a reader that opens the FIFO blocks forever: the test must end anyway
+def test_fs_planted_fifo_or_symlink_is_a_miss_and_never_blocks(tmp_path: Path) -> None:
+    tier = FileTier(str(tmp_path), expect())
+    path = Path(tier.path(key(0)))
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    assert tier.get(key(0)) is None
+    assert not path.exists()
+    os.mkfifo(path)
+    assert tier.put(key(0), chunk(0))  # replaced by the chunk
+    assert path.is_file()
+    assert tier.get(key(0)) is not None
+    target = tmp_path / "elsewhere.kvc"
+    os.rename(path, target)
+    path.symlink_to(target)  # a valid chunk, but through a link: links are never followed
+    assert tier.get(key(0)) is None
+    assert not path.is_symlink()
+    assert target.exists()
+    assert tier.stats.snapshot()["corrupt"] == 3  # FIFO read, FIFO replaced by a store, symlink read
+
+
+class allocations:  # noqa: N801  # reads as a verb in ``with allocations() as peak``
+    """Track Python allocations inside the block; ``peak()`` is the most bytes held at once above the start."""
+
+    def __enter__(self) -> Callable[[], int]:
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        self.base = tracemalloc.get_traced_memory()[0]
+        self.top = 0
+        return lambda: self.top - self.base
+
+    def __exit__(self, *exc: object) -> None:
+        self.top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
 
 
 def test_fs_chunk_of_another_model_is_never_served(tmp_path: Path) -> None:
@@ -88,33 +162,46 @@ def test_fs_writer_killed_mid_write_leaves_no_readable_chunk(tmp_path: Path) -> 
 
 
 SAME_CHUNK = """
-import sys
+import contextlib, os, sys, time
 from kvchunks import chunk, expect, key
 from preheat.kv.fs import FileTier
 tier = FileTier(sys.argv[1], expect())
-for _ in range(40):
-    tier.put(key(0), chunk(0))
-    got = tier.get(key(0))
-    assert got is not None, "a reader saw a missing or corrupt chunk while another process wrote it"
-    if tier.stats.corrupt:
-        sys.exit("corrupt chunk seen")
+path = tier.path(key(0))
+open(os.path.join(sys.argv[1], "ready." + sys.argv[2]), "w").close()
+deadline = time.monotonic() + 60
+while not os.path.exists(os.path.join(sys.argv[1], "go")):  # both writers start their loops together
+    assert time.monotonic() < deadline, "never told to go"
+    time.sleep(0.001)
+for _ in range(60):
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # so that put() really writes (it keeps a valid file) while the other process reads
+    assert tier.put(key(0), chunk(0))
+    tier.get(key(0))  # None when the other process just unlinked it: fine; a torn or corrupt chunk is not
+if tier.stats.corrupt:
+    sys.exit("a reader saw a torn or corrupt chunk while another process wrote it")
 """
 
 
 def test_fs_two_processes_writing_one_chunk_leave_one_valid_file(tmp_path: Path) -> None:
-    # put() skips keys that exist, so remove the file between rounds to force real concurrent writes.
-    procs = [run_python(SAME_CHUNK, str(tmp_path)) for _ in range(2)]
-    tier = FileTier(str(tmp_path), expect())
-    for _ in range(40):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tier.path(key(0)))
-        time.sleep(0.005)
+    procs = [run_python(SAME_CHUNK, str(tmp_path), str(i)) for i in range(2)]
+    wait_for(lambda: all((tmp_path / f"ready.{i}").exists() for i in range(2)) or any(p.poll() for p in procs))
+    (tmp_path / "go").touch()
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    tier = FileTier(str(tmp_path), expect())
     tier.put(key(0), chunk(0))
     assert [p.name for p in Path(tier.dir).rglob("*") if p.is_file()] == [Path(tier.path(key(0))).name]
     found = tier.get(key(0))
     assert found is not None
     assert same(found, chunk(0))
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds (a bound for a stuck run, not a timing
+    assertion: a healthy run on a busy machine passes however slow it is)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
 
 
 FILLER = """
@@ -155,12 +242,19 @@ def _one_file(root: Path) -> str:
     return tier.path(key(0))
 
 
-def test_fs_missing_directory_marks_the_tier_down(tmp_path: Path) -> None:
-    tier = FileTier(str(tmp_path / "not-mounted"), expect())
+def test_fs_missing_directory_marks_the_tier_down_until_it_is_mounted(tmp_path: Path) -> None:
+    clock = Clock()
+    tier = FileTier(str(tmp_path / "not-mounted"), expect(), retry_s=5, clock=clock)
     assert not tier.up
     assert not tier.put(key(0), chunk(0))
     assert tier.get(key(0)) is None
     assert not (tmp_path / "not-mounted").exists()  # never created: a missing mount must not fill the root disk
+    (tmp_path / "not-mounted").mkdir()
+    clock.advance(4.9)
+    assert not tier.put(key(0), chunk(0))  # not probed again before retry_s
+    clock.advance(0.2)
+    assert tier.put(key(0), chunk(0))
+    assert tier.up
 
 
 def test_fs_read_only_directory_marks_the_tier_down(tmp_path: Path) -> None:
@@ -206,29 +300,105 @@ def test_redis_round_trip_and_corrupt_value_is_deleted(redis_server: RedisServer
 
 def test_redis_down_at_start_then_back(own_redis: RedisServer) -> None:
     own_redis.stop()
-    tier = RedisTier(own_redis.url, expect(fp="b" * 32), retry_s=0.2)
+    clock = Clock()
+    tier = RedisTier(own_redis.url, expect(fp="b" * 32), retry_s=5, clock=clock)
     assert not tier.up
     assert tier.get(key(0)) is None
     assert not tier.put(key(0), chunk(0))
     own_redis.start()
-    time.sleep(0.3)
+    clock.advance(4.9)
+    assert not tier.put(key(0), chunk(0))  # still inside retry_s: not even tried
+    clock.advance(0.2)
     assert tier.put(key(0), chunk(0))
     assert tier.up
     assert tier.get(key(0)) is not None
 
 
 def test_redis_killed_mid_run_degrades_to_misses_and_recovers(own_redis: RedisServer) -> None:
-    tier = RedisTier(own_redis.url, expect(fp="c" * 32), retry_s=0.2)
+    clock = Clock()
+    tier = RedisTier(own_redis.url, expect(fp="c" * 32), retry_s=5, clock=clock)
     tier.put(key(0), chunk(0))
     own_redis.stop()
-    started = time.monotonic()
     assert tier.get(key(0)) is None  # an error, counted, not raised
     assert not tier.up
-    assert tier.stats.snapshot()["errors"] >= 1
-    assert tier.get(key(0)) is None  # while down: no new connection attempt, a miss at once
-    assert time.monotonic() - started < 30
+    errors = tier.stats.snapshot()["errors"]
+    assert errors >= 1
+    assert tier.get(key(0)) is None  # while down: a miss at once, without trying the connection again
+    assert not tier.put(key(1), chunk(1))
+    assert tier.stats.snapshot()["errors"] == errors
     own_redis.start()  # a fresh, empty Redis on the same port
-    time.sleep(0.3)
+    clock.advance(5.1)
     assert tier.put(key(1), chunk(1))
     assert tier.up
     assert tier.get(key(1)) is not None
+
+
+def test_redis_value_larger_than_any_chunk_is_refused_without_transferring_it(redis_server: RedisServer) -> None:
+    tier = RedisTier(redis_server.url, expect(fp="1" * 32))
+    name = tier.prefix + key(0)
+    tier.client.set(name, b"PHKVCHNK" + bytes(32 << 20))  # 32 MiB under a chunk's name
+    with allocations() as peak:
+        assert tier.get(key(0)) is None
+    assert peak() < 4 << 20
+    assert tier.client.exists(name) == 0
+    assert tier.stats.snapshot()["corrupt"] == 1
+    assert tier.up
+    tier.close()
+
+
+def test_redis_value_of_another_type_is_a_miss_and_the_tier_stays_up(redis_server: RedisServer) -> None:
+    tier = RedisTier(redis_server.url, expect(fp="2" * 32))
+    name = tier.prefix + key(0)
+    tier.client.rpush(name, b"not a chunk")
+    assert tier.get(key(0)) is None
+    assert tier.up
+    assert tier.client.exists(name) == 0
+    assert tier.stats.snapshot()["corrupt"] == 1
+    assert tier.put(key(0), chunk(0))
+    assert tier.get(key(0)) is not None
+    tier.close()
+
+
+PASSWORD = "p@ss:w/rd 1"  # characters a URL must quote
+
+
+def test_redis_authenticates_with_the_password_in_the_url() -> None:
+    server = RedisServer(password=PASSWORD)
+    try:
+        tier = RedisTier(server.url, expect(fp="3" * 32))
+        assert tier.up
+        assert tier.put(key(0), chunk(0))
+        assert tier.get(key(0)) is not None
+        assert "p@ss" not in tier.describe()
+        anonymous = RedisTier(server.url.replace(server.url.split("@")[0] + "@", "redis://"), expect(fp="3" * 32))
+        assert not anonymous.up
+        assert "auth" in anonymous.health.reason.lower()
+        wrong = RedisTier(f"redis://:nope@127.0.0.1:{server.port}/0", expect(fp="3" * 32))
+        assert not wrong.up
+        assert "nope" not in wrong.health.reason
+        for t in (tier, anonymous, wrong):
+            t.close()
+    finally:
+        server.stop()
+
+
+def test_redis_over_tls_verifies_the_server_certificate() -> None:
+    server = RedisServer(tls=True, password=PASSWORD)
+    try:
+        assert server.url.startswith("rediss://")
+        tier = RedisTier(server.url, expect(fp="4" * 32))
+        assert tier.up, tier.health.reason
+        assert tier.put(key(0), chunk(0))
+        found = tier.get(key(0))
+        assert found is not None
+        assert same(found, chunk(0))
+        assert tier.describe() == f"rediss://127.0.0.1:{server.port}/0"
+        untrusted = RedisTier(server.url.split("?")[0], expect(fp="4" * 32))  # the system CAs never signed it
+        assert not untrusted.up
+        assert "certificate" in untrusted.health.reason.lower()
+        plain = RedisTier(server.url.split("?")[0].replace("rediss://", "redis://"), expect(fp="4" * 32))
+        assert not plain.up
+        for t in (tier, untrusted, plain):
+            t.close()
+    finally:
+        server.stop()

@@ -73,10 +73,36 @@ def test_a_chunk_computed_on_one_replica_is_a_hit_on_another(kv_model: Path, sha
 
 
 def _wait_for_l2(client: Client, chunks: int) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while client.metric("preheat_kv_stores_total", tier="l2") < chunks:
         assert time.monotonic() < deadline, "the L2 writer did not store the chunks"
         time.sleep(0.05)
+
+
+def test_a_fleet_secret_signs_chunks_and_refuses_another_fleets(
+    kv_model: Path, shared_dir: Path, tmp_path: Path
+) -> None:
+    ours, theirs = tmp_path / "ours.secret", tmp_path / "theirs.secret"
+    ours.write_text("a" * 64 + "\n")
+    theirs.write_text("b" * 64 + "\n")
+    for path in (ours, theirs):
+        path.chmod(0o600)
+    prompt = long_prompt(5)
+    with serve(kv_model, "--kv-l2", f"fs://{shared_dir}", "--kv-secret-file", str(ours)) as a:
+        client = Client(a.url)
+        text, n_prompt, _ = complete(client, prompt)
+        chunks = (n_prompt - 1) // 256
+        _wait_for_l2(client, chunks)
+        assert any("signed (MAC)" in line for line in a.lines)
+    files = list(shared_dir.rglob("*.kvc"))
+    assert len(files) == chunks
+    assert all(f.read_bytes()[8:12] == (2).to_bytes(4, "little") for f in files)  # format version 2: keyed
+    with serve(kv_model, "--kv-l2", f"fs://{shared_dir}", "--kv-secret-file", str(theirs)) as b:
+        client = Client(b.url)
+        assert complete(client, prompt) == (text, n_prompt, 0)
+        _wait_for_l2(client, chunks)
+        # The lookup refused the first chunk; each store found the other fleet's file and replaced it.
+        assert client.metric("preheat_kv_mac_failures_total", tier="l2") == chunks
 
 
 def test_events_report_stores_after_a_snapshot(kv_model: Path) -> None:
@@ -134,12 +160,14 @@ def test_redis_down_at_start_then_killed_mid_run_never_fails_a_request(kv_model:
         assert complete(client, prompt)[0] == text
 
 
-def _eventually(check: Callable[[], bool], attempts: int = 40) -> bool:
-    for _ in range(attempts):
-        if check():
-            return True
+def _eventually(check: Callable[[], bool], timeout: float = 120.0) -> bool:
+    """Whether ``check`` comes true before ``timeout`` (a bound for a stuck run: a slow machine only waits longer)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
-    return False
+    return True
 
 
 @pytest.fixture

@@ -75,15 +75,23 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--threads", type=int, default=None, help="reader threads (default: tuned)")
     load.add_argument("--chunk-bytes", default=None, help="bytes per read, e.g. 16MiB (default: tuned)")
     load.add_argument("--repeat", type=int, default=1, help="load N times and report each run and the median")
+    load.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check every tensor against preheat.json as it lands (default: always for URLs; for local paths when "
+        "there is a manifest and the mode reads into memory); --no-verify loads without checking",
+    )
     load.add_argument("--json", action="store_true", help="print the load reports as JSON")
     load.set_defaults(func=_cmd_load)
     _add_checkpoint_commands(commands)
-    from preheat import cli_plan, cli_router, cli_serve, cli_store
+    from preheat import cli_artifacts, cli_plan, cli_router, cli_serve, cli_store
 
     cli_store.register(commands)
     cli_serve.register(commands)
     cli_plan.register(commands)
     cli_router.register(commands)
+    cli_artifacts.register(commands)
     return parser
 
 
@@ -118,6 +126,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 chunk_bytes=chunk,
                 progress=bar.update,
+                verify=args.verify,
             )
         reports.append(weights.report)
         del weights
@@ -151,6 +160,7 @@ def _print_reports(reports: Sequence[object]) -> None:
     console.print(
         f"{median.tensors} tensors, {format_bytes(median.bytes)} in {median.files} file(s); "
         f"read {format_bytes(median.bytes_read)} from storage; {median.tuning}"
+        + ("; every tensor checked against preheat.json" if median.verified else "")
     )
     for note in median.notes:
         console.print(f"note: {note}", style="yellow")

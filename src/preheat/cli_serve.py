@@ -26,8 +26,8 @@ environment (each flag has one; the flag wins):
   PREHEAT_MODEL, PREHEAT_HOST, PREHEAT_PORT, PREHEAT_DEVICE, PREHEAT_DTYPE, PREHEAT_MAX_MODEL_LEN,
   PREHEAT_SERVED_MODEL_NAME, PREHEAT_MAX_QUEUE, PREHEAT_API_KEY, PREHEAT_CACHE_DIR, PREHEAT_LOAD_MODE,
   PREHEAT_KV_L1, PREHEAT_KV_L2, PREHEAT_KV_L2_MAX_BYTES, PREHEAT_KV_L2_TTL, PREHEAT_KV_DTYPE, PREHEAT_KV_CHUNK_TOKENS,
-  PREHEAT_PEER, PREHEAT_PEER_PORT, PREHEAT_PEER_TOKEN, PREHEAT_PEER_MAX_MBPS, PREHEAT_REGISTRY, PREHEAT_ORIGIN,
-  PREHEAT_COMPILE
+  PREHEAT_PEER, PREHEAT_PEER_PORT, PREHEAT_PEER_HOST, PREHEAT_PEER_TOKEN, PREHEAT_PEER_MAX_MBPS, PREHEAT_REGISTRY,
+  PREHEAT_ORIGIN, PREHEAT_COMPILE
   PREHEAT_T0   epoch seconds the platform started the replica (e.g. pod creation): the timeline's origin
 
 examples:
@@ -88,14 +88,30 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     kv.add_argument("--kv-l2-ttl", type=int, default=None, metavar="S", help="redis:// L2 expiry after a hit (1 day)")
     kv.add_argument("--kv-dtype", default=None, choices=("auto", "int8", "fp8"), help="how chunks are stored (auto)")
     kv.add_argument("--kv-chunk-tokens", type=int, default=None, metavar="C", help="tokens per chunk (default: 256)")
+    kv.add_argument(
+        "--kv-secret-file", default=None, metavar="FILE", help="fleet secret: load only L2 chunks signed with it (MAC)"
+    )
     peer = serve.add_argument_group("peers (docs/peer.md)")
     peer.add_argument("--peer", action="store_true", default=None, help="serve the weights to new replicas once loaded")
     peer.add_argument("--peer-port", type=int, default=None, metavar="N", help="peer server port (default: 0, free)")
+    peer.add_argument(
+        "--peer-host",
+        default=None,
+        metavar="ADDR",
+        help="peer server address (default: --host; beyond loopback it needs PREHEAT_PEER_TOKEN)",
+    )
     peer.add_argument("--peer-token", default=None, help="shared token peers require (prefer PREHEAT_PEER_TOKEN)")
     peer.add_argument("--peer-max-mbps", type=float, default=None, metavar="MBPS", help="total outbound cap, MB/s")
     peer.add_argument("--registry", default=None, metavar="URL", help="redis://host:port[/db] or file:///shared/dir")
     peer.add_argument("--origin", default=None, metavar="URI", help="where a preheat:// model falls back to")
     peer.add_argument("--compile", action="store_true", default=None, help="torch.compile, with artifacts from peers")
+    peer.add_argument(
+        "--trust-key",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="install peers' compiled artifacts signed by this public key (repeatable; `preheat artifacts keygen`)",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     timeline = commands.add_parser(
@@ -140,7 +156,9 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     data = report.fetch(args.source, api_key=args.api_key)
     waterfall = report.Waterfall.from_dict(data, where=args.source)
     if args.plot:
-        written = report.plot(waterfall, args.plot, gpu_cost_per_hour=args.gpu_cost_per_hour)
+        from preheat.timeline_plot import plot
+
+        written = plot(waterfall, args.plot, gpu_cost_per_hour=args.gpu_cost_per_hour)
         print(f"wrote {written}", file=sys.stderr)
     if args.json:
         print(json.dumps(waterfall.to_dict(args.gpu_cost_per_hour), indent=2))

@@ -2,7 +2,8 @@
 
 Failures here never stop a server: an L2 that cannot be reached is built anyway and marked down (with a warning and a
 metric) and retried later; a checkpoint without a ``preheat.json`` identity gets L1 only, because without an
-identity two different checkpoints of the same shape would share keys.
+identity two different checkpoints of the same shape would share keys. A ``--kv-secret-file`` that cannot be read
+any more (it was checked at start-up) turns L2 off rather than letting it run unkeyed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import secrets
 from typing import TYPE_CHECKING
 
 from preheat.config import parse_size
-from preheat.kv import chunkfile
+from preheat.errors import ConfigError
+from preheat.kv import chunkfile, mac
 from preheat.kv.chunk import stored_dtype
 from preheat.kv.events import EventLog
 from preheat.kv.keys import fingerprint
@@ -60,12 +62,20 @@ def build_tiers(engine: Engine, settings: KVSettings) -> TieredKV | None:
                 "from another checkpoint's; run `preheat convert` to give it one"
             )
             l2_url = None
+    mac_key = None
+    if l2_url is not None and settings.secret_file is not None:
+        try:
+            mac_key = mac.derive_key(mac.read_secret_file(settings.secret_file))
+        except ConfigError as exc:  # checked at start-up, so the file changed since: never fall back to unkeyed
+            log.error("KV L2 is off: %s", exc)
+            l2_url = None
     fp = engine_fingerprint(engine, settings, identity)
     layout = engine.kv_cache.layout
     expect = chunkfile.Expect(
         fingerprint=fp,
         dtype=stored_dtype(settings.kv_dtype, layout.dtype),
         shape=layout.chunk_shape(settings.chunk_tokens),
+        mac_key=mac_key,
     )
     events = EventLog()
 
@@ -82,6 +92,7 @@ def build_tiers(engine: Engine, settings: KVSettings) -> TieredKV | None:
         l2=l2,
         kv_dtype=settings.kv_dtype,
         pin=engine.device.type == "cuda",
+        keyed=l2 is not None and mac_key is not None,
     )
 
 

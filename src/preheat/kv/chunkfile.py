@@ -3,34 +3,39 @@
 ::
 
     offset 0   magic      8 bytes  b"PHKVCHNK"
-    offset 8   version    u32 LE   1
-    offset 12  header_len u32 LE   length of the JSON header
+    offset 8   version    u32 LE   1 (unkeyed) or 2 (keyed: a tag follows the payload)
+    offset 12  header_len u32 LE   length of the JSON header (at most 64 KiB)
     offset 16  header     JSON     {"key", "fingerprint", "kind", "dtype", "shape", "scale_shape",
                                     "payload_bytes", "checksum"}, padded with spaces to a multiple of 64 bytes
     then       payload             data bytes, then (quantized kinds) float32 scale bytes
+    then       tag        32 bytes version 2 only: keyed BLAKE2b-256 of every byte before it (``kv/mac.py``)
 
 ``checksum`` is XXH3-128 (hex) of the payload. ``decode`` checks everything against what the reader expects (the
-key it asked for, its own fingerprint, dtype, shape) and the checksum, and raises ``CorruptChunkError`` on any
-difference, so a torn write, a flipped bit or a chunk of another model is a miss, never wrong K/V. Pure: bytes in,
-bytes out.
+key it asked for, its own fingerprint, dtype, shape, its MAC key or none) and the checksum, and raises
+``CorruptChunkError`` (``MacError`` for the tag) on any difference, so a torn write, a flipped bit, a chunk of
+another model or a forged one is a miss, never wrong K/V. Pure: bytes in, bytes out. A reader with a MAC key checks
+the tag before it parses anything else; one without refuses keyed chunks, and one with refuses unkeyed chunks.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
 from preheat.checkpoint import dtypes
 from preheat.errors import KVError
+from preheat.kv import mac
 from preheat.kv.chunk import StoredChunk
 
 MAGIC = b"PHKVCHNK"
-VERSION = 1
+VERSION = 1  # unkeyed
+VERSION_KEYED = 2  # version 1 followed by a keyed BLAKE2b tag of everything before it
 _PREFIX = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 64 * 1024
@@ -40,20 +45,40 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 
 class CorruptChunkError(KVError):
-    """A stored chunk failed a check (torn, flipped, foreign): the tier treats it as a miss and removes it."""
+    """A stored chunk failed a check (torn, flipped, foreign, too large): the tier treats it as a miss and removes
+    it."""
+
+
+class MacError(CorruptChunkError):
+    """A chunk's keyed tag is wrong or missing (forged, written under another secret, or unkeyed while this replica
+    requires a MAC), or the chunk is keyed and this replica has no secret."""
 
 
 @dataclass(frozen=True)
 class Expect:
-    """What a reader requires of a chunk: its fingerprint, the stored dtype and the exported shape."""
+    """What a reader requires of a chunk: its fingerprint, the stored dtype and the exported shape, and, with a fleet
+    secret (``--kv-secret-file``), the MAC key its tag must verify under (``mac.derive_key``)."""
 
     fingerprint: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    mac_key: bytes | None = field(default=None, repr=False)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the payload of every chunk this reader accepts (data, then scales when quantized)."""
+        data_bytes = _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return data_bytes + (_numel(self.shape[:-1]) * 4 if _quantized(self.dtype) else 0)
+
+    @property
+    def max_size(self) -> int:
+        """The most bytes a chunk this reader accepts can take: tiers refuse larger files and values unread."""
+        return _PREFIX.size + _MAX_HEADER + self.payload_bytes + mac.TAG_BYTES
 
 
-def encode(key: str, fingerprint: str, chunk: StoredChunk) -> list[bytes | memoryview]:
-    """The file/value for ``chunk`` as pieces to write in order (header, data, scales: no joined copy)."""
+def encode(key: str, fingerprint: str, chunk: StoredChunk, mac_key: bytes | None = None) -> list[bytes | memoryview]:
+    """The file/value for ``chunk`` as pieces to write in order (header, data, scales, tag: no joined copy); keyed
+    (version 2) when ``mac_key`` is given."""
     data = _bytes_of(chunk.data)
     pieces: list[bytes | memoryview] = [data]
     digest = xxhash.xxh3_128(data)
@@ -75,7 +100,13 @@ def encode(key: str, fingerprint: str, chunk: StoredChunk) -> list[bytes | memor
     }
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("ascii")
     raw += b" " * (-(_PREFIX.size + len(raw)) % _ALIGN)
-    return [_PREFIX.pack(MAGIC, VERSION, len(raw)) + raw, *pieces]
+    head = _PREFIX.pack(MAGIC, VERSION if mac_key is None else VERSION_KEYED, len(raw)) + raw
+    if mac_key is None:
+        return [head, *pieces]
+    tag = mac.tagger(mac_key)
+    for piece in (head, *pieces):
+        tag.update(piece)
+    return [head, *pieces, tag.digest()]
 
 
 def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> StoredChunk:
@@ -83,16 +114,19 @@ def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> St
     view = memoryview(blob).cast("B")
     if len(view) < _PREFIX.size:
         raise CorruptChunkError(f"chunk {key}: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    if len(view) > expect.max_size:
+        raise CorruptChunkError(f"chunk {key}: {len(view)} bytes, more than any chunk of this layout can take")
     magic, version, header_len = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise CorruptChunkError(f"chunk {key}: bad magic {bytes(magic)!r} (not a preheat KV chunk)")
-    if version != VERSION:
-        raise CorruptChunkError(f"chunk {key}: format version {version}, this preheat reads {VERSION}")
+    if version not in (VERSION, VERSION_KEYED):
+        raise CorruptChunkError(f"chunk {key}: format version {version}, this preheat reads 1 and 2")
+    view = _verified(view, key, version, expect.mac_key)
     if header_len > _MAX_HEADER or _PREFIX.size + header_len > len(view):
         raise CorruptChunkError(f"chunk {key}: header length {header_len} does not fit in {len(view)} bytes")
     try:
         header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError covers bad UTF-8; RecursionError deep nesting
         raise CorruptChunkError(f"chunk {key}: header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptChunkError(f"chunk {key}: header is not a JSON object")
@@ -110,6 +144,24 @@ def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> St
     return StoredChunk(data, scales)
 
 
+def _verified(view: memoryview, key: str, version: int, mac_key: bytes | None) -> memoryview:
+    """``view`` without its tag once the tag verifies (keyed readers), or ``view`` itself (unkeyed ones)."""
+    if mac_key is None:
+        if version == VERSION_KEYED:
+            raise MacError(f"chunk {key}: keyed (written with --kv-secret-file), and this replica has no secret")
+        return view
+    if version != VERSION_KEYED:
+        raise MacError(f"chunk {key}: unkeyed, and this replica requires a MAC (--kv-secret-file)")
+    if len(view) < _PREFIX.size + mac.TAG_BYTES:
+        raise MacError(f"chunk {key}: {len(view)} bytes, too short to hold a tag")
+    body = view[: -mac.TAG_BYTES]
+    tag = mac.tagger(mac_key)
+    tag.update(body)
+    if not hmac.compare_digest(tag.digest(), view[-mac.TAG_BYTES :].tobytes()):
+        raise MacError(f"chunk {key}: MAC mismatch (forged, or written under another secret)")
+    return body
+
+
 def _check(header: dict[str, object], key: str, expect: Expect) -> None:
     def wrong(field: str, got: object, want: object) -> CorruptChunkError:
         return CorruptChunkError(f"chunk {key}: {field} is {got!r}, expected {want!r}")
@@ -123,16 +175,18 @@ def _check(header: dict[str, object], key: str, expect: Expect) -> None:
         raise wrong("dtype", header.get("dtype"), dtype_name)
     if header.get("shape") != list(expect.shape):
         raise wrong("shape", header.get("shape"), list(expect.shape))
-    quantized = expect.dtype in (torch.int8, torch.float8_e4m3fn)
-    want_scales = list(expect.shape[:-1]) if quantized else None
+    want_scales = list(expect.shape[:-1]) if _quantized(expect.dtype) else None
     if header.get("scale_shape") != want_scales:
         raise wrong("scale_shape", header.get("scale_shape"), want_scales)
-    data_bytes = _numel(expect.shape) * torch.empty((), dtype=expect.dtype).element_size()
-    want_payload = data_bytes + (_numel(expect.shape[:-1]) * 4 if quantized else 0)
+    want_payload = expect.payload_bytes
     if header.get("payload_bytes") != want_payload:
         raise wrong("payload_bytes", header.get("payload_bytes"), want_payload)
     if not isinstance(header.get("checksum"), str):
         raise wrong("checksum", header.get("checksum"), "a hex string")
+
+
+def _quantized(dtype: torch.dtype) -> bool:
+    return dtype in (torch.int8, torch.float8_e4m3fn)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -6,7 +6,11 @@ Safe for many processes on many nodes sharing one directory (an NVMe mount, NFS)
   POSIX filesystems and NFS). A reader never sees a partial file; a writer killed mid-write leaves only a temporary
   file, removed by the next quota sweep once it is old. Two writers of the same chunk both rename complete, identical
   files: the last rename wins and one valid file remains.
-- **Reads** verify the header and checksum (``chunkfile.decode``); a file that fails is a miss and is removed.
+- **Reads** open only regular files no larger than a chunk of the layout can be (a planted FIFO or huge file never
+  blocks or fills memory), and verify the header, checksum and, with a fleet secret, the MAC (``chunkfile.decode``);
+  a file that fails is a miss and is removed.
+- **Stores** of a chunk whose file exists check that file first: a valid one is kept (its recency refreshed), a
+  damaged one is replaced, so one recompute heals every damaged chunk of a prompt.
 - **The index is the directory**: nothing lives only in memory, so a restarted replica hits its chunks at once.
 - **LRU across processes**: a hit sets the file's mtime to now; the quota sweep (``--kv-l2-max-bytes``) removes the
   files with the oldest mtimes, whoever wrote them, until the directory is at 90% of the quota. A sweep runs after
@@ -22,8 +26,10 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
+from collections.abc import Callable
 
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk
@@ -49,12 +55,13 @@ class FileTier:
         max_bytes: int | None = None,
         on_evict: EvictHook | None = None,
         retry_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = os.path.abspath(root)
         self.expect = expect
         self.max_bytes = max_bytes
         self.stats = TierStats()
-        self.health = Health("l2 " + self.describe(), retry_s)
+        self.health = Health("l2 " + self.describe(), retry_s, clock)
         self.dir = os.path.join(self.root, "v1", expect.fingerprint)
         self._on_evict = on_evict
         self._written_since_sweep = 0
@@ -101,20 +108,14 @@ class FileTier:
         path = self.path(key)
         start = time.perf_counter()
         try:
-            with open(path, "rb", buffering=0) as handle:
-                size = os.fstat(handle.fileno()).st_size
-                blob = bytearray(size)
-                got = handle.readinto(blob)
-            if got != size:
-                raise chunkfile.CorruptChunkError(f"chunk {key}: read {got} of {size} bytes")
-            chunk = chunkfile.decode(blob, key, self.expect)
+            chunk, size = self._read(path, key)
         except FileNotFoundError:
             self.stats.add(misses=1)
             return None
         except chunkfile.CorruptChunkError as exc:
             log.warning("KV L2: %s; removing %s", exc, path)
             self._remove(path, key)
-            self.stats.add(misses=1, corrupt=1)
+            self.stats.rejected(exc)
             return None
         except OSError as exc:
             self.stats.add(misses=1, errors=1)
@@ -125,21 +126,65 @@ class FileTier:
             os.utime(path)  # recency for the cross-process LRU sweep
         return chunk
 
+    def _read(self, path: str, key: str) -> tuple[StoredChunk, int]:
+        """The verified chunk at ``path`` and its size in bytes. Only regular files no larger than any chunk of the
+        layout are opened and read: a FIFO, device, socket or symlink planted under the chunk's name, or a huge
+        file, is refused without blocking or allocating (``CorruptChunkError``)."""
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a symlink or a socket since the lstat
+                raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file") from None
+            raise
+        with open(fd, "rb", buffering=0) as handle:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file")
+            if info.st_size > self.expect.max_size:
+                raise chunkfile.CorruptChunkError(
+                    f"chunk {key}: {info.st_size} bytes, more than any chunk of this layout ({self.expect.max_size})"
+                )
+            blob = bytearray(info.st_size)
+            view, got = memoryview(blob), 0
+            while got < len(blob) and (n := handle.readinto(view[got:])):
+                got += n
+        if got != len(blob):
+            raise chunkfile.CorruptChunkError(f"chunk {key}: read {got} of {len(blob)} bytes")
+        return chunkfile.decode(blob, key, self.expect), len(blob)
+
+    def _holds(self, path: str, key: str) -> bool:
+        """Whether ``path`` already holds a valid ``key``: a store then only refreshes its recency. A file that
+        fails its checks is replaced by the store: a lookup stops at the first missing chunk, so damaged files
+        after it are never read, and must not be mistaken for stored chunks (they would never heal)."""
+        try:
+            self._read(path, key)
+        except FileNotFoundError:
+            return False
+        except chunkfile.CorruptChunkError as exc:
+            log.warning("KV L2: %s; replacing %s", exc, path)
+            self.stats.rejected(exc, miss=False)
+            return False
+        except OSError:
+            return False  # the write that follows reports (and counts) what is wrong
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return True
+
     def put(self, key: str, chunk: StoredChunk) -> bool:
         if not self._usable():
             return False
         path = self.path(key)
-        if os.path.exists(path):
-            with contextlib.suppress(OSError):
-                os.utime(path)
+        if self._holds(path, key):
             return True
-        pieces = chunkfile.encode(key, self.expect.fingerprint, chunk)
+        pieces = chunkfile.encode(key, self.expect.fingerprint, chunk, self.expect.mac_key)
         temp = os.path.join(os.path.dirname(path), f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(temp, "wb") as handle:
                 handle.writelines(pieces)
-            os.rename(temp, path)
+            os.rename(temp, path)  # atomically replaces a damaged file (or a FIFO planted under the name)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
@@ -194,16 +239,16 @@ class FileTier:
 
     def _sweep_locked(self, quota: int) -> int:
         files, total, now = [], 0, time.time()
-        for path, stat in _walk(os.path.join(self.root, "v1")):
+        for path, info in _walk(os.path.join(self.root, "v1")):
             if path.endswith(".tmp"):
-                if now - stat.st_mtime > STALE_TEMP_S:
+                if now - info.st_mtime > STALE_TEMP_S:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
                 continue
             if not path.endswith(SUFFIX):
                 continue  # the sweep lock, probes
-            files.append((stat.st_mtime, stat.st_size, path))
-            total += stat.st_size
+            files.append((info.st_mtime, info.st_size, path))
+            total += info.st_size
         if total <= quota:
             return 0
         files.sort()
@@ -219,7 +264,7 @@ class FileTier:
         return removed
 
     def keys(self, limit: int) -> list[str]:
-        found = [(stat.st_mtime, path) for path, stat in _walk(self.dir) if path.endswith(SUFFIX)]
+        found = [(info.st_mtime, path) for path, info in _walk(self.dir) if path.endswith(SUFFIX)]
         found.sort(reverse=True)
         return [os.path.basename(path)[: -len(SUFFIX)] for _, path in found[:limit]]
 

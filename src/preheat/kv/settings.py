@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
 
 from preheat.config import parse_size
 from preheat.errors import ConfigError
 from preheat.kv.keys import DEFAULT_CHUNK_TOKENS
+from preheat.kv.mac import read_secret_file
 
 KV_DTYPES = ("auto", "int8", "fp8")  # auto: store the compute dtype's bytes exactly
 DEFAULT_TTL_S = 24 * 3600  # Redis L2: seconds a chunk lives after its last hit
 L2_SCHEMES = ("fs://", "redis://", "rediss://")
-
+# What a redis(s):// L2 URL may say in its query (redis-py passes the rest to its connection, which would fail late).
+REDIS_QUERY = (
+    "db", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class KVSettings:
     l2_ttl_s: int = DEFAULT_TTL_S
     kv_dtype: str = "auto"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    secret_file: str | None = None  # the fleet's MAC secret for L2 chunks (``kv/mac.py``)
 
     @property
     def enabled(self) -> bool:
@@ -38,9 +44,16 @@ class KVSettings:
         if self.l1 is not None:
             l1_bytes(self.l1)
         if self.l2 is not None and not self.l2.startswith(L2_SCHEMES):
-            raise ConfigError(f"--kv-l2 {self.l2!r}: use fs:///shared/dir or redis://host:port/db")
+            shown = self.l2.split("@")[-1]  # never repeat a password
+            raise ConfigError(f"--kv-l2 {shown!r}: use fs:///shared/dir, redis://host:port/db or rediss://...")
         if self.l2 is not None and self.l2.startswith("fs://") and not self.l2[len("fs://") :].startswith("/"):
             raise ConfigError(f"--kv-l2 {self.l2!r}: an fs:// URL takes an absolute path (fs:///shared/kv)")
+        if self.l2 is not None and self.l2.startswith(("redis://", "rediss://")):
+            check_redis_url(self.l2)
+        if self.secret_file is not None:
+            if self.l2 is None:
+                raise ConfigError("--kv-secret-file signs the chunks of a shared L2: give --kv-l2 too")
+            read_secret_file(self.secret_file, warn=False)
         if self.l2_max_bytes is not None:
             if self.l2 is None or not self.l2.startswith("fs://"):
                 raise ConfigError("--kv-l2-max-bytes is the quota of an fs:// L2 (Redis uses its own maxmemory)")
@@ -60,3 +73,24 @@ def l1_bytes(spec: str) -> int:
     if spec.strip().endswith("%") and not 0 < float(spec.strip()[:-1]) <= 90:
         raise ConfigError(f"--kv-l1 {spec!r}: a share of RAM must be above 0% and at most 90%")
     return size
+
+
+def check_redis_url(url: str) -> None:
+    """Refuse a ``redis://`` or ``rediss://`` L2 URL redis-py would only reject at its first command. Messages never
+    repeat the password."""
+    parts = urlsplit(url)
+    shown = f"{parts.scheme}://{parts.hostname or ''}..."
+    try:
+        parts.port  # noqa: B018  # the property raises ValueError for a port that is not a number in range
+    except ValueError:
+        raise ConfigError(f"--kv-l2 {shown}: the port is not a number from 0 to 65535") from None
+    if not parts.hostname:
+        raise ConfigError(f"--kv-l2 {shown}: no host (redis://[user:password@]host:port/db)")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"--kv-l2 {shown}: the database {db!r} is not a number (redis://host:port/0)")
+    for name in parse_qs(parts.query):
+        if name not in REDIS_QUERY:
+            raise ConfigError(f"--kv-l2 {shown}: unknown option {name!r} (known: {', '.join(REDIS_QUERY)})")
+        if name.startswith("ssl_") and parts.scheme != "rediss":
+            raise ConfigError(f"--kv-l2 {shown}: {name} is a TLS option: use rediss://")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from preheat.kv.chunk import StoredChunk
+from preheat.kv.chunkfile import CorruptChunkError, MacError
 
 log = logging.getLogger("preheat.kv")
 
@@ -33,7 +34,8 @@ class TierStats:
     stores: int = 0
     bytes_written: int = 0
     evictions: int = 0
-    corrupt: int = 0
+    corrupt: int = 0  # chunks that failed any check (the MAC included)
+    mac_failures: int = 0  # of those, chunks refused by the keyed MAC (forged, other secret, keyed-ness mismatch)
     errors: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -48,6 +50,10 @@ class TierStats:
             for name, amount in amounts.items():
                 setattr(self, name, getattr(self, name) + amount)
 
+    def rejected(self, exc: CorruptChunkError, *, miss: bool = True) -> None:
+        """Count a chunk that failed its checks (a MAC failure too when the tag refused it), as a miss if ``miss``."""
+        self.add(misses=int(miss), corrupt=1, mac_failures=int(isinstance(exc, MacError)))
+
     def snapshot(self) -> dict[str, float]:
         with self.lock:
             return {
@@ -59,6 +65,7 @@ class TierStats:
                 "bytes_written": self.bytes_written,
                 "evictions": self.evictions,
                 "corrupt": self.corrupt,
+                "mac_failures": self.mac_failures,
                 "errors": self.errors,
             }
 
@@ -66,9 +73,10 @@ class TierStats:
 class Health:
     """Up/down state of a tier that can fail (a filesystem mount, a Redis server), with a retry interval."""
 
-    def __init__(self, name: str, retry_s: float = 1.0) -> None:
+    def __init__(self, name: str, retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.retry_s = retry_s
+        self.clock = clock  # seconds, monotonic; tests pass their own to step past retry_s without sleeping
         self.up = True
         self.reason = ""
         self._retry_at = 0.0
@@ -76,11 +84,11 @@ class Health:
 
     def should_try(self) -> bool:
         """True when the tier is up, or down long enough to try again."""
-        return self.up or time.monotonic() >= self._retry_at
+        return self.up or self.clock() >= self._retry_at
 
     def down(self, reason: str) -> None:
         with self._lock:
-            self._retry_at = time.monotonic() + self.retry_s
+            self._retry_at = self.clock() + self.retry_s
             if self.up:
                 log.warning("KV tier %s is down: %s (requests recompute; retrying every %.0f s)", self.name, reason,
                             self.retry_s)

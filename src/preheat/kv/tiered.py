@@ -40,6 +40,7 @@ class TieredKV:
         kv_dtype: str = "auto",
         pin: bool = False,
         queue_size: int = DEFAULT_QUEUE,
+        keyed: bool = False,
     ) -> None:
         self.fingerprint = fingerprint
         self.chunk_tokens = chunk_tokens
@@ -47,6 +48,7 @@ class TieredKV:
         self.pin = pin
         self.l1 = l1
         self.l2 = l2
+        self.keyed = keyed  # L2 chunks are signed and checked with the fleet's MAC key (--kv-secret-file)
         self.events = events
         self.costs = Costs()
         self.dropped = 0  # chunks not written to L2 because its queue was full

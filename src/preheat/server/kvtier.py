@@ -31,11 +31,12 @@ def attach(engine: Engine, settings: ServeSettings, timeline: Timeline) -> None:
         tiers = build_tiers(engine, kv)
         engine.attach_kv_tiers(tiers)
         if tiers is not None:
-            stage["detail"].update(
+            stage.detail.update(
                 fingerprint=tiers.fingerprint,
                 l1=tiers.l1.capacity if tiers.l1 is not None else None,
                 l2=tiers.l2.describe() if tiers.l2 is not None else None,
                 l2_up=tiers.l2.up if tiers.l2 is not None else None,
+                l2_mac=tiers.keyed,
                 kv_dtype=kv.kv_dtype,
                 chunk_tokens=kv.chunk_tokens,
             )
@@ -51,13 +52,13 @@ def summary(tiers: TieredKV) -> str:
     if tiers.l2 is not None:
         health = getattr(tiers.l2, "health", None)
         state = "up" if tiers.l2.up else f"DOWN ({health.reason if health is not None else 'unreachable'})"
-        parts.append(f"L2 {tiers.l2.describe()} {state}")
+        parts.append(f"L2 {tiers.l2.describe()} {state}{', chunks signed (MAC)' if tiers.keyed else ''}")
     return f"KV tiers: {', '.join(parts) or 'none'}; chunks of {tiers.chunk_tokens} tokens, stored {tiers.kv_dtype}"
 
 
 def metric_lines(tiers: TieredKV | None) -> list[str]:
-    """Prometheus lines for every tier: hits, misses, bytes, read seconds, stores, evictions, corrupt chunks,
-    errors, up/down; plus L2 writes dropped under pressure."""
+    """Prometheus lines for every tier: hits, misses, bytes, read seconds, stores, evictions, corrupt chunks, MAC
+    failures, errors, up/down; plus L2 writes dropped under pressure."""
     if tiers is None:
         return []
     series = [
@@ -68,7 +69,8 @@ def metric_lines(tiers: TieredKV | None) -> list[str]:
         ("stores", "counter", "Chunks stored in this tier."),
         ("bytes_written", "counter", "Bytes of chunks written to this tier."),
         ("evictions", "counter", "Chunks removed to stay under capacity (L1) or quota (fs L2)."),
-        ("corrupt", "counter", "Chunks that failed their checks: treated as misses and removed."),
+        ("corrupt", "counter", "Chunks that failed their checks (the MAC included): treated as misses and removed."),
+        ("mac_failures", "counter", "Of the corrupt chunks, those refused by the keyed MAC (--kv-secret-file)."),
         ("errors", "counter", "Failed reads and writes (I/O errors, unreachable server)."),
     ]
     snapshots = {tier.name: tier.stats.snapshot() for tier in tiers.tiers}

@@ -18,9 +18,12 @@ from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
+    from preheat.peer.artifact_store import ArtifactStore
+    from preheat.peer.artifacts import ArtifactKey, Verified
     from preheat.peer.nixl import NixlExport
     from preheat.peer.node import Peering
     from preheat.peer.pull import PeerOptions
+    from preheat.peer.signing import TrustedKeys
     from preheat.server.app import ServerState
     from preheat.server.loading import Loaded
 
@@ -46,13 +49,63 @@ def _cache_root(settings: ServeSettings) -> str:
     return str(ModelCache(settings.cache_dir).root)
 
 
+def trusted_keys(settings: ServeSettings) -> TrustedKeys:
+    """The ``--trust-key`` public keys: whose signatures make another replica's compiled artifacts installable."""
+    from preheat.peer.signing import TrustedKeys
+
+    return TrustedKeys.from_files(settings.trust_key)
+
+
+def find_artifacts(
+    key: ArtifactKey, store: ArtifactStore, *, registry: str | None, identity: str, token: str | None
+) -> tuple[Verified | None, str, list[str]]:
+    """Artifacts for ``key`` this node may install: its own node cache's, else the first peer's (in the registry, for
+    ``identity``) that verifies against ``store.trusted``. Returns them (or None), where they came from, and why
+    each refused candidate was refused. A node-cache blob that no longer verifies is discarded with the Inductor
+    directory installed from it; peers are not asked at all when no key is trusted (nothing they sent would be
+    installed)."""
+    from preheat.peer import artifact_store
+    from preheat.peer.artifacts import HOW_TO_TRUST, verify
+    from preheat.peer.registry import open_registry
+
+    refused: list[str] = []
+    found = None
+    try:
+        found = store.load(key)
+    except PeerError as exc:  # e.g. signed by a key no longer trusted: drop it and what it installed, start afresh
+        refused.append(str(exc))
+        store.discard(key.hex)
+    if found is not None:
+        return found, "node cache", refused
+    if not registry:
+        return None, "", refused
+    if not store.trusted:
+        refused.append(f"peers not asked for artifacts: no --trust-key given. {HOW_TO_TRUST}")
+        return None, "", refused
+    try:
+        entries = open_registry(registry).find(identity)
+    except RegistryError as exc:
+        return None, "", [*refused, str(exc)]
+    for entry in entries:
+        source = f"peer {entry.address}"
+        raw = artifact_store.fetch(entry.address, key, token=token)
+        if raw is None:
+            continue
+        try:
+            return verify(raw, key, store.trusted, where=source), source, refused
+        except PeerError as exc:  # another peer may hold artifacts someone trusted signed
+            refused.append(str(exc))
+    return None, "", refused
+
+
 def compile_engine(engine: Engine, settings: ServeSettings, timeline: Timeline) -> None:
-    """The ``compile`` stage: install matching artifacts (node cache, else a peer), ``torch.compile`` the model and
-    run one warm-up under it (which is when compiling happens); store new artifacts for the next replica."""
+    """The ``compile`` stage: install artifacts this node built or a trusted key signed (node cache, else a peer),
+    ``torch.compile`` the model and run one warm-up under it (which is when compiling happens); store new artifacts
+    for the next replica."""
     import torch
 
     from preheat.peer import artifacts
-    from preheat.peer.registry import open_registry
+    from preheat.peer.artifact_store import ArtifactStore
 
     if engine.model is None:
         raise ConfigError("--compile needs the built-in engine (this architecture runs through transformers)")
@@ -69,36 +122,36 @@ def compile_engine(engine: Engine, settings: ServeSettings, timeline: Timeline) 
         dtype=str(engine.dtype).removeprefix("torch."),
         max_model_len=engine.max_model_len,
     )
-    store = artifacts.ArtifactStore(_cache_root(settings))
+    store = ArtifactStore(_cache_root(settings), trusted_keys(settings))
     directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or store.inductor_dir(key)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory  # read by Inductor when it first compiles, below
     with timeline.stage("compile", key=key.hex, device=key.device, arch=key.arch) as stage:
-        blob, source = store.get(key), "node cache"
-        if blob is None and settings.registry:
-            try:
-                entries = open_registry(settings.registry).find(engine.identity)
-            except RegistryError as exc:
-                log.warning("compile: %s; compiling without artifacts", exc)
-                entries = []
-            for entry in entries:
-                blob, source = artifacts.fetch(entry.address, key, token=settings.peer_token), f"peer {entry.address}"
-                if blob is not None:
-                    break
+        found, source, refused = find_artifacts(
+            key, store, registry=settings.registry, identity=engine.identity, token=settings.peer_token
+        )
+        for reason in refused:
+            log.warning("compile: %s", reason)
         installed = None
-        if blob is not None:
+        if found is not None:
             try:
-                artifacts.install(blob, key, directory, where=source)
-                installed = source
+                artifacts.install(found, directory, where=source)
+                installed = f"{source} ({found.provenance})"
                 if source != "node cache":
-                    store.put(key, blob)
+                    store.put(found)  # verified, so this node may serve it to the next replica
             except PeerError as exc:
                 log.warning("compile: %s", exc)
-                stage["detail"]["refused"] = str(exc)
-        stage["detail"]["artifacts"] = installed or "none (cold compile)"
+                refused.append(str(exc))
+        if refused:
+            stage.detail["refused"] = "; ".join(refused)
+        stage.detail["artifacts"] = installed or "none (cold compile)"
         model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
         engine.warmup()
     if installed is None:
-        store.put(key, artifacts.pack(key, directory))
+        try:
+            store.put(artifacts.built_here(key, artifacts.pack(key, directory)))
+        except (PeerError, OSError) as exc:  # the replica compiled and serves; only sharing the artifacts failed
+            log.warning("compile: artifacts not stored for peers: %s", exc)
+            return
         log.info("compile: artifacts stored for peers (%s)", key.hex)
 
 
@@ -107,16 +160,16 @@ def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -
     settings = state.settings
     if not settings.peer:
         return
-    from preheat.peer.artifacts import ArtifactStore
+    from preheat.peer.artifact_store import ArtifactStore
     from preheat.peer.node import start_peering
 
-    store = ArtifactStore(_cache_root(settings))
+    store = ArtifactStore(_cache_root(settings), trusted_keys(settings))  # serves only what verifies
     nixl = _nixl_export(loaded)
     remote = settings.model if "://" in settings.model and not settings.model.startswith("preheat://") else None
     try:
         peering = start_peering(
             loaded.path,
-            host=settings.host,
+            host=settings.peer_bind_host,
             port=settings.peer_port,
             token=settings.peer_token,
             max_bps=settings.peer_max_mbps * 1e6 if settings.peer_max_mbps else None,

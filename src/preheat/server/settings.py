@@ -34,13 +34,16 @@ ENV_VARS = {
     "kv_l2_ttl": "PREHEAT_KV_L2_TTL",
     "kv_dtype": "PREHEAT_KV_DTYPE",
     "kv_chunk_tokens": "PREHEAT_KV_CHUNK_TOKENS",
+    "kv_secret_file": "PREHEAT_KV_SECRET_FILE",
     "peer": "PREHEAT_PEER",
     "peer_port": "PREHEAT_PEER_PORT",
+    "peer_host": "PREHEAT_PEER_HOST",
     "peer_token": "PREHEAT_PEER_TOKEN",
     "peer_max_mbps": "PREHEAT_PEER_MAX_MBPS",
     "registry": "PREHEAT_REGISTRY",
     "origin": "PREHEAT_ORIGIN",
     "compile": "PREHEAT_COMPILE",
+    "trust_key": "PREHEAT_TRUST_KEY",
 }
 
 
@@ -65,15 +68,19 @@ class ServeSettings:
     kv_l2_ttl: int = 24 * 3600
     kv_dtype: str = "auto"
     kv_chunk_tokens: int = 256
+    kv_secret_file: str | None = None  # the fleet's MAC secret: replicas load only L2 chunks signed with it
     # Peers (docs/peer.md): serve the loaded checkpoint to new replicas, find peers for preheat:// models, and ship
     # torch.compile artifacts between them.
     peer: bool = False
     peer_port: int = 0
+    peer_host: str | None = None  # None: the API's --host; beyond loopback the peer server needs peer_token
     peer_token: str | None = None
     peer_max_mbps: float | None = None
     registry: str | None = None
     origin: str | None = None
     compile: bool = False
+    # Public keys whose signatures make peers' compiled artifacts installable (compiled artifacts are code).
+    trust_key: tuple[str, ...] = ()
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
@@ -87,6 +94,8 @@ class ServeSettings:
         values: dict[str, object] = {}
         for field in fields(cls):
             given = flags.get(field.name)
+            if isinstance(given, list):  # a repeatable flag (--trust-key); settings stay hashable
+                given = tuple(given)
             if given is not None:
                 values[field.name] = given
                 continue
@@ -116,15 +125,29 @@ class ServeSettings:
         self.kv.check()
         if not 0 <= self.peer_port <= 65535:
             raise ConfigError(f"--peer-port {self.peer_port}: must be 0-65535 (0 picks a free port)")
+        if self.peer:  # before the bind: a replica must not load a model only to refuse to share it
+            from preheat.peer.access import require_token  # torch-free: this runs before the bind
+
+            require_token(self.peer_bind_host, self.peer_token)
         if self.peer_max_mbps is not None and self.peer_max_mbps <= 0:
             raise ConfigError(f"--peer-max-mbps {self.peer_max_mbps}: must be a positive number of MB/s")
         if self.registry is not None and not self.registry.startswith(("redis://", "rediss://", "file://")):
             raise ConfigError(f"--registry {self.registry!r}: use redis://host:port[/db] or file:///shared/dir")
+        if self.trust_key:
+            from preheat.peer.signing import read_public_key  # pure: no crypto library before the bind
+
+            for path in self.trust_key:
+                read_public_key(path)  # ConfigError naming the file and what to pass instead
         if not self.is_remote and not os.path.isdir(self.model):
             raise ConfigError(
                 f"model {self.model!r} is not a directory: pass a preheat or Hugging Face checkpoint directory, "
                 "or an http(s):// or s3:// URI to pull through the node cache"
             )
+
+    @property
+    def peer_bind_host(self) -> str:
+        """Where the peer server listens: ``--peer-host``, else the API's ``--host``."""
+        return self.host if self.peer_host is None else self.peer_host
 
     @property
     def is_remote(self) -> bool:
@@ -148,6 +171,7 @@ class ServeSettings:
             l2_ttl_s=self.kv_l2_ttl,
             kv_dtype=self.kv_dtype,
             chunk_tokens=self.kv_chunk_tokens,
+            secret_file=self.kv_secret_file,
         )
 
     @property
@@ -157,6 +181,8 @@ class ServeSettings:
 
 
 def _parse(name: str, variable: str, raw: str) -> object:
+    if name == "trust_key":  # comma-separated files, like PREHEAT_PEERS
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
     if name in ("peer", "compile"):
         if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ConfigError(f"{variable}={raw!r}: write 1 or 0")
