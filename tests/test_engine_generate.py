@@ -183,12 +183,12 @@ def test_empty_prompt_and_unknown_token_ids_are_refused(engine: Engine) -> None:
 def test_load_stages_are_recorded_on_the_timeline(tiny_servable_model: Path) -> None:
     timeline = Timeline()
     Engine.from_checkpoint(str(tiny_servable_model), timeline=timeline, load_mode="read")
-    stages = {s["name"]: s for s in timeline.stages()}
+    stages = {s.name: s for s in timeline.stages()}
     assert list(stages) == ["weight_load", "model_build", "tokenizer"]
-    assert stages["weight_load"]["bytes"] > 0
-    assert stages["weight_load"]["detail"]["mode"] == "read"
-    assert stages["model_build"]["detail"]["backend"] == "native"
-    assert all(s["end"] >= s["start"] for s in stages.values())
+    assert (stages["weight_load"].nbytes or 0) > 0
+    assert stages["weight_load"].detail["mode"] == "read"
+    assert stages["model_build"].detail["backend"] == "native"
+    assert all(s.end is not None and s.end >= s.start for s in stages.values())
 
 
 def test_a_quantized_checkpoint_loads_dequantized(tiny_servable_model: Path, tmp_path: Path) -> None:

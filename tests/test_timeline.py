@@ -17,7 +17,7 @@ import pytest
 from preheat.cli import main
 from preheat.errors import ConfigError
 from preheat.server.app import _record_imports
-from preheat.timeline import Timeline
+from preheat.timeline import Stage, Timeline
 from preheat.timeline_report import Waterfall, render_text
 
 # A cold start as a server records it (seconds from process start); ready at 3.6 s.
@@ -60,6 +60,39 @@ def test_stages_are_relative_to_the_origin_and_ordered() -> None:
     assert data["total"] == 3.0
 
 
+def test_served_json_keeps_its_keys_and_their_order() -> None:
+    """Dashboards and saved files read this JSON: a stage is ``name, start, end, detail`` then ``bytes`` if set."""
+    timeline = Timeline(origin=100.0, origin_source="PREHEAT_T0")
+    timeline.add("imports", 0.0, 0.25)
+    with timeline.stage("fetch", uri="hf://m") as stage:
+        stage.nbytes = 7
+        stage.detail["cache"] = "miss"
+        running = json.dumps(timeline.to_dict())
+    timeline.mark("ready", note="up")
+    data = timeline.to_dict()
+    data["stages"][1]["end"] = data["stages"][2]["start"] = data["total"] = 1.5  # the clock, pinned
+    assert json.dumps(data) == (
+        '{"version": 1, "origin": 100.0, "origin_source": "PREHEAT_T0", "total": 1.5, "stages": ['
+        '{"name": "imports", "start": 0.0, "end": 0.25, "detail": {}}, '
+        '{"name": "fetch", "start": ' + json.dumps(data["stages"][1]["start"]) + ', "end": 1.5, '
+        '"detail": {"uri": "hf://m", "cache": "miss"}, "bytes": 7}, '
+        '{"name": "ready", "start": 1.5, "end": ' + json.dumps(data["stages"][2]["end"]) + ", "
+        '"detail": {"note": "up"}}]}'
+    )
+    assert '"end": null' in running, "a stage still running is served with a null end"
+
+
+def test_saved_stage_records_read_back_as_the_same_stages() -> None:
+    stages = [Stage.from_dict(record) for record in SAMPLE["stages"]]  # type: ignore[attr-defined]
+    assert [s.to_dict() for s in stages] == SAMPLE["stages"]
+    assert stages[2] == Stage("fetch", 0.31, 1.31, 2_000_000_000, {"cache": "miss"})
+    running = Stage.from_dict({"name": "compile", "start": 3, "end": None})  # bytes and detail are optional
+    assert running == Stage("compile", 3.0)
+    loading = {**SAMPLE, "stages": [*SAMPLE["stages"], running.to_dict()]}
+    (compiling,) = [r for r in Waterfall.from_dict(loading).rows if r.name == "compile"]
+    assert (compiling.start, compiling.end) == (3.0, 3.0), "a stage still running is an instant so far in the report"
+
+
 def test_preheat_t0_moves_the_origin_back_and_adds_a_platform_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     from preheat.timeline import process_start_time
 
@@ -68,11 +101,11 @@ def test_preheat_t0_moves_the_origin_back_and_adds_a_platform_stage(monkeypatch:
     assert timeline.origin_source == "PREHEAT_T0"
     _record_imports(timeline)
     platform, imports = timeline.stages()
-    assert platform["name"] == "platform"
-    assert platform["start"] == 0.0
-    assert platform["end"] == pytest.approx(42.0, abs=0.05)
-    assert imports["name"] == "imports"
-    assert imports["start"] == platform["end"]
+    assert platform.name == "platform"
+    assert platform.start == 0.0
+    assert platform.end == pytest.approx(42.0, abs=0.05)
+    assert imports.name == "imports"
+    assert imports.start == platform.end
 
 
 def test_a_malformed_preheat_t0_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,10 +1,11 @@
-"""Reading a cold-start timeline back: the waterfall, idle accelerator time and its cost, as text, SVG or PNG.
+"""Reading a cold-start timeline back: the waterfall, idle accelerator time and its cost, and the text table.
 
 The timeline format is the one ``preheat.timeline.Timeline.to_dict`` writes and every server serves at
 ``/v1/preheat/timeline`` (docs/server.md). The rule for idle time: every second from the origin (process start, or
 ``PREHEAT_T0`` when the platform passed the pod's creation time) to the ``ready`` mark counts as idle accelerator
 time, because the accelerator is allocated and billed but serves nothing. A timeline without ``ready`` (a server that
-never became ready) is idle for its whole length.
+never became ready) is idle for its whole length. The pictures are drawn above this module: ``timeline_svg``
+(inline-SVG HTML) and ``timeline_plot`` (the ``--plot`` file, HTML or PNG).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.errors import ConfigError, PreheatError, SourceError
+from preheat.errors import PreheatError, SourceError
+from preheat.timeline import Stage
 
 TIMELINE_PATH = "/v1/preheat/timeline"
 BAR_WIDTH = 32
@@ -22,13 +24,21 @@ BAR_WIDTH = 32
 
 @dataclass(frozen=True)
 class Row:
-    """One stage: seconds from the origin, bytes moved (if any), free-form detail."""
+    """One stage as the report shows it: seconds from the origin, bytes moved (if any), free-form detail.
+
+    Unlike a ``Stage``, a row always has an end: a stage still running is drawn as an instant so far.
+    """
 
     name: str
     start: float
     end: float
     nbytes: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)  # Any: JSON values chosen by whoever recorded the stage
+
+    @classmethod
+    def from_stage(cls, stage: Stage) -> Row:
+        end = stage.end if stage.end is not None else stage.start
+        return cls(stage.name, stage.start, end, stage.nbytes, stage.detail)
 
     @property
     def duration(self) -> float:
@@ -54,20 +64,12 @@ class Waterfall:
         if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
             raise PreheatError(f"{where}: not a preheat timeline (expected an object with a 'stages' list)")
         rows = []
-        for i, stage in enumerate(data["stages"]):
+        for i, record in enumerate(data["stages"]):
             try:
-                end = stage["end"] if stage["end"] is not None else stage["start"]  # still running: an instant so far
-                nbytes = stage.get("bytes")
-                row = Row(
-                    name=str(stage["name"]),
-                    start=float(stage["start"]),
-                    end=float(end),
-                    nbytes=None if nbytes is None else int(nbytes),
-                    detail=dict(stage.get("detail") or {}),
-                )
+                stage = Stage.from_dict(record)
             except (KeyError, TypeError, ValueError) as exc:
                 raise PreheatError(f"{where}: stage {i} is malformed ({type(exc).__name__}: {exc})") from None
-            rows.append(row)
+            rows.append(Row.from_stage(stage))
         rows.sort(key=lambda r: (r.start, r.end))
         total = float(data.get("total") or max((r.end for r in rows), default=0.0))
         return cls(rows, float(data.get("origin") or 0.0), str(data.get("origin_source", "process start")), total)
@@ -200,60 +202,3 @@ def _bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
-
-
-# -- pictures ------------------------------------------------------------------------------------------------------
-def plot(waterfall: Waterfall, path: str, *, gpu_cost_per_hour: float = 32.0) -> str:
-    """Draw the waterfall to ``path``: ``.html`` (self-contained, inline SVG) or ``.png`` (needs matplotlib)."""
-    ext = os.path.splitext(path)[1].lower()
-    if ext in (".html", ".htm"):
-        from preheat.timeline_svg import html_page
-
-        page = html_page(waterfall, title=os.path.basename(path), gpu_cost_per_hour=gpu_cost_per_hour)
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(page)
-        return path
-    if ext == ".png":
-        _plot_png(waterfall, path, gpu_cost_per_hour)
-        return path
-    raise ConfigError(f"--plot {path}: write .html (inline SVG, no dependencies) or .png (needs matplotlib)")
-
-
-def _plot_png(waterfall: Waterfall, path: str, gpu_cost_per_hour: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed; must precede pyplot
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError(
-            f"--plot {path}: PNG needs matplotlib, which is not installed; write an .html plot instead "
-            "(self-contained SVG, no dependencies) or `pip install matplotlib`"
-        ) from None
-    from preheat.timeline_svg import COLORS
-
-    rows = waterfall.rows
-    fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.6))
-    for i, r in enumerate(rows):
-        if r.duration > 0:
-            ax.barh(i, r.duration, left=r.start, color=COLORS.get(r.name, "#3b82f6"), height=0.6)
-            rate = f", {r.gbps:.2f} GB/s" if r.gbps is not None else ""
-            ax.text(r.end, i, f"  {r.duration:.3f} s{rate}", va="center", fontsize=8)
-        else:
-            color = "#dc2626" if r.name == "ready" else "#16a34a"
-            ax.axvline(r.start, color=color, linestyle="--", linewidth=1)
-            ax.plot([r.start], [i], marker="D", color=color)
-            ttft = f" (TTFT {waterfall.ttft:.3f} s)" if r.name == "first_request_ttft" and waterfall.ttft else ""
-            ax.text(r.start, i, f"   at {r.start:.3f} s{ttft}", va="center", fontsize=8)
-    ax.axvspan(0, waterfall.idle_seconds, color="#f59e0b", alpha=0.08)
-    ax.set_yticks(range(len(rows)), [r.name for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(waterfall.total, 1e-9) * 1.2)  # room for the labels right of the last bar
-    ax.set_xlabel(f"seconds from {waterfall.origin_source}")
-    cost = waterfall.idle_cost(gpu_cost_per_hour)
-    # "\$": a bare "$" starts matplotlib's math mode.
-    price = f"\\${cost:.4f} at \\${gpu_cost_per_hour:g}/h"
-    ax.set_title(f"cold start: idle accelerator {waterfall.idle_seconds:.2f} s = {price}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

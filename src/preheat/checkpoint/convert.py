@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from preheat.checkpoint import dtypes
+from preheat.checkpoint import dtypes, torch_dtypes
 from preheat.checkpoint.digest import digest_bytes
 from preheat.checkpoint.inputs import Progress, SourceModel, read_source
 from preheat.checkpoint.manifest import (
@@ -204,7 +204,7 @@ def plan_conversion(tensors: Mapping[str, torch.Tensor], *, dtype: str, tp: int,
             if tp > 1 and split_dim(name, "auto", ndim=len(shape)) == 1:
                 check_split(name, shape, dtype, tp)  # before rank_slice, whose error would name the scale instead
             outputs = [(name, "weight", stored_dtype(dtype), shape), (scale, "scale", torch.float32, scales)]
-            quant[name] = QuantInfo(dtype, scale, dtypes.from_torch(tensor.dtype), group_size(dtype))
+            quant[name] = QuantInfo(dtype, scale, torch_dtypes.from_torch(tensor.dtype), group_size(dtype))
         elif dtype in _CAST and tensor.dtype.is_floating_point and tensor.dtype.itemsize > 1:
             outputs = [(name, "plain", _CAST[dtype], shape)]
         else:
@@ -232,7 +232,7 @@ def plan_conversion(tensors: Mapping[str, torch.Tensor], *, dtype: str, tp: int,
 
 
 def _entry(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorEntry:
-    kind = dtypes.from_torch(dtype)
+    kind = torch_dtypes.from_torch(dtype)
     return TensorEntry(name, kind, shape, 0, _numel(shape) * dtypes.itemsize(kind))
 
 

@@ -1,48 +1,40 @@
-"""The safetensors dtype vocabulary and its torch equivalents."""
+"""The safetensors dtype vocabulary: names and bytes per element. Pure and torch-free, so the format core (headers,
+manifests, TP plans) and the tools around it load without torch; ``torch_dtypes`` maps the names to torch.
+
+    >>> itemsize("BF16"), is_known("F4")
+    (2, False)
+"""
 
 from __future__ import annotations
 
-import torch
-
-# safetensors name -> (torch dtype, bytes per element). Only dtypes torch can hold are listed; anything else in a
-# header is reported as unknown rather than silently misread.
-_TABLE: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
+# safetensors name -> bytes per element. Only dtypes torch can hold are listed (``torch_dtypes`` has the same
+# names); anything else in a header is reported as unknown rather than silently misread.
+_ITEMSIZE: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
 }
-_FOR_TORCH: dict[torch.dtype, str] = {dtype: name for name, (dtype, _) in _TABLE.items()}
 
 
 def is_known(name: str) -> bool:
     """True when ``name`` is a safetensors dtype preheat can load."""
-    return name in _TABLE
+    return name in _ITEMSIZE
 
 
 def itemsize(name: str) -> int:
     """Bytes per element of the safetensors dtype ``name``."""
-    return _TABLE[name][1]
-
-
-def to_torch(name: str) -> torch.dtype:
-    """The torch dtype for the safetensors dtype ``name``."""
-    return _TABLE[name][0]
-
-
-def from_torch(dtype: torch.dtype) -> str:
-    """The safetensors name of a torch dtype (raises KeyError for dtypes safetensors cannot store)."""
-    return _FOR_TORCH[dtype]
+    return _ITEMSIZE[name]
 
 
 def known_names() -> list[str]:
     """All dtype names preheat understands, for error messages."""
-    return sorted(_TABLE)
+    return sorted(_ITEMSIZE)

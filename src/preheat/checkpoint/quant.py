@@ -30,7 +30,7 @@ from collections.abc import MutableMapping
 
 import torch
 
-from preheat.checkpoint import dtypes
+from preheat.checkpoint import torch_dtypes
 from preheat.checkpoint.manifest import QUANT_METHODS, Manifest
 from preheat.errors import CheckpointError, ConfigError
 
@@ -181,7 +181,7 @@ def dequantize_weights(weights: MutableMapping[str, torch.Tensor], manifest: Man
                 path=where,
                 tensor=name,
             )
-        weights[name] = dequantize(q, scale, dtypes.to_torch(info.compute_dtype))
+        weights[name] = dequantize(q, scale, torch_dtypes.to_torch(info.compute_dtype))
     for info in quantized.values():
         weights.pop(info.scale, None)
 

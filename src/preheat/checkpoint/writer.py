@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from preheat.checkpoint import dtypes
+from preheat.checkpoint import torch_dtypes
 from preheat.checkpoint.safetensors import encode_header
 
 
@@ -17,7 +17,8 @@ def save_file(
     """Write ``tensors`` (in mapping order) as a safetensors file at ``path``; a crash never leaves a partial file."""
     target = os.fspath(path)
     spec = {
-        name: (dtypes.from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()
+        name: (torch_dtypes.from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+        for name, t in tensors.items()
     }
     tmp = f"{target}.tmp-{os.getpid()}"
     try:

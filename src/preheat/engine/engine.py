@@ -115,8 +115,8 @@ class Engine:
                 # A mapping reads nothing until touched: fault every page in now, so that this stage holds the
                 # reads (and its GB/s is the real one) instead of hiding them in warm-up's first forward pass.
                 _fault_in(weights.values())
-            stage["bytes"] = report.bytes
-            stage["detail"].update(mode=report.mode, files=report.files)
+            stage.nbytes = report.bytes
+            stage.detail.update(mode=report.mode, files=report.files)
         with timeline.stage("model_build") as stage:
             # The embedding is never quantized, so its dtype is the checkpoint's own.
             sample = weights.get("model.embed_tokens.weight")
@@ -127,7 +127,7 @@ class Engine:
             backend, cache, converted, max_len = build_backend(
                 config, weights=weights, dtype=compute, device=dev, max_len=max_len, root=root
             )
-            stage["detail"].update(
+            stage.detail.update(
                 architecture=config.architecture or config.model_type,
                 backend="native" if cache is not None else "transformers",
                 dtype=str(compute).removeprefix("torch."),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preheat.checkpoint import dtypes
+from preheat.checkpoint import torch_dtypes
 from preheat.errors import KVError
 
 
@@ -60,7 +60,7 @@ class KVLayout:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "block_size": self.block_size,
-            "dtype": dtypes.from_torch(self.dtype),
+            "dtype": torch_dtypes.from_torch(self.dtype),
         }
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from preheat.checkpoint import dtypes
+from preheat.checkpoint import torch_dtypes
 from preheat.errors import KVError
 from preheat.kv import mac
 from preheat.kv.chunk import StoredChunk
@@ -92,7 +92,7 @@ def encode(key: str, fingerprint: str, chunk: StoredChunk, mac_key: bytes | None
         "key": key,
         "fingerprint": fingerprint,
         "kind": chunk.kind,
-        "dtype": dtypes.from_torch(chunk.data.dtype),
+        "dtype": torch_dtypes.from_torch(chunk.data.dtype),
         "shape": list(chunk.data.shape),
         "scale_shape": scale_shape,
         "payload_bytes": sum(len(p) for p in pieces),
@@ -170,7 +170,7 @@ def _check(header: dict[str, object], key: str, expect: Expect) -> None:
         raise wrong("key", header.get("key"), key)
     if header.get("fingerprint") != expect.fingerprint:
         raise wrong("fingerprint", header.get("fingerprint"), expect.fingerprint)
-    dtype_name = dtypes.from_torch(expect.dtype)
+    dtype_name = torch_dtypes.from_torch(expect.dtype)
     if header.get("dtype") != dtype_name:
         raise wrong("dtype", header.get("dtype"), dtype_name)
     if header.get("shape") != list(expect.shape):

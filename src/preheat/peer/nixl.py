@@ -438,9 +438,9 @@ def peer_source_origin(address: str, http: Origin, *, device: str, token: str | 
 def _dtype_name(tensor: torch.Tensor) -> str | None:
     """The safetensors name of the tensor's dtype (None for one safetensors cannot store): a bf16 tensor never stands
     in for an fp16 record of the same size."""
-    from preheat.checkpoint import dtypes
+    from preheat.checkpoint import torch_dtypes
 
     try:
-        return dtypes.from_torch(tensor.dtype)
+        return torch_dtypes.from_torch(tensor.dtype)
     except KeyError:
         return None

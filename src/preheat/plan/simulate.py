@@ -189,29 +189,102 @@ def simulate(trace: TraceArrays, cold: ColdStart, policy: Policy, settings: SimS
         raise ConfigError(f"--slots must be at least 1 (got {settings.slots})")
     if not 0 < settings.target_utilization <= 1:
         raise ConfigError(f"--target-utilization must be in (0, 1] (got {settings.target_utilization})")
-    n = len(trace)
-    arrival: list[float] = trace.arrival.tolist()
-    prefill_arr = trace.input_tokens * (settings.prefill_ms_per_token / 1000.0)
-    prefill: list[float] = prefill_arr.tolist()
-    service: list[float] = (prefill_arr + trace.output_tokens * (settings.decode_ms_per_token / 1000.0)).tolist()
-    fleet = _Fleet(policy, settings, cold)
-    slots, timeout, lo, hi = settings.slots, policy.idle_timeout_s, policy.min_replicas, policy.max_replicas
-    per_replica = slots * settings.target_utilization  # requests one replica should hold, by the scaling rules
-    state, in_flight, busy_since, busy, epoch = fleet.state, fleet.in_flight, fleet.busy_since, fleet.busy, fleet.epoch
-    ttft = [math.nan] * n
-    served = [0] * n
-    events: list[tuple[float, int, int, int]] = []  # (time, kind, replica, epoch)
-    free: list[int] = []  # heap of serving replicas that may have a free slot (lazily cleaned)
-    listed: list[bool] = []
-    queue: deque[int] = deque()
-    waited = 0
-    for _ in range(lo):
-        rid, _ready = fleet.add(0.0, warm=True)
-        listed.append(True)
-        heapq.heappush(free, rid)
+    return _Simulation(trace, cold, policy, settings).run()
 
-    def dispatch(now: float) -> None:
-        nonlocal waited
+
+class _Simulation:
+    """One run of the event loop: the trace as lists, the fleet, the event heap, the FIFO queue and the free list.
+
+    Arrivals and events are taken in time order (events first at equal times), one method per kind of event. The
+    fleet's per-replica lists are held here too, and hot methods copy attributes to locals: the loop runs a few
+    million times per policy.
+    """
+
+    def __init__(self, trace: TraceArrays, cold: ColdStart, policy: Policy, settings: SimSettings) -> None:
+        self.n = len(trace)
+        self.arrival: list[float] = trace.arrival.tolist()
+        prefill = trace.input_tokens * (settings.prefill_ms_per_token / 1000.0)
+        self.prefill: list[float] = prefill.tolist()
+        self.service: list[float] = (prefill + trace.output_tokens * (settings.decode_ms_per_token / 1000.0)).tolist()
+        self.fleet = fleet = _Fleet(policy, settings, cold)
+        self.state, self.in_flight, self.busy_since = fleet.state, fleet.in_flight, fleet.busy_since
+        self.busy, self.epoch = fleet.busy, fleet.epoch
+        self.slots, self.timeout = settings.slots, policy.idle_timeout_s
+        self.lo, self.hi = policy.min_replicas, policy.max_replicas
+        self.per_replica = settings.slots * settings.target_utilization  # requests one replica should hold
+        self.ttft = [math.nan] * self.n
+        self.served = [0] * self.n
+        self.events: list[tuple[float, int, int, int]] = []  # (time, kind, replica, epoch)
+        self.free: list[int] = []  # heap of serving replicas that may have a free slot (lazily cleaned)
+        self.listed: list[bool] = []  # whether each replica is in ``free``
+        self.queue: deque[int] = deque()
+        self.waited = 0  # requests that did not start at their arrival
+        self.in_system = 0  # requests queued or in flight, for the scale-out rule
+
+    def run(self) -> SimResult:
+        self._start_warm()
+        self._arrivals()
+        horizon = max(self._drain(), self.arrival[-1] if self.n else 0.0)
+        self._close_busy_spans(horizon)
+        return self._result(horizon)
+
+    def _start_warm(self) -> None:
+        """The ``min_replicas`` that are ready at t=0."""
+        for _ in range(self.lo):
+            rid, _ready = self.fleet.add(0.0, warm=True)
+            self.listed.append(True)
+            heapq.heappush(self.free, rid)
+
+    def _arrivals(self) -> None:
+        """Each request in arrival order: the events before it happen, it queues, the fleet scales out, dispatch."""
+        events, queue, arrival, fleet = self.events, self.queue, self.arrival, self.fleet
+        next_event, dispatch = self._next_event, self._dispatch
+        per_replica, hi = self.per_replica, self.hi
+        for i in range(self.n):
+            now = arrival[i]
+            while events and events[0][0] <= now:
+                next_event()
+            self.in_system += 1
+            queue.append(i)
+            # Starting replicas count: their capacity is on its way.
+            wanted = min(math.ceil(self.in_system / per_replica), hi) - fleet.alive
+            if wanted > 0:
+                self._start(now, wanted)
+            dispatch(now)
+
+    def _drain(self) -> float:
+        """The events left after the last arrival, until every request is done; returns the last event's time."""
+        last = 0.0
+        while self.events and self.in_system:
+            last = self._next_event()
+        return last
+
+    def _next_event(self) -> float:
+        """Pop the earliest event and handle it; returns its time."""
+        when, kind, rid, stamp = heapq.heappop(self.events)
+        if kind == _DONE:
+            self.in_system -= 1
+            self._on_done(when, rid)
+        elif kind == _READY:
+            self._on_ready(when, rid)
+        else:
+            self._on_idle(when, rid, stamp)
+        return when
+
+    def _start(self, now: float, count: int) -> None:
+        """Ask for ``count`` new replicas at ``now``; each is ready after its cold start."""
+        for _ in range(count):
+            rid, ready = self.fleet.add(now, warm=False)
+            self.listed.append(False)
+            heapq.heappush(self.events, (ready, _READY, rid, 0))
+
+    def _dispatch(self, now: float) -> None:
+        """Hand queued requests to the lowest-numbered serving replica with a free slot, while there are both."""
+        queue, free = self.queue, self.free
+        if not (queue and free):
+            return
+        listed, events, slots, state, in_flight = self.listed, self.events, self.slots, self.state, self.in_flight
+        arrival, prefill, service, ttft, served = self.arrival, self.prefill, self.service, self.ttft, self.served
         while queue and free:
             rid = free[0]
             if state[rid] != _SERVING or in_flight[rid] >= slots:
@@ -220,86 +293,76 @@ def simulate(trace: TraceArrays, cold: ColdStart, policy: Policy, settings: SimS
                 continue
             i = queue.popleft()
             if now > arrival[i]:
-                waited += 1
+                self.waited += 1
             served[i] += 1
             ttft[i] = now - arrival[i] + prefill[i]
             if in_flight[rid] == 0:
-                busy_since[rid] = now
+                self.busy_since[rid] = now
             in_flight[rid] += 1
             heapq.heappush(events, (now + service[i], _DONE, rid, 0))
 
-    def arm_idle(rid: int, now: float) -> None:
+    def _arm_idle(self, rid: int, now: float) -> None:
+        """Start (or restart) ``rid``'s idle timer; the new epoch makes its older timers stale."""
+        epoch = self.epoch
         epoch[rid] += 1
-        heapq.heappush(events, (now + timeout, _IDLE, rid, epoch[rid]))
+        heapq.heappush(self.events, (now + self.timeout, _IDLE, rid, epoch[rid]))
 
-    def handle(when: float, kind: int, rid: int, stamp: int) -> None:
-        if kind == _DONE:
-            in_flight[rid] -= 1
-            if not listed[rid]:
-                listed[rid] = True
-                heapq.heappush(free, rid)
-            dispatch(when)
-            if in_flight[rid] == 0:
-                busy[rid] += when - busy_since[rid]
-                arm_idle(rid, when)
-        elif kind == _READY:
-            state[rid] = _SERVING
-            fleet.starting -= 1
-            listed[rid] = True
-            heapq.heappush(free, rid)
-            dispatch(when)
-            if in_flight[rid] == 0:
-                arm_idle(rid, when)
-        elif (
-            stamp == epoch[rid]
-            and state[rid] == _SERVING
-            and in_flight[rid] == 0
-            and fleet.alive > max(lo, math.ceil(in_system / per_replica))
+    def _on_done(self, when: float, rid: int) -> None:
+        """A request on ``rid`` finished: its slot serves the queue, or the replica goes idle."""
+        in_flight = self.in_flight
+        in_flight[rid] -= 1
+        if not self.listed[rid]:
+            self.listed[rid] = True
+            heapq.heappush(self.free, rid)
+        self._dispatch(when)
+        if in_flight[rid] == 0:
+            self.busy[rid] += when - self.busy_since[rid]
+            self._arm_idle(rid, when)
+
+    def _on_ready(self, when: float, rid: int) -> None:
+        """``rid``'s cold start is over: it takes from the queue, or starts idle."""
+        self.state[rid] = _SERVING
+        self.fleet.starting -= 1
+        self.listed[rid] = True
+        heapq.heappush(self.free, rid)
+        self._dispatch(when)
+        if self.in_flight[rid] == 0:
+            self._arm_idle(rid, when)
+
+    def _on_idle(self, when: float, rid: int, stamp: int) -> None:
+        """Stop ``rid`` if this timer is its latest, it is still idle, and the fleet stays at what the rules want."""
+        fleet = self.fleet
+        if (
+            stamp == self.epoch[rid]
+            and self.state[rid] == _SERVING
+            and self.in_flight[rid] == 0
+            and fleet.alive > max(self.lo, math.ceil(self.in_system / self.per_replica))
         ):
             fleet.stop(rid, when)
 
-    in_system = 0  # requests queued or in flight, for the scale-out rule
-    last = 0.0
-    for i in range(n):
-        now = arrival[i]
-        while events and events[0][0] <= now:
-            when, kind, rid, stamp = heapq.heappop(events)
-            in_system -= kind == _DONE
-            handle(when, kind, rid, stamp)
-        in_system += 1
-        queue.append(i)
-        # Starting replicas count: their capacity is on its way.
-        wanted = min(math.ceil(in_system / per_replica), hi) - fleet.alive
-        if wanted > 0:
-            for _ in range(wanted):
-                rid, ready = fleet.add(now, warm=False)
-                listed.append(False)
-                heapq.heappush(events, (ready, _READY, rid, 0))
-        dispatch(now)
-    while events and in_system:
-        when, kind, rid, stamp = heapq.heappop(events)
-        in_system -= kind == _DONE
-        handle(when, kind, rid, stamp)
-        last = when
-    horizon = max(last, arrival[-1] if n else 0.0)
-    for rid, s in enumerate(state):  # close the busy spans still open at the horizon
-        if s == _SERVING and in_flight[rid]:
-            busy[rid] += horizon - busy_since[rid]
-    seconds, busy_s, cost, idle_cost = fleet.bill(horizon)
-    return SimResult(
-        policy=policy,
-        cold_start_s={"warm_pool_node": fleet.pool_start_s, "new_node": fleet.burst_start_s},
-        ttft=np.asarray(ttft, dtype=np.float64),
-        served=np.asarray(served, dtype=np.int64),
-        horizon_s=horizon,
-        accelerator_hours=seconds / 3600.0,
-        busy_hours=busy_s / 3600.0,
-        cost=cost,
-        idle_cost=idle_cost,
-        cold_starts=fleet.cold_starts,
-        peak_replicas=fleet.peak,
-        requests_queued=waited,
-    )
+    def _close_busy_spans(self, horizon: float) -> None:
+        """Busy spans still open at the horizon end there."""
+        for rid, s in enumerate(self.state):
+            if s == _SERVING and self.in_flight[rid]:
+                self.busy[rid] += horizon - self.busy_since[rid]
+
+    def _result(self, horizon: float) -> SimResult:
+        fleet = self.fleet
+        seconds, busy_s, cost, idle_cost = fleet.bill(horizon)
+        return SimResult(
+            policy=fleet.policy,
+            cold_start_s={"warm_pool_node": fleet.pool_start_s, "new_node": fleet.burst_start_s},
+            ttft=np.asarray(self.ttft, dtype=np.float64),
+            served=np.asarray(self.served, dtype=np.int64),
+            horizon_s=horizon,
+            accelerator_hours=seconds / 3600.0,
+            busy_hours=busy_s / 3600.0,
+            cost=cost,
+            idle_cost=idle_cost,
+            cold_starts=fleet.cold_starts,
+            peak_replicas=fleet.peak,
+            requests_queued=self.waited,
+        )
 
 
 def simulate_all(

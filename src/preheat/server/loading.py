@@ -42,12 +42,12 @@ def fetch(settings: ServeSettings, timeline: Timeline) -> tuple[str, Lease | Non
     cache = ModelCache(settings.cache_dir)
     with timeline.stage("fetch", uri=settings.model) as stage:
         result = pull(settings.model, cache, peers=peer_options(settings))
-        stage["bytes"] = result.bytes_fetched
-        stage["detail"].update(
+        stage.nbytes = result.bytes_fetched
+        stage.detail.update(
             cache="hit" if result.hit else "miss", key=result.key, path=result.path, total_bytes=result.bytes_total
         )
         if result.sources:  # which source (origin, each peer) served how many bytes
-            stage["detail"].update(sources=result.sources, notes=result.notes)
+            stage.detail.update(sources=result.sources, notes=result.notes)
     log.info("fetch: %s %s (%d bytes fetched)", settings.model, "hit" if result.hit else "miss", result.bytes_fetched)
     return result.path, cache.lease(result.key)
 

@@ -10,7 +10,8 @@ import bisect
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+
+from preheat.timeline import Stage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Labels = tuple[tuple[str, str], ...]
@@ -150,7 +151,7 @@ class ServerMetrics:
 
     def __init__(
         self,
-        stages: Callable[[], list[dict[str, Any]]],  # Any: the timeline's JSON-ready stage records
+        stages: Callable[[], list[Stage]],
         load: Callable[[], tuple[int, int]],  # (requests waiting, requests generating)
     ) -> None:
         self._stages, self._load = stages, load
@@ -205,11 +206,7 @@ class ServerMetrics:
         ]
 
     def _stage_durations(self) -> list[tuple[Mapping[str, str], float]]:
-        return [
-            ({"stage": str(s["name"])}, float(s["end"]) - float(s["start"]))
-            for s in self._stages()
-            if s.get("end") is not None and s["end"] != s["start"]
-        ]
+        return [({"stage": s.name}, s.end - s.start) for s in self._stages() if s.end is not None and s.end != s.start]
 
     def _queue(self, which: int) -> list[tuple[Mapping[str, str], float]]:
         no_labels: Mapping[str, str] = {}
@@ -217,7 +214,7 @@ class ServerMetrics:
 
     def _ready(self) -> list[tuple[Mapping[str, str], float]]:
         no_labels: Mapping[str, str] = {}
-        return [(no_labels, float(s["start"])) for s in self._stages() if s["name"] == "ready"][:1]
+        return [(no_labels, float(s.start)) for s in self._stages() if s.name == "ready"][:1]
 
     def render(self) -> str:
         """The whole exposition, one ``# HELP``/``# TYPE`` block per metric."""
