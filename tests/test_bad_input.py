@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -20,11 +21,13 @@ import preheat
 from conftest import WrittenCheckpoint, write, write_raw
 from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.writer import save_file
-from preheat.errors import CheckpointError
+from preheat.errors import CheckpointError, SourceError
 from preheat.io.buffers import PAGE, host_buffer
 from preheat.io.pipeline import StagedReader
 from preheat.io.reads import FileJob, ParallelReader, plan_ops
 from preheat.loader import plan_file
+from preheat.sources.base import READ_BYTES_LIMIT
+from preheat.sources.local import LocalOrigin
 
 MODES = ["mmap", "read", "direct"]
 
@@ -111,6 +114,56 @@ def test_file_that_is_not_safetensors_is_refused(tmp_path: Path, kind: str, mode
     path = tmp_path / "model.safetensors"
     NOT_SAFETENSORS[kind](path)
     load_fails(path, mode)
+
+
+HOSTILE_HEADERS: dict[str, bytes] = {
+    # json.loads raised RecursionError (a crash, not a CheckpointError) for the first two, ValueError for the third
+    "100,000 nested lists": b"[" * 100_000,
+    "nested metadata": b'{"__metadata__": {"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}",
+    "5,000-digit offset": b'{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, ' + b"4" * 5_000 + b"]}}",
+    "100-dimensional tensor": b'{"a": {"dtype": "U8", "shape": ['
+    + b",".join([b"1"] * 100)
+    + b'], "data_offsets": [0, 1]}}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
+def test_hostile_header_json_is_a_checkpoint_error(tmp_path: Path, case: str) -> None:
+    raw = HOSTILE_HEADERS[case]
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
+    load_fails(path)
+
+
+def test_index_with_every_tensor_in_its_own_shard_name_resolves_in_linear_time(tmp_path: Path) -> None:
+    # 50,000 distinct shard names: the old "if path not in files" made this quadratic (minutes); the per-test timeout
+    # catches a regression, nothing here measures time.
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {f"t{i}": f"s{i:05d}.safetensors" for i in range(50_000)}})
+    )
+    error = load_fails(tmp_path, path=tmp_path / "s00000.safetensors")
+    assert "missing" in str(error)
+
+
+def test_deeply_nested_index_names_the_index(tmp_path: Path) -> None:
+    written = write(tmp_path / "model", shards=2)
+    index = written.root / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    error = load_fails(written.root, path=index)
+    assert "nested deeper than 64 levels" in str(error)
+
+
+def test_local_origin_reads_only_regular_files_of_bounded_size(tmp_path: Path) -> None:
+    origin = LocalOrigin(str(tmp_path))
+    with open(tmp_path / "config.json", "wb") as handle:
+        handle.truncate(READ_BYTES_LIMIT + 1)  # sparse: no disk used, and never read
+    with pytest.raises(SourceError, match=f"at most {READ_BYTES_LIMIT} bytes, and this one is {READ_BYTES_LIMIT + 1}"):
+        origin.read_bytes("config.json")
+    os.mkfifo(tmp_path / "tokenizer.json")  # opening it for reading would wait for a writer forever
+    with pytest.raises(SourceError, match="not a regular file"):
+        origin.read_bytes("tokenizer.json")
+    (tmp_path / "small.json").write_bytes(b"{}")
+    assert origin.read_bytes("small.json") == b"{}"
 
 
 def test_shard_missing_from_index_names_the_shard(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 import preheat
 from conftest import WrittenCheckpoint, write
+from hostile import ScriptedServer, endless
 from preheat.checkpoint import digest as digest_module
-from preheat.checkpoint.layout import open_checkpoint, resolve_files, resolve_remote_names
+from preheat.checkpoint.layout import open_checkpoint, read_remote_manifest, resolve_files, resolve_remote_names
 from preheat.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -31,9 +32,16 @@ from preheat.checkpoint.manifest import (
     digest_bytes,
     file_digest,
     hash_file,
+    rank_dir,
 )
-from preheat.errors import CheckpointError, ConfigError
+from preheat.errors import CheckpointError, ConfigError, SourceError
+from preheat.sources.base import READ_BYTES_LIMIT
+from preheat.sources.fileserver import Faults, FileServer
+from preheat.sources.http import HTTPOrigin
 from preheat.sources.local import LocalOrigin
+from preheat.sources.net import NetSettings
+from preheat.sources.s3 import S3Origin
+from s3moto import BUCKET, moto_s3
 
 
 def manifest_of(checkpoint: WrittenCheckpoint) -> Manifest:
@@ -309,3 +317,89 @@ def test_remote_names_come_from_the_manifest(tmp_path: Path) -> None:
     written(root)
     origin = LocalOrigin(str(root))
     assert resolve_remote_names(origin, rank=1, world_size=2) == ["rank-00001-of-00002/model.safetensors"]
+
+
+# -- bounds: many records, and manifests from servers that send too much ---------------------------------------------
+DIGEST = "xxh3-128:" + "cd" * 16
+
+
+def many_files(count: int, world: int = 1) -> Manifest:
+    """A manifest of ``count`` one-tensor files (or, with ``world``, one file per rank of a pre-sharded checkpoint)."""
+    names = [f"{rank_dir(i, world)}/m.safetensors" if world > 1 else f"shard-{i:06d}.safetensors" for i in range(count)]
+    files = tuple(FileRecord(name, 16, DIGEST) for name in names)
+    tensors = tuple(
+        TensorRecord(
+            "w" if world > 1 else f"t{i}", name, 8, 8, "F32", (2,), DIGEST, TPInfo(0, i, world) if world > 1 else None
+        )
+        for i, name in enumerate(names)
+    )
+    return Manifest(FORMAT_VERSION, {}, files, tensors, world, ())
+
+
+# The name and rank checks used to be quadratic (20,000 files: 10.8 s; 5,000 ranks: 16 s). These check the answers on
+# big inputs; a quadratic regression is caught by the per-test timeout (nothing here measures time).
+def test_a_manifest_of_20000_files_parses_and_still_finds_a_duplicate() -> None:
+    manifest = many_files(20_000)
+    raw = manifest.to_json()
+    assert Manifest.from_json(raw, where="big") == manifest
+    doc = json.loads(raw)
+    doc["extra_files"] = [doc["files"][-1]]
+    del doc["identity"]
+    with pytest.raises(CheckpointError, match=r"'shard-019999\.safetensors' is listed more than once"):
+        Manifest.from_json(json.dumps(doc).encode(), where="big")
+
+
+def test_a_manifest_pre_sharded_for_5000_ranks_parses_and_still_finds_a_missing_rank() -> None:
+    manifest = many_files(5_000, world=5_000)
+    assert Manifest.from_json(manifest.to_json(), where="tp") == manifest
+    assert [t.name for t in manifest.tensors_in(f"{rank_dir(4_999, 5_000)}/m.safetensors")] == ["w"]
+    doc = json.loads(manifest.to_json())
+    del doc["identity"]
+    doc["files"].pop(1234)
+    doc["tensors"].pop(1234)
+    with pytest.raises(CheckpointError, match="rank 1234 of 5000 has no files"):
+        Manifest.from_json(json.dumps(doc).encode(), where="tp")
+
+
+def test_an_oversized_remote_manifest_is_refused_without_being_read(tmp_path: Path) -> None:
+    with open(tmp_path / MANIFEST_NAME, "wb") as handle:
+        handle.truncate(READ_BYTES_LIMIT + 1)  # sparse: the server announces it, the client never downloads it
+    with FileServer(str(tmp_path)) as server, HTTPOrigin(server.url) as origin:
+        url = origin.join(MANIFEST_NAME)
+        with pytest.raises(SourceError, match=f"GET {url}: refused: .* at most {READ_BYTES_LIMIT} bytes") as caught:
+            open_checkpoint(origin.uri)
+        assert f"is {READ_BYTES_LIMIT + 1} bytes" in str(caught.value)
+        assert origin.stats.snapshot().bytes == 0
+
+
+def test_a_manifest_cut_short_in_transit_is_fetched_again_not_half_parsed(tmp_path: Path) -> None:
+    manifest = many_files(100)
+    (tmp_path / MANIFEST_NAME).write_bytes(manifest.to_json())
+    with FileServer(str(tmp_path), faults=Faults(drop_after_bytes=1000)) as server, HTTPOrigin(server.url) as origin:
+        assert read_remote_manifest(origin) == manifest
+        assert server.stats.snapshot().drops == 1
+        assert origin.stats.snapshot().retries == 1
+
+
+def test_a_manifest_streamed_without_end_is_cut_at_the_limit() -> None:
+    def script(method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], Iterable[bytes]]:
+        return 200, {"Content-Type": "application/json"}, endless(b" " * 65536)  # chunked: no length announced
+
+    limit = 1 << 20
+    with (
+        ScriptedServer(script) as server,
+        HTTPOrigin(server.url, settings=NetSettings(whole_file_limit=limit)) as origin,
+    ):
+        with pytest.raises(SourceError, match=f"at most {limit} bytes, and this one sent more than that"):
+            read_remote_manifest(origin)
+        with pytest.raises(SourceError, match=rf"{server.url}/config\.json"):
+            origin.read_bytes("config.json")
+
+
+def test_an_oversized_s3_object_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with moto_s3(monkeypatch) as client:
+        client.put_object(Bucket=BUCKET, Key="big/preheat.json", Body=b" " * 4096)
+        origin = S3Origin(f"s3://{BUCKET}/big", settings=NetSettings(whole_file_limit=1024, attempts=1))
+        with pytest.raises(SourceError, match=r"s3://models/big/preheat\.json: refused: .* and this one is 4096 bytes"):
+            origin.read_bytes(MANIFEST_NAME)
+        assert S3Origin(f"s3://{BUCKET}/big").read_bytes(MANIFEST_NAME) == b" " * 4096

@@ -52,6 +52,35 @@ def test_booleans_are_not_numbers() -> None:
     assert caught.value.param == "max_tokens"
 
 
+def test_stop_is_bounded_in_count_and_length() -> None:
+    most = [f"s{i}" for i in range(openai.MAX_STOP_SEQUENCES)]
+    assert parse({"prompt": "Hi", "stop": most}).stop == most
+    assert parse({"prompt": "Hi", "stop": "x" * openai.MAX_STOP_CHARS}).stop == ["x" * openai.MAX_STOP_CHARS]
+    too_many: dict[str, object] = {"prompt": "Hi", "stop": [*most, "one more"]}
+    too_long: dict[str, object] = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stop": ["ok", "x" * (openai.MAX_STOP_CHARS + 1)],
+    }
+    for body, kind, says in [(too_many, "completion", "at most 16 sequences"), (too_long, "chat", "at most 256 char")]:
+        with pytest.raises(openai.APIError, match=says) as caught:
+            parse(body, kind)
+        assert (caught.value.status, caught.value.param, caught.value.code) == (400, "stop", "invalid_value")
+
+
+def test_a_body_of_a_million_empty_lists_is_a_400() -> None:
+    raw = b'{"prompt": "Hi", "user": [' + b"[]," * 1_000_000 + b"[]]}"
+    with pytest.raises(openai.APIError, match="more than 100000 arrays and objects") as caught:
+        openai.parse_request(raw, "completion", "m")
+    assert caught.value.status == 400
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_recursion_error() -> None:
+    for raw in (b"[" * 100_000, b'{"prompt": "Hi", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+        with pytest.raises(openai.APIError, match="nested deeper than 64 levels") as caught:
+            openai.parse_request(raw, "completion", "m")
+        assert (caught.value.status, caught.value.code) == (400, "invalid_json")
+
+
 def test_usage_chunk_closes_a_stream_that_asked_for_it() -> None:
     request = parse({"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}})
     chunk = openai.stream_chunk(request, "cmpl-1", 0, "a", None)

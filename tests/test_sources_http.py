@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors
+from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
 from preheat.sources import open_origin
 from preheat.sources.fileserver import Faults, FileServer
@@ -36,10 +37,14 @@ def served(
     sharded_checkpoint: WrittenCheckpoint,
     wide_checkpoint: WrittenCheckpoint,
 ) -> Path:
-    """A directory holding copies of the shared checkpoints as ``single/``, ``sharded/`` and ``wide/``."""
+    """A directory holding copies of the shared checkpoints as ``single/``, ``sharded/`` and ``wide/``. ``single`` and
+    ``wide`` carry a ``preheat.json`` (remote loads are checked against it); ``sharded`` is a plain Hugging Face
+    directory, found through its index, so its loads pass ``verify=False``."""
     root = tmp_path_factory.mktemp("origin")
     for name, written in (("single", single_checkpoint), ("sharded", sharded_checkpoint), ("wide", wide_checkpoint)):
         shutil.copytree(written.root, root / name)
+        if name != "sharded":
+            (root / name / MANIFEST_NAME).write_bytes(build_manifest(str(root / name)).to_json())
     return root
 
 
@@ -72,13 +77,13 @@ def test_single_file_checkpoint_over_http_equals_written(
 
 
 def test_sharded_checkpoint_over_http_equals_written(server: FileServer, sharded_checkpoint: WrittenCheckpoint) -> None:
-    assert_same_tensors(preheat.load(server.url_for("sharded") + "/"), sharded_checkpoint.tensors)
+    assert_same_tensors(preheat.load(server.url_for("sharded") + "/", verify=False), sharded_checkpoint.tensors)
 
 
 @pytest.mark.parametrize("name", ["single", "sharded"])
 def test_tp_rank_over_http_equals_local_rank(server: FileServer, served: Path, name: str) -> None:
     for rank in range(2):
-        remote = preheat.load(server.url_for(name), rank=rank, world_size=2)
+        remote = preheat.load(server.url_for(name), rank=rank, world_size=2, verify=False)  # slices: no digests
         local = preheat.load(served / name, mode="read", rank=rank, world_size=2)
         assert_same_tensors(remote, local)
 
@@ -87,7 +92,7 @@ def test_tp_rank_fetches_fewer_bytes_than_the_whole_file(
     server: FileServer, wide_checkpoint: WrittenCheckpoint
 ) -> None:
     before = TOTALS.snapshot()
-    preheat.load(server.url_for("wide"), rank=1, world_size=2)
+    preheat.load(server.url_for("wide"), rank=1, world_size=2, verify=False)
     assert transferred(before).bytes < 0.75 * wide_checkpoint.single_file.stat().st_size
 
 
@@ -118,7 +123,7 @@ def test_missing_shard_named_in_the_index_is_not_found(tmp_path: Path, sharded_c
 def test_exists_is_false_for_404_and_read_bytes_names_the_url(server: FileServer) -> None:
     origin = HTTPOrigin(server.url_for("single"))
     assert origin.exists("model.safetensors")
-    assert not origin.exists("preheat.json")
+    assert not origin.exists("no-such.json")
     with pytest.raises(SourceNotFoundError, match=r"single/missing\.json.*404"):
         origin.read_bytes("missing.json")
     with pytest.raises(SourceNotFoundError, match=r"nothing\.safetensors"):
@@ -222,14 +227,15 @@ def test_server_ignoring_range_still_yields_exact_tensors(
 ) -> None:
     written: WrittenCheckpoint = request.getfixturevalue(f"{name}_checkpoint")
     with FileServer(served, faults=Faults(ignore_range=True)) as server:
-        assert_same_tensors(preheat.load(server.url_for(name), chunk_bytes=1 * MiB), written.tensors)
+        weights = preheat.load(server.url_for(name), chunk_bytes=1 * MiB, verify=name != "sharded")
+        assert_same_tensors(weights, written.tensors)
         assert 206 not in server.stats.snapshot().statuses
 
 
 def test_server_ignoring_range_serves_tp_ranks_exactly(served: Path) -> None:
     with FileServer(served, faults=Faults(ignore_range=True)) as server:
         for rank in range(2):
-            remote = preheat.load(server.url_for("wide"), rank=rank, world_size=2)
+            remote = preheat.load(server.url_for("wide"), rank=rank, world_size=2, verify=False)
             assert_same_tensors(remote, preheat.load(served / "wide", mode="read", rank=rank, world_size=2))
 
 
@@ -378,7 +384,7 @@ def test_https_with_a_trusted_certificate_loads(
 ) -> None:
     monkeypatch.setenv("SSL_CERT_FILE", str(certificate[0]))
     assert tls_server.url.startswith("https://")
-    assert_same_tensors(preheat.load(tls_server.url_for("sharded")), sharded_checkpoint.tensors)
+    assert_same_tensors(preheat.load(tls_server.url_for("sharded"), verify=False), sharded_checkpoint.tensors)
 
 
 def test_https_with_an_unknown_certificate_is_refused_at_once(

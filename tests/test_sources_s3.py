@@ -38,7 +38,8 @@ _ENV = {
 def endpoint(
     single_checkpoint: WrittenCheckpoint, sharded_checkpoint: WrittenCheckpoint, wide_checkpoint: WrittenCheckpoint
 ) -> Iterator[str]:
-    """A moto S3 server holding the shared checkpoints under ``s3://models/{single,sharded,wide}/``."""
+    """A moto S3 server holding the shared checkpoints under ``s3://models/{single,sharded,wide}/``: plain Hugging
+    Face directories without ``preheat.json``, so loads pass ``verify=False`` (checked loads: test_load_verify.py)."""
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto logs every request otherwise
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -72,18 +73,18 @@ def aws_env(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_single_file_checkpoint_from_s3_equals_written(single_checkpoint: WrittenCheckpoint) -> None:
-    assert_same_tensors(preheat.load(f"s3://{BUCKET}/single"), single_checkpoint.tensors)
+    assert_same_tensors(preheat.load(f"s3://{BUCKET}/single", verify=False), single_checkpoint.tensors)
 
 
 def test_sharded_checkpoint_from_s3_equals_written(sharded_checkpoint: WrittenCheckpoint) -> None:
-    assert_same_tensors(preheat.load(f"s3://{BUCKET}/sharded/"), sharded_checkpoint.tensors)
+    assert_same_tensors(preheat.load(f"s3://{BUCKET}/sharded/", verify=False), sharded_checkpoint.tensors)
 
 
 @pytest.mark.parametrize("name", ["single", "sharded"])
 def test_tp_rank_from_s3_equals_local_rank(name: str, request: pytest.FixtureRequest) -> None:
     written: WrittenCheckpoint = request.getfixturevalue(f"{name}_checkpoint")
     for rank in range(2):
-        remote = preheat.load(f"s3://{BUCKET}/{name}", rank=rank, world_size=2)
+        remote = preheat.load(f"s3://{BUCKET}/{name}", rank=rank, world_size=2, verify=False)
         assert_same_tensors(remote, preheat.load(written.root, mode="read", rank=rank, world_size=2))
 
 
@@ -163,12 +164,12 @@ def test_connection_dropped_mid_object_is_resumed(
     with FaultProxy(port) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         before = TOTALS.snapshot()
-        preheat.load(uri, threads=1, chunk_bytes=4 * MiB)
+        preheat.load(uri, threads=1, chunk_bytes=4 * MiB, verify=False)
         clean = TOTALS.snapshot() - before
 
         proxy.cut_after = 1 * MiB  # only the 4 MiB data reads carry that much on one connection
         before = TOTALS.snapshot()
-        weights = preheat.load(uri, threads=1, chunk_bytes=4 * MiB)
+        weights = preheat.load(uri, threads=1, chunk_bytes=4 * MiB, verify=False)
         dropped = TOTALS.snapshot() - before
     assert proxy.cuts_done == 1
     assert_same_tensors(weights, wide_checkpoint.tensors)
@@ -193,7 +194,7 @@ def test_no_credentials_means_unsigned_requests(
         client.upload_file(str(path), BUCKET, f"public/{path.name}", ExtraArgs={"ACL": "public-read"})
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    assert_same_tensors(preheat.load(f"s3://{BUCKET}/public"), single_checkpoint.tensors)
+    assert_same_tensors(preheat.load(f"s3://{BUCKET}/public", verify=False), single_checkpoint.tensors)
 
 
 def test_s3_uris_parse_and_dispatch(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ or ``model.safetensors``; or any directory of ``*.safetensors`` files (a preheat
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Iterator
@@ -17,7 +16,8 @@ from preheat.checkpoint.safetensors import PREFIX_BYTES, SafetensorsHeader, Tens
 from preheat.errors import CheckpointError, ConfigError
 from preheat.io.files import read_exact
 from preheat.io.reads import read_at_least
-from preheat.sources.base import Origin, Source, check_name, is_uri, open_origin
+from preheat.jsonsafe import loads_bounded
+from preheat.sources.base import READ_BYTES_LIMIT, Origin, Source, check_name, is_uri, open_origin
 from preheat.sources.local import LocalFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -130,24 +130,33 @@ def resolve_files(source: str, *, rank: int = 0, world_size: int = 1) -> list[st
 
 def _files_from_index(root: str, index: str) -> list[str]:
     try:
-        with open(index, encoding="utf-8") as handle:
-            doc = json.load(handle)
-        weight_map = doc["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
+        weight_map = _weight_map(_read_small(index))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: not a valid safetensors index ({exc})", path=index) from None
-    files: list[str] = []
+    files: dict[str, None] = {}  # ordered and deduplicated in one pass (an index names a shard once per tensor)
     for shard in weight_map.values():
         if not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.split("/"):
             raise CheckpointError(f"{index}: shard name {shard!r} is not a plain relative file name", path=index)
-        path = os.path.join(root, shard)
-        if path not in files:
-            files.append(path)
+        files[os.path.join(root, shard)] = None
     for path in files:
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: shard named in {INDEX_NAME} is missing", path=path)
-    return files
+    return list(files)
+
+
+def _read_small(path: str) -> bytes:
+    """A local JSON file (index, manifest), read no further than the size a document may have."""
+    with open(path, "rb") as handle:
+        return handle.read(READ_BYTES_LIMIT + 1)  # one byte more, so that loads_bounded sees it is too large
+
+
+def _weight_map(data: bytes) -> dict[str, object]:
+    """The ``weight_map`` of index bytes (``ValueError``/``KeyError``/``TypeError`` if there is none)."""
+    doc = loads_bounded(data, max_bytes=READ_BYTES_LIMIT)
+    weight_map = doc["weight_map"] if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise TypeError("weight_map is not an object")
+    return weight_map
 
 
 def open_checkpoint(source: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1) -> Checkpoint:
@@ -187,8 +196,7 @@ def read_manifest(root: str) -> Manifest | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+        data = _read_small(path)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc.strerror}", path=path) from None
     return Manifest.from_json(data, where=path)
@@ -230,9 +238,13 @@ def _check_unique(files: tuple[CheckpointFile, ...]) -> None:
 
 
 def _check_index_names(index: str, root: str, seen: dict[str, str]) -> None:
-    with open(index, encoding="utf-8") as handle:
-        weight_map: dict[str, str] = json.load(handle)["weight_map"]
+    try:  # read again: a checkpoint with a manifest never went through _files_from_index
+        weight_map = _weight_map(_read_small(index))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({exc})", path=index) from None
     for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{index}: shard name {shard!r} is not a string", path=index, tensor=name)
         where = seen.get(name)
         if where is None:
             raise CheckpointError(
@@ -256,17 +268,12 @@ def resolve_remote_names(origin: Origin, *, rank: int = 0, world_size: int = 1) 
         return [f.name for f in manifest.files_for_rank(rank, world_size)]
     try:
         if origin.exists(INDEX_NAME):
-            doc = json.loads(origin.read_bytes(INDEX_NAME))
-            weight_map = doc["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-            names: list[str] = []
-            for shard in weight_map.values():
+            names: dict[str, None] = {}  # ordered and deduplicated in one pass
+            for shard in _weight_map(origin.read_bytes(INDEX_NAME)).values():
                 if not isinstance(shard, str):
                     raise TypeError(f"shard name {shard!r} is not a string")
-                if shard not in names:
-                    names.append(check_name(shard))
-            return names
+                names[check_name(shard)] = None
+            return list(names)
     except (ValueError, KeyError, TypeError, ConfigError) as exc:
         where = origin.join(INDEX_NAME)
         raise CheckpointError(f"{where}: not a valid safetensors index ({exc})", path=where) from None

@@ -27,9 +27,10 @@ from functools import cached_property
 from preheat.checkpoint import dtypes
 from preheat.checkpoint.digest import DIGEST_PREFIX, digest_bytes, file_digest, hash_file
 from preheat.checkpoint.jsonfile import read_config
-from preheat.checkpoint.safetensors import SafetensorsHeader
+from preheat.checkpoint.safetensors import MAX_DIMS, MAX_INT, SafetensorsHeader
 from preheat.errors import CheckpointError, ConfigError
-from preheat.sources.base import check_name
+from preheat.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
+from preheat.sources.base import READ_BYTES_LIMIT, check_name
 
 # The digest helpers are part of this module's API (callers hash with ``manifest.digest_bytes``), hence re-exported.
 __all__ = [
@@ -148,11 +149,15 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> Manifest:
-        """Parse and validate manifest bytes; ``CheckpointError`` naming ``where`` on any problem."""
+        """Parse and validate manifest bytes; ``CheckpointError`` naming ``where`` on any problem.
+
+        Bounded for manifests from anywhere: at most ``READ_BYTES_LIMIT`` bytes, JSON nested at most
+        ``jsonsafe.MAX_DEPTH`` deep, integers below 2**63, and time about linear in the number of records.
+        """
         try:
-            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CheckpointError(f"{where}: not a preheat manifest (not JSON: {exc})", path=where) from None
+            doc = loads_bounded(data, max_bytes=READ_BYTES_LIMIT, max_depth=MAX_DEPTH)
+        except JSONInputError as exc:
+            raise CheckpointError(f"{where}: not a preheat manifest ({exc})", path=where) from None
         return _Parser(where).manifest(doc)
 
     def files_for_rank(self, rank: int, world_size: int) -> list[FileRecord]:
@@ -173,7 +178,15 @@ class Manifest:
 
     def tensors_in(self, file: str) -> list[TensorRecord]:
         """The tensors stored in weights file ``file``, in manifest order."""
-        return [t for t in self.tensors if t.file == file]
+        return list(self._tensors_by_file.get(file, ()))
+
+    @cached_property
+    def _tensors_by_file(self) -> dict[str, list[TensorRecord]]:
+        # Checking every file of a checkpoint asks this once per file: one pass, not one pass per file.
+        by_file: dict[str, list[TensorRecord]] = {}
+        for record in self.tensors:
+            by_file.setdefault(record.file, []).append(record)
+        return by_file
 
     def check_header(self, file: FileRecord, size: int, header: SafetensorsHeader) -> None:
         """Check that a weights file as found (size and parsed header) is the one the manifest describes.
@@ -216,11 +229,6 @@ class Manifest:
 def canonical_json(value: object) -> bytes:
     """The bytes identities are computed over: sorted keys, no whitespace, ASCII only (``\\uXXXX`` escapes)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
-def _reject_constant(token: str) -> object:
-    # NaN and Infinity are not JSON; accepting them would make the identity (computed over strict JSON) fail later.
-    raise ValueError(f"{token} is not valid JSON")
 
 
 def _file_dict(record: FileRecord) -> dict[str, object]:
@@ -272,10 +280,11 @@ class _Parser:
         files = tuple(self.file(f, "files") for f in self.list(self.key(obj, "files"), "files"))
         extra = tuple(self.file(f, "extra_files") for f in self.list(self.key(obj, "extra_files"), "extra_files"))
         by_name = {f.name: f for f in files}
-        names = [f.name for f in (*files, *extra)]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise self.fail(f"file {duplicates[0]!r} is listed more than once")
+        names: set[str] = set()
+        for record in (*files, *extra):  # a set, not names.count(): 20,000 files would take seconds
+            if record.name in names:
+                raise self.fail(f"file {record.name!r} is listed more than once")
+            names.add(record.name)
         if MANIFEST_NAME in names:
             raise self.fail(f"{MANIFEST_NAME} cannot list itself")
         tensors = tuple(self.tensor(t, by_name, world) for t in self.list(self.key(obj, "tensors"), "tensors"))
@@ -292,12 +301,15 @@ class _Parser:
     def check_layout(self, manifest: Manifest) -> None:
         world = manifest.tp_world_size
         seen: set[tuple[str, int]] = set()
+        ranks: set[int] = set()
         for file in manifest.files:
             match = RANK_DIR.match(file.name)
             if world > 1 and (match is None or int(match.group(2)) != world or int(match.group(1)) >= world):
                 raise self.fail(f"file {file.name!r} is not inside a rank-RRRRR-of-{world:05d}/ directory")
-        for rank in range(world if world > 1 else 0):
-            if not any(f.name.startswith(rank_dir(rank, world) + "/") for f in manifest.files):
+            if match is not None:
+                ranks.add(int(match.group(1)))
+        for rank in range(world if world > 1 else 0):  # world <= 99999: the files' names were matched above
+            if rank not in ranks:
                 raise self.fail(f"rank {rank} of {world} has no files (expected {rank_dir(rank, world)}/...)")
         for record in manifest.tensors:
             rank = 0 if record.tp is None else record.tp.rank
@@ -342,6 +354,8 @@ class _Parser:
         if not isinstance(dtype, str) or not dtypes.is_known(dtype):
             raise self.fail(f"tensor {name!r} has unknown dtype {dtype!r}", tensor=name)
         raw_shape = self.list(self.key(obj, "shape"), f"shape of tensor {name!r}")
+        if len(raw_shape) > MAX_DIMS:
+            raise self.fail(f"tensor {name!r} has {len(raw_shape)} dimensions, more than {MAX_DIMS}", tensor=name)
         shape = tuple(self.int(d, f"shape of tensor {name!r}", low=0) for d in raw_shape)
         if math.prod(shape) * dtypes.itemsize(dtype) != nbytes:
             raise self.fail(f"tensor {name!r}: {dtype}{list(shape)} cannot span {nbytes} bytes", tensor=name)
@@ -372,8 +386,8 @@ class _Parser:
     def quant(self, value: object, tensor: str, dtype: str) -> QuantInfo:
         obj = self.obj(value, f"quant of tensor {tensor!r}")
         method = self.key(obj, "method")
-        if method not in QUANT_METHODS:
-            raise self.fail(f"tensor {tensor!r} has unknown quantization method {method!r}", tensor=tensor)
+        if not isinstance(method, str) or method not in QUANT_METHODS:  # a list would not even hash
+            raise self.fail(f"tensor {tensor!r} has unknown quantization method {_brief(method)}", tensor=tensor)
         if QUANT_METHODS[str(method)] != dtype:
             raise self.fail(
                 f"tensor {tensor!r} is {dtype}, but {method} weights are stored as {QUANT_METHODS[str(method)]}"
@@ -405,8 +419,8 @@ class _Parser:
         return obj[key]
 
     def int(self, value: object, what: str, *, low: int) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise self.fail(f"{what} must be an integer >= {low}, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_INT:
+            raise self.fail(f"{what} must be an integer in [{low}, 2**63), got {_brief(value)}")
         return value
 
     def name(self, value: object, what: str) -> str:
@@ -512,3 +526,9 @@ def _world_size(root: str, weights: Iterable[str]) -> int:
             path=root,
         )
     return worlds.pop()
+
+
+def _brief(value: object) -> str:
+    """``repr(value)`` cut short for a message (a hostile manifest's values can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

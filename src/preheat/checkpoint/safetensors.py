@@ -15,11 +15,16 @@ from dataclasses import dataclass
 
 from preheat.checkpoint import dtypes
 from preheat.errors import CheckpointError
+from preheat.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
 
 PREFIX_BYTES = 8
 # Real headers are kilobytes to a few MiB; anything beyond this is a different file type or garbage, and refusing it
 # early avoids allocating gigabytes because of 8 random bytes.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Bounds on the numbers in a header (and a manifest): sizes and offsets are below 2**63 (no file is larger), and a
+# tensor has at most 64 dimensions (NumPy's limit), so computing a tensor's size never multiplies huge integers.
+MAX_INT = 2**63 - 1
+MAX_DIMS = 64
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,9 @@ def parse_header(raw: bytes, *, path: str, file_size: int) -> SafetensorsHeader:
     """Validate the JSON header ``raw`` (the bytes after the length prefix) of a ``file_size``-byte file."""
     data_start = PREFIX_BYTES + len(raw)
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {exc})", path=path) from None
+        doc = loads_bounded(raw, max_bytes=MAX_HEADER_BYTES, max_depth=MAX_DEPTH)
+    except JSONInputError as exc:
+        raise CheckpointError(f"{path}: not a safetensors file (header refused: {exc})", path=path) from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)", path=path)
 
@@ -132,15 +137,17 @@ def _entry(name: str, spec: object, *, path: str, data_start: int) -> TensorEntr
             path=path,
             tensor=name,
         )
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {shape!r}", path=path, tensor=name)
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_bounded(d) for d in shape):
+        raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {_brief(shape)}", path=path, tensor=name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) and o >= 0 for o in offsets)
+        or not all(_bounded(o) for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}", path=path, tensor=name)
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has invalid data_offsets {_brief(offsets)}", path=path, tensor=name
+        )
     expected = math.prod(shape) * dtypes.itemsize(dtype)
     if offsets[1] - offsets[0] != expected:
         raise CheckpointError(
@@ -150,6 +157,17 @@ def _entry(name: str, spec: object, *, path: str, data_start: int) -> TensorEntr
             tensor=name,
         )
     return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _bounded(value: object) -> bool:
+    """A size, offset or dimension: an integer (not a bool) in ``[0, MAX_INT]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
+
+
+def _brief(value: object) -> str:
+    """``repr(value)`` cut short for a message (a hostile header's values can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def encode_header(

@@ -32,6 +32,7 @@ from preheat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.server.metrics import ServerMetrics
 from preheat.server.settings import ServeSettings
 from preheat.sources.httpserve import write_body
+from preheat.sources.ranges import parse_length
 from preheat.timeline import Timeline, process_start_time
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from preheat.server.worker import Worker
 
 log = logging.getLogger("preheat.server")
-MAX_BODY = 32 * 1024 * 1024
+MAX_BODY = openai.MAX_BODY_BYTES
 GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
@@ -71,7 +72,7 @@ class ServerState:
 
     def loading_stage(self) -> str:
         """The stage the loader is in now (a stage without an end yet), for ``/health`` while loading."""
-        open_stages = [s["name"] for s in self.timeline.stages() if s["end"] is None]
+        open_stages = [s.name for s in self.timeline.stages() if s.end is None]
         return str(open_stages[-1]) if open_stages else "starting"
 
 
@@ -149,16 +150,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_body(self) -> bytes | None:
         """The request body, or None after answering 411/413 (no length, or too large)."""
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        length = parse_length(self.headers.get("Content-Length"))  # None also for '²' or 5,000 digits
+        if length is None:
             self.send_error_json(openai.APIError(411, "a Content-Length header is required", code="length_required"))
             self.close_connection = True
             return None
-        if int(length) > MAX_BODY:
+        if length > MAX_BODY:
             self.send_error_json(openai.APIError(413, f"request body over {MAX_BODY} bytes", code="too_large"))
             self.close_connection = True
             return None
-        return self.rfile.read(int(length))
+        return self.rfile.read(length)
 
     # -- routes --------------------------------------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -318,7 +319,7 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
     worker.start()
     state.loaded, state.worker = loaded, worker
     state.ready.set()
-    ready = next((s["start"] for s in state.timeline.stages() if s["name"] == "ready"), state.timeline.now())
+    ready = next((s.start for s in state.timeline.stages() if s.name == "ready"), state.timeline.now())
     say(f"preheat serve: ready ({loaded.engine.model_name}, {ready:.2f} s after {state.timeline.origin_source})")
     if state.settings.peer:  # the replica becomes a peer once loaded (docs/peer.md)
         from preheat.server.peering import start_peer

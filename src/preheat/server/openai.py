@@ -12,8 +12,17 @@ import math
 from dataclasses import dataclass, field
 
 from preheat.errors import PreheatError
+from preheat.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Bounds on what one request may ask for (docs/server.md). The body cap is shared by the server and the router.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# OpenAI allows 4 stop sequences; 16 leaves room for chat-template markers. Every sequence is checked against the
+# text after every token, so count x length is work per token on the one generation thread: bounded here.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+# Arrays and objects in one body (a chat of 30,000 messages): json.loads spends ~1 s and ~60 MB per million of them.
+MAX_CONTAINERS = 100_000
 
 
 class APIError(PreheatError):
@@ -58,11 +67,15 @@ class GenerationRequest:
 
 
 def parse_request(raw: bytes, kind: str, served_model: str) -> GenerationRequest:
-    """Validate a request body for ``kind`` ("completion" or "chat"); raise ``APIError`` (400) naming the field."""
+    """Validate a request body for ``kind`` ("completion" or "chat"); raise ``APIError`` (400) naming the field.
+
+    The body is at most ``MAX_BODY_BYTES`` of UTF-8 JSON nested at most ``jsonsafe.MAX_DEPTH`` levels deep, with at
+    most ``MAX_CONTAINERS`` arrays and objects.
+    """
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        body = loads_bounded(raw, max_bytes=MAX_BODY_BYTES, max_depth=MAX_DEPTH, max_containers=MAX_CONTAINERS)
+    except JSONInputError as exc:
+        raise bad_request(f"request body refused: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     model = body.get("model", served_model)
@@ -157,10 +170,23 @@ def _stop(value: object) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
-    raise bad_request("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise bad_request(
+            f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}",
+            param="stop",
+            code="invalid_value",
+        )
+    longest = max((len(s) for s in value), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(
+            f"each 'stop' sequence may be at most {MAX_STOP_CHARS} characters, got one of {longest}",
+            param="stop",
+            code="invalid_value",
+        )
+    return [s for s in value if s]
 
 
 def _prompt(value: object) -> str | list[int]:

@@ -131,20 +131,29 @@ class HTTPOrigin:
             if response.status != 200:
                 response.drain()
                 raise SourceError(f"GET {url}: expected HTTP 200, got {response.status}")
-            announced = response.int_header("Content-Length")
+            announced = response.body.length  # Content-Length as http.client will honour it; None when chunked
             if announced is not None and announced > limit:
                 response.abandon()
                 raise too_large(f"GET {url}", announced, limit)
+            pieces: list[bytes] = []
+            received = 0
             try:
-                data = response.body.read(limit + 1)
+                # In pieces: one read(limit + 1) would allocate the whole limit up front on some responses.
+                while received <= limit and (piece := response.body.read(min(_SKIP_BUFFER, limit + 1 - received))):
+                    pieces.append(piece)
+                    received += len(piece)
             except (OSError, http.client.HTTPException) as exc:
                 response.abandon()
                 raise TransientError(describe(exc, self.settings)) from exc
-            self.stats.add(nbytes=len(data))
-            if len(data) > limit:  # no Content-Length (chunked), and more than the limit
+            finally:
+                self.stats.add(nbytes=received)
+            if received > limit:  # no Content-Length (chunked), and more than the limit
                 response.abandon()
                 raise too_large(f"GET {url}", None, limit)
-            return data
+            if announced is not None and received != announced:
+                response.abandon()
+                raise TransientError(f"connection closed after {received} of {announced} bytes")
+            return b"".join(pieces)
 
         return retrying(attempt, settings=self.settings, what=f"GET {url}", stats=self.stats)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from preheat.errors import ConfigError, SourceError
+from preheat.sources.base import READ_BYTES_LIMIT
 from preheat.sources.stats import TransferStats
 
 T = TypeVar("T")
@@ -38,6 +39,7 @@ class NetSettings:
     attempts: int = 4
     backoff: float = 0.2  # first retry delay; doubles per consecutive failure
     max_backoff: float = 5.0
+    whole_file_limit: int = READ_BYTES_LIMIT  # bytes ``read_bytes`` may hold (configs, manifests); more is refused
 
     @classmethod
     def from_env(cls) -> NetSettings:

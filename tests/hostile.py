@@ -1,0 +1,138 @@
+"""Fuzzing helpers: shared Hypothesis strategies for JSON-shaped input, and a real HTTP server that answers whatever
+a test scripts (a lying origin, a replica that sends garbage), so the client side of each parser meets it over a
+socket.
+
+Budgets: every property test here runs ``FUZZ`` (300 examples, no deadline), which keeps each file to seconds on two
+cores; a hang is caught by the suite's per-test timeout, never by a timing assert. ``PREHEAT_FUZZ_EXAMPLES=20000``
+fuzzes longer by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+FUZZ = settings(
+    max_examples=int(os.environ.get("PREHEAT_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+# Characters that matter to JSON parsers and to our scanners: brackets, quotes, escapes, digits, and non-ASCII.
+TRICKY = st.sampled_from([*'[]{}",:\\/ \n\t0123456789-+.eEabnrtfu', "\u00e9", "\u2028", "\U0001f600", "\x00"])
+tricky_text = st.text(TRICKY, max_size=40)
+scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | tricky_text
+
+
+def json_values(max_leaves: int = 30) -> st.SearchStrategy[Any]:  # Any: any JSON value
+    """Any JSON value (no NaN/Infinity), nested a few levels, with strings full of brackets and escapes."""
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=5) | st.dictionaries(tricky_text, inner, max_size=5),
+        max_leaves=max_leaves,
+    )
+
+
+def huge_ints() -> st.SearchStrategy[int]:
+    """Integers a hostile sender may write: negative, 2**63 and past it, hundreds of digits."""
+    return st.sampled_from([-1, 2**63 - 1, 2**63, 2**64, 10**100, -(10**100)]) | st.integers()
+
+
+def containers(value: object) -> int:
+    """How many arrays and objects ``value`` holds, itself included."""
+    if isinstance(value, list):
+        return 1 + sum(containers(v) for v in value)
+    if isinstance(value, dict):
+        return 1 + sum(containers(v) for v in value.values())
+    return 0
+
+
+def depth(value: object) -> int:
+    """How deeply ``value`` nests arrays and objects (a scalar: 0, ``[]``: 1)."""
+    if isinstance(value, list):
+        return 1 + max((depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((depth(v) for v in value.values()), default=0)
+    return 0
+
+
+# An answer: status, headers, and the body as pieces (each piece is written and flushed; chunked when no length).
+Answer = tuple[int, dict[str, str], Iterable[bytes]]
+
+
+@dataclass
+class ScriptedServer:
+    """A real HTTP/1.1 server on 127.0.0.1 whose every answer comes from ``script(method, path, headers)``.
+
+    A body without ``Content-Length`` in its headers is sent chunked, piece by piece, until the iterable ends or the
+    client goes away: an endless generator is a server that never stops sending.
+    """
+
+    script: Callable[[str, str, dict[str, str]], Answer]
+    requests: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:  # quiet: tests read answers, not logs
+                pass
+
+            def answer(self) -> None:
+                outer.requests.append((self.command, self.path))
+                status, headers, pieces = outer.script(self.command, self.path, dict(self.headers))
+                self.send_response(status)
+                chunked = "Content-Length" not in headers and self.command != "HEAD"
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                if chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                try:
+                    for piece in pieces:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                        self.wfile.flush()
+                    if chunked:
+                        self.wfile.write(b"0\r\n\r\n")
+                except OSError:  # the client stopped reading: what a careful client does with a lying server
+                    self.close_connection = True
+
+            def do_GET(self) -> None:
+                self.answer()
+
+            def do_HEAD(self) -> None:
+                self.answer()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> ScriptedServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+def endless(piece: bytes) -> Iterator[bytes]:
+    """A body that never ends."""
+    while True:
+        yield piece
