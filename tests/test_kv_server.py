@@ -119,6 +119,11 @@ def test_events_report_stores_after_a_snapshot(kv_model: Path) -> None:
         stale = client.get("/v1/kv/events?epoch=another&since=1").json()
         assert stale["reset"]
         assert len(stale["l1"]) == len(later["events"])
+        # A 'since' that is not a plain decimal (a superscript digit, 5,000 digits) is a full snapshot, never a 500.
+        for since in ("%C2%B2", "9" * 5000):
+            odd = client.get(f"/v1/kv/events?epoch={first['epoch']}&since={since}")
+            assert odd.status == 200
+            assert odd.json()["reset"]
 
 
 def test_without_kv_tiers_the_events_route_says_so(kv_model: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from preheat.server import openai, sse
 from preheat.server.metrics import Counter, Histogram, ServerMetrics
+from preheat.timeline import Stage
 
 
 def parse(body: dict[str, object], kind: str = "completion") -> openai.GenerationRequest:
@@ -128,9 +129,9 @@ def test_label_values_are_escaped() -> None:
 
 def test_stage_durations_come_from_the_timeline() -> None:
     stages = [
-        {"name": "weight_load", "start": 1.0, "end": 1.5},
-        {"name": "ready", "start": 2.0, "end": 2.0},
-        {"name": "warmup", "start": 1.5, "end": None},  # still running: not a duration yet
+        Stage("weight_load", 1.0, 1.5),
+        Stage("ready", 2.0, 2.0),
+        Stage("warmup", 1.5, None),  # still running: not a duration yet
     ]
     text = ServerMetrics(lambda: stages, lambda: (2, 1)).render()
     assert 'preheat_load_stage_seconds{stage="weight_load"} 0.5' in text

@@ -22,6 +22,7 @@ from preheat.errors import PeerError
 from preheat.peer.artifacts import MAX_BLOB_BYTES, ArtifactKey, Verified, verify
 from preheat.peer.server import ARTIFACTS_ROUTE
 from preheat.peer.signing import TrustedKeys
+from preheat.sources.ranges import parse_length
 
 log = logging.getLogger("preheat.peer")
 _KEY = re.compile(r"[0-9a-f]{32}")  # fullmatch: an ArtifactKey.hex
@@ -207,8 +208,8 @@ def fetch(
     started = time.monotonic()
     try:
         with opener.open(request, timeout=timeout) as response:
-            declared = response.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            declared = parse_length(response.headers.get("Content-Length"))
+            if declared is not None and declared > max_bytes:
                 log.warning(
                     "compile: peer %s offers %s bytes of artifacts, over the %d cap", address, declared, max_bytes
                 )

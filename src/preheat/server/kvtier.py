@@ -11,6 +11,7 @@ from urllib.parse import parse_qs
 
 from preheat.server.metrics import format_value
 from preheat.server.settings import ServeSettings
+from preheat.sources.ranges import parse_length
 from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def events_payload(tiers: TieredKV, query: str, load: Callable[[], tuple[int, in
     params = parse_qs(query)
     epoch = params.get("epoch", [None])[0]
     since_text = params.get("since", [None])[0]
-    since = int(since_text) if since_text is not None and since_text.isdigit() else None
+    since = parse_length(since_text)  # ASCII digits only, bounded: '²' or 5,000 digits mean 'from the start'
     latest, events = tiers.events.since(epoch, since)
     waiting, running = load()
     payload: dict[str, object] = {
