@@ -1,5 +1,8 @@
 """Faults behind the router, with real replicas: a replica killed mid-run, one that dies mid-answer, one that answers
-slowly, and one that comes back. The router must eject, retry before the first byte, and say what happened after."""
+slowly, and one that comes back. The router must eject, retry before the first byte, and say what happened after.
+
+No test depends on how fast a busy machine answers: checks come often, but a health check's timeout is long enough
+that a live replica never misses it; the slow replica is held for a minute, far past the timeout, until released."""
 
 from __future__ import annotations
 
@@ -11,12 +14,19 @@ from pathlib import Path
 import pytest
 
 from netfaults import FaultProxy
+from preheat.router.policies import make_policy
+from preheat.router.prompts import PromptReader
+from preheat.router.proxy import Router
+from preheat.router.upstream import Replica
 from preheat.server.process import ServerProcess
 from routing import NAME, SlowProxy, replica_of, router_metric, running_router, start_replicas, wait_until
 from serving import Client, Reply
 
 GREEDY = {"model": NAME, "temperature": 0, "max_tokens": 4, "prompt": "Hello"}
-FAST_CHECKS = {"health_interval": 0.1, "health_timeout": 0.5}
+# A dead replica refuses connections and is ejected at its first check; a live one answers well within 10 s.
+FAST_CHECKS = {"health_interval": 0.1, "health_timeout": 10.0}
+# The slow replica is ejected after two timed-out checks; it holds its answers for 60 s, far past 2 s.
+SLOW_CHECKS = {"health_interval": 0.1, "health_timeout": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +67,7 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error(replicas: list
 
 def test_a_slow_replica_is_ejected_and_readmitted_when_it_recovers(replicas: list[ServerProcess]) -> None:
     slow_port = int(replicas[0].url.rsplit(":", 1)[1])
-    with SlowProxy(slow_port) as slow, running_router([slow.url, replicas[1].url], "least-load", **FAST_CHECKS) as r:
+    with SlowProxy(slow_port) as slow, running_router([slow.url, replicas[1].url], "least-load", **SLOW_CHECKS) as r:
         client = Client(r.url)
         slow.delay = 60.0
         wait_until(lambda: not healthy(r.url)[slow.url], "the slow replica to be ejected")
@@ -74,7 +84,7 @@ def test_least_load_sends_new_requests_away_from_a_replica_still_answering(repli
     slow_port = int(replicas[0].url.rsplit(":", 1)[1])
     with SlowProxy(slow_port) as slow, running_router([slow.url, replicas[1].url], "least-load") as router:
         client = Client(router.url)
-        slow.delay = 60.0  # health checks are 1 s apart by default: the replica stays in rotation meanwhile
+        slow.delay = 60.0  # its health checks may time out and eject it meanwhile: either way, others go elsewhere
         held: list[Reply] = []
         first = threading.Thread(target=lambda: held.append(client.post("/v1/completions", GREEDY)))
         first.start()
@@ -103,6 +113,16 @@ def test_a_killed_replica_is_ejected_and_no_request_fails(replicas: list[ServerP
     assert {replica_of(r) for r in replies} == {survivor.url}
     assert ejected == 1
     assert state == {victim.url: False, survivor.url: True}
+
+
+def test_a_replica_found_dead_by_a_request_and_a_check_at_once_is_ejected_once() -> None:
+    replica = Replica("http://127.0.0.1:9")
+    router = Router([replica], make_policy("round-robin"), PromptReader(None))
+    router.set_health(replica, True, "/health answered 200")
+    router.set_health(replica, False, "connection refused")  # the request that found it dead...
+    router.set_health(replica, False, "connection refused")  # ...and the health checker, a moment later
+    assert router.metrics.ejections.value(replica=replica.url) == 1
+    assert not replica.healthy
 
 
 def test_a_restarted_replica_is_readmitted(pair: list[ServerProcess], tiny_servable_model: Path) -> None:

@@ -1,13 +1,18 @@
 """Policy ``kv`` against real replicas with KV tiers (an L1 each, one shared ``fs://`` L2): the router reads their
-``/v1/kv/events`` and sends a prompt where its prefix is cached, in the cheapest tier."""
+``/v1/kv/events`` and sends a prompt where its prefix is cached, in the cheapest tier.
+
+Nothing here depends on timing: a test that needs the router to know what a replica cached waits (with a deadline)
+until the router's index holds every chunk of that prompt, in the tier the test needs."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from preheat.kv.keys import cacheable_chunks
 from preheat.router.app import RouterService
 from preheat.server.process import ServerProcess
 from routing import NAME, replica_of, running_router, start_replicas, wait_until
@@ -37,21 +42,36 @@ def cached_tokens(reply: Reply) -> int:
     return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def wait_indexed(router: RouterService, replica: str) -> None:
-    """Until the router has heard from ``replica`` that its L1 holds chunks."""
+def prompt_keys(router: RouterService, replica: str, prompt: str) -> list[str]:
+    """The chunk keys of ``prompt`` that ``replica`` can cache, computed as the router computes them."""
+    request = router.router.prompts.read("/v1/completions", json.dumps({"prompt": prompt}).encode(), None)
+    state = router.kv_index.state(replica)
+    assert state is not None
+    assert request.token_ids is not None
+    keys = request.keys(state.fingerprint, state.chunk_tokens)
+    return keys[: cacheable_chunks(len(request.token_ids), state.chunk_tokens)]
+
+
+def wait_indexed(router: RouterService, replica: str, prompt: str, tier: str = "l1") -> None:
+    """Until ``replica``'s KV events told the router that its ``tier`` holds every cacheable chunk of ``prompt``."""
+    keys = prompt_keys(router, replica, prompt)
 
     def indexed() -> bool:
         state = router.kv_index.state(replica)
-        return state is not None and bool(state.l1)
+        held = None if state is None else state.l1 if tier == "l1" else state.l2
+        return held is not None and all(key in held for key in keys)
 
-    wait_until(indexed, f"KV events from {replica}")
+    wait_until(indexed, f"{replica}'s {tier} events for {len(keys)} chunks")
 
 
 def cache_once(urls: list[str], model: Path, prompt: str) -> str:
-    """Send ``prompt`` through a router that is then stopped; the replica that cached it, once the router heard so."""
+    """Send ``prompt`` through a router that is then stopped; the replica that cached it, once the router heard that
+    every chunk reached its L1 and the shared L2 (L2 writes are in the background: a later snapshot of the other
+    replica must list them all)."""
     with running_router(urls, "kv", model=str(model)) as router:
         holder = replica_of(ask(router, prompt))
-        wait_indexed(router, holder)
+        wait_indexed(router, holder, prompt, "l1")
+        wait_indexed(router, holder, prompt, "l2")
     return holder
 
 
@@ -60,7 +80,8 @@ def test_kv_sends_a_prompt_where_its_prefix_is_cached(kv_replicas: list[ServerPr
     with running_router(urls, "kv", model=str(kv_model)) as router:
         first = ask(router, STORY + "The keeper")
         holder = replica_of(first)
-        wait_indexed(router, holder)
+        wait_indexed(router, holder, STORY + "The keeper")
+        # Back to back: the replica's last reported load may date from the previous request (docs/router.md).
         again = [ask(router, STORY + f"Then {n}") for n in range(3)]
     assert first.headers["X-Preheat-Route"] == "kv_no_hit"
     assert {replica_of(r) for r in again} == {holder}

@@ -15,6 +15,7 @@ from preheat.router.policies import (
     Candidate,
     KVAware,
     LoadGuard,
+    Policy,
     RouteRequest,
     make_policy,
     rendezvous,
@@ -113,7 +114,7 @@ def test_snapshot_then_events_rebuild_the_tiers() -> None:
     index.apply("r1", parse_update(events((11, "store", "l1", KEYS[1]), (12, "evict", "l1", KEYS[0])), "r1"))
     state = index.state("r1")
     assert state is not None
-    assert state.l1 == {KEYS[1]}
+    assert set(state.l1) == {KEYS[1]}
     assert index.cursor("r1") == ("e1", 12)
 
 
@@ -123,7 +124,7 @@ def test_events_already_applied_are_skipped() -> None:
     index.apply("r1", parse_update(events((9, "store", "l1", KEYS[0])), "r1"))  # seq 9 < the snapshot's 10
     state = index.state("r1")
     assert state is not None
-    assert state.l1 == set()
+    assert set(state.l1) == set()
 
 
 def test_a_new_epoch_forgets_the_old_state() -> None:
@@ -163,6 +164,13 @@ def idle(*names: str) -> list[Candidate]:
     return [Candidate(n) for n in names]
 
 
+def served(policy: Policy, tokens: list[int], replica: str, *, ok: bool = True) -> None:
+    """``tokens`` sent to ``replica``, which answered (``ok``: a 2xx; else a 4xx/5xx or a failure)."""
+    request = RouteRequest(token_ids=tokens)
+    policy.sent(request, replica)
+    policy.answered(request, replica, ok=ok)
+
+
 def test_round_robin_takes_turns() -> None:
     policy = make_policy("round-robin")
     picks = [policy.choose(RouteRequest(), idle("a", "b")).replica for _ in range(4)]
@@ -184,26 +192,43 @@ def test_session_is_sticky_and_only_a_lost_replicas_sessions_move() -> None:
 
 def test_prefix_routes_to_the_longest_match() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C)
-    policy.routed(RouteRequest(token_ids=TOKENS[:8]), "a")
-    policy.routed(RouteRequest(token_ids=TOKENS[:20]), "b")
+    served(policy, TOKENS[:8], "a")
+    served(policy, TOKENS[:20], "b")
     decision = policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b"))
     assert (decision.replica, decision.reason) == ("b", "prefix_match")
     assert policy.choose(RouteRequest(token_ids=[99] * 40), idle("a", "b")).reason == "no_match"
 
 
+def test_prefix_learns_nothing_from_a_request_that_was_not_answered_2xx() -> None:
+    policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C)
+    served(policy, TOKENS, "a", ok=False)  # the replica answered 401, 404, 500... or never answered
+    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).reason == "no_match"
+    assert policy.index_sizes() == {}
+
+
+def test_prefix_counts_a_request_still_in_flight_where_it_was_sent() -> None:
+    policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=100, hot=100))
+    first = RouteRequest(token_ids=TOKENS)
+    policy.sent(first, "a")  # a burst sharing a new prefix stays together while the first one is computed
+    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 1), Candidate("b", 0)])
+    assert (decision.replica, decision.reason) == ("a", "prefix_match")
+    policy.answered(first, "a", ok=False)
+    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).reason == "no_match"
+
+
 def test_prefix_falls_back_to_least_load_when_queues_are_imbalanced() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=4, hot=100))
-    policy.routed(RouteRequest(token_ids=TOKENS), "a")
+    served(policy, TOKENS, "a")
     decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 5), Candidate("b", 1)])
     assert (decision.replica, decision.reason) == ("b", "load_guard")
 
 
 def test_a_hot_prefix_spreads_to_a_second_replica() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=100, hot=3))
-    policy.routed(RouteRequest(token_ids=TOKENS), "a")
+    served(policy, TOKENS, "a")
     decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 3), Candidate("b", 1)])
     assert (decision.replica, decision.reason) == ("b", "hot_spread")
-    policy.routed(RouteRequest(token_ids=TOKENS), "b")  # now both hold it: load decides between them
+    served(policy, TOKENS, "b")  # now both hold it: load decides between them
     decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 3), Candidate("b", 2)])
     assert (decision.replica, decision.reason) == ("b", "prefix_match")
 
@@ -253,8 +278,67 @@ def test_kv_counts_what_it_just_routed_before_the_events_arrive() -> None:
     index.apply("a", parse_update(snapshot([], []), "a"))
     index.apply("b", parse_update(snapshot([], []), "b"))
     policy = kv_policy(index)
-    policy.routed(RouteRequest(token_ids=TOKENS), "b")
+    served(policy, TOKENS, "b")
     assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).replica == "b"
+
+
+def test_kv_learns_nothing_from_a_request_that_was_not_answered_2xx() -> None:
+    index = KVIndex()
+    index.apply("a", parse_update(snapshot([], [], l2_id=None), "a"))
+    index.apply("b", parse_update(snapshot([], [], l2_id=None), "b"))
+    policy = kv_policy(index)
+    served(policy, TOKENS, "b", ok=False)
+    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).reason == "kv_no_hit"
+    assert all(n == 0 for (_, kind), n in policy.index_sizes().items() if kind in ("recent", "in_flight"))
+
+
+def test_kv_does_not_count_load_this_router_saw_finish_since_the_last_poll() -> None:
+    # a's last poll was answered while a request of this router was still generating there (running 1); the
+    # router has since seen that request finish. b could restore the prefix from the shared L2.
+    index = KVIndex()
+    index.apply("a", parse_update(snapshot(KEYS[:6], [], running=1), "a"), finished=0)
+    index.apply("b", parse_update(snapshot([], KEYS[:6]), "b"), finished=0)
+    policy = kv_policy(index)
+    after_it_finished = [Candidate("a", 0, 2.0, finished=1), Candidate("b", 0, 2.0)]
+    assert policy.choose(RouteRequest(token_ids=TOKENS), after_it_finished).replica == "a"
+    # Work the router did not send (another router's, a direct client's) still counts: a is busy.
+    someone_elses = [Candidate("a", 0, 2.0, finished=0), Candidate("b", 0, 2.0)]
+    assert policy.choose(RouteRequest(token_ids=TOKENS), someone_elses).replica == "b"
+
+
+# -- KV-event index under an L2 that forgets silently (Redis TTL and eviction emit no events) ------------------------
+def test_a_replica_with_an_l2_is_asked_for_a_fresh_snapshot_periodically() -> None:
+    now = [0.0]
+    index = KVIndex(snapshot_interval=60.0, clock=lambda: now[0])
+    index.apply("r1", parse_update(snapshot([], KEYS[:2]), "r1"))
+    index.apply("r1", parse_update(events((11, "store", "l2", KEYS[2])), "r1"))
+    index.apply("r2", parse_update(snapshot([], [], l2_id=None), "r2"))  # L1 only: its events are complete
+    assert index.cursor("r1") == ("e1", 11)
+    now[0] = 60.0
+    assert index.cursor("r1") is None  # the next poll asks for a snapshot
+    assert index.cursor("r2") == ("e1", 10)
+
+
+def test_l2_keys_gone_from_a_fresh_snapshot_are_dropped() -> None:
+    now = [0.0]
+    index = KVIndex(snapshot_interval=60.0, clock=lambda: now[0])
+    index.apply("r1", parse_update(snapshot([], KEYS[:2]), "r1"))
+    index.apply("r1", parse_update(events((11, "store", "l2", KEYS[2])), "r1"))
+    index.apply("r2", parse_update(snapshot([], []), "r2"))  # shares r1's L2
+    now[0] = 61.0
+    index.apply("r1", parse_update(snapshot([], [KEYS[1]], seq=11), "r1"))  # Redis expired KEYS[0] and KEYS[2]
+    assert set(index.l2_view("r1")) == set(index.l2_view("r2")) == {KEYS[1]}
+    assert index.cursor("r1") == ("e1", 11)  # and the next snapshot is another interval away
+
+
+def test_the_kv_index_holds_at_most_max_keys_per_tier_the_newest() -> None:
+    index = KVIndex(max_keys=3)
+    index.apply("r1", parse_update(snapshot(KEYS[:5], KEYS[:5]), "r1"))  # snapshots list the newest first
+    assert set(index.l2_view("r1")) == set(KEYS[:3])
+    stored = [(11 + i, "store", "l2", key) for i, key in enumerate(KEYS[5:])]  # stores never followed by evicts
+    index.apply("r1", parse_update(events(*stored), "r1"))
+    assert set(index.l2_view("r1")) == set(KEYS[-3:])
+    assert index.sizes() == {"r1": (3, 3)}
 
 
 # -- settings -------------------------------------------------------------------------------------------------------
@@ -267,6 +351,14 @@ def test_settings_refuse_what_cannot_work() -> None:
         RouterSettings.resolve({"replicas": ["https://127.0.0.1:1/v1"]}, {})
     with pytest.raises(ConfigError, match="twice"):
         RouterSettings.resolve({"replicas": ["http://127.0.0.1:1", "http://127.0.0.1:1/"]}, {})
+
+
+def test_the_router_and_replica_api_keys_come_from_flags_or_the_environment() -> None:
+    env = {"PREHEAT_ROUTER_REPLICAS": "http://a:1", "PREHEAT_ROUTER_API_KEY": "k1"}
+    settings = RouterSettings.resolve({"replica_api_key": "k2"}, env | {"PREHEAT_ROUTER_REPLICA_API_KEY": "k3"})
+    assert (settings.api_key, settings.replica_api_key) == ("k1", "k2")
+    with pytest.raises(ConfigError, match="--api-key is empty"):
+        RouterSettings.resolve({"api_key": " "}, env)
 
 
 def test_flags_win_over_the_environment() -> None:

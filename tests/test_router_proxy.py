@@ -103,6 +103,22 @@ def test_metrics_count_routes_decisions_and_overhead(urls: list[str]) -> None:
         assert router_metric(router.url, "preheat_router_replica_up", replica=urls[0]) == 1
 
 
+def test_a_request_is_out_of_flight_before_its_client_has_the_answer(urls: list[str]) -> None:
+    # A client that sends its next request as soon as it has an answer (on a new connection) must find the router's
+    # count already down: the policies would otherwise see a phantom request queued on the replica that just
+    # answered. The count is read in this process, right after each answer; without the ordering, some of these
+    # many answers would arrive before their handler thread had counted them out.
+    with running_router(urls, "least-load") as router:
+        client = Client(router.url)
+        left_in_flight = []
+        for _ in range(200):
+            assert client.get("/v1/models").status == 200
+            left_in_flight.append(sum(r.in_flight for r in router.router.replicas))
+        finished = sum(r.finished for r in router.router.replicas)
+    assert left_in_flight == [0] * 200
+    assert finished == 200
+
+
 def test_no_healthy_replica_is_a_503_naming_the_cause() -> None:
     with running_router(["http://127.0.0.1:9"], "round-robin") as router:
         client = Client(router.url)

@@ -18,20 +18,23 @@ from serving import Client
 NAME = "tiny"
 
 
-def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list[int]]:
-    """Run ``preheat up`` until it prints ``ready``; returns it, the router's URL and every child's pid."""
+def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list[int], list[str]]:
+    """Run ``preheat up`` until it prints ``ready``; returns it, the router's URL, every child's pid and the
+    replicas' URLs."""
     command = [sys.executable, "-m", "preheat", "up", str(model), "--replicas", "2", "--port", "0",
                "--served-model-name", NAME, "--max-model-len", "256", *extra]  # fmt: skip
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     pids: list[int] = []
     router = ""
+    replicas: list[str] = []
     assert up.stdout is not None
     for line in up.stdout:
         if found := re.match(r"(replica \d+|router): (\S+) \(pid (\d+)\)", line):
             pids.append(int(found.group(3)))
             router = found.group(2) if found.group(1) == "router" else router
+            replicas += [found.group(2)] if found.group(1) != "router" else []
         if line.startswith("ready: "):
-            return up, router, pids
+            return up, router, pids, replicas
     up.wait()
     pytest.fail(f"preheat up exited with {up.returncode} before it was ready")
 
@@ -54,7 +57,7 @@ def wait_gone(pids: list[int], deadline: float = 30.0) -> list[int]:
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_up_serves_through_its_router_and_stops_every_child(tiny_servable_model: Path, stop: signal.Signals) -> None:
-    up, router, pids = start_up(tiny_servable_model, "--policy", "least-load")
+    up, router, pids, _ = start_up(tiny_servable_model, "--policy", "least-load")
     try:
         assert len(pids) == 3
         assert all(alive(p) for p in pids)
@@ -72,8 +75,27 @@ def test_up_serves_through_its_router_and_stops_every_child(tiny_servable_model:
 
 
 def test_children_do_not_outlive_a_killed_up(tiny_servable_model: Path) -> None:
-    up, _, pids = start_up(tiny_servable_model)
+    up, _, pids, _ = start_up(tiny_servable_model)
     up.kill()  # no chance to clean up: the kernel's parent-death signal stops the children
     up.wait()
     assert wait_gone(pids) == []
     assert not os.path.exists(f"/proc/{up.pid}/stat") or not alive(up.pid)
+
+
+def test_up_with_an_api_key_locks_the_router_and_every_replica(tiny_servable_model: Path) -> None:
+    up, router, pids, replicas = start_up(tiny_servable_model, "--api-key", "sesame")
+    try:
+        body = {"model": NAME, "prompt": "Hello", "max_tokens": 2}
+        locked = [Client(url).post("/v1/completions", body).status for url in (router, *replicas)]
+        opened = Client(router, api_key="sesame").post("/v1/completions", body)
+        health = Client(router).get("/health")  # probes need no key
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert locked == [401, 401, 401]
+    assert opened.status == 200, opened.body
+    assert health.status == 200
+    assert wait_gone(pids) == []

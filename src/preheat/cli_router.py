@@ -6,6 +6,7 @@ Only argparse at import time: the router, its tokenizer and the cluster code are
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -30,6 +31,9 @@ Dead replicas are ejected (health checks, failed requests) and readmitted when /
 that fails before the replica answered anything is retried once on another replica.
 
 routes: everything the replicas serve, plus the router's own GET /health and GET /metrics.
+authentication: with --api-key, every route but /health and /metrics needs 'Authorization: Bearer KEY', checked
+before the prompt is read; --replica-api-key is what the router sends the replicas instead of the client's key
+(without it the client's passes through). Prefer the variables to the flags: a command line is visible to all.
 environment: every flag has a PREHEAT_ROUTER_* variable (PREHEAT_ROUTER_REPLICAS=URL,URL; the flag wins).
 
 examples:
@@ -68,6 +72,15 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     router.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1)")
     router.add_argument("--port", type=int, default=None, help="port (default: 8080; 0 picks a free one)")
     router.add_argument("--model", default=None, metavar="DIR", help="the replicas' model, for its tokenizer")
+    router.add_argument(
+        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (PREHEAT_ROUTER_API_KEY)"
+    )
+    router.add_argument(
+        "--replica-api-key",
+        default=None,
+        metavar="KEY",
+        help="the replicas' --api-key, sent to them in place of the client's (PREHEAT_ROUTER_REPLICA_API_KEY)",
+    )
     router.set_defaults(func=_cmd_router)
 
     up = commands.add_parser(
@@ -83,6 +96,12 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     for flag in ("--kv-l1", "--kv-l2", "--max-model-len", "--served-model-name", "--device", "--dtype", "--max-queue"):
         up.add_argument(flag, default=None, help=f"passed to each replica's `preheat serve {flag}`")
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for healthy replicas")
+    up.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="one key for the router and every replica (default: PREHEAT_ROUTER_API_KEY; none: all open on 127.0.0.1)",
+    )
     up.set_defaults(func=_cmd_up)
 
 
@@ -91,16 +110,21 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=None, help="prefix: tokens per chunk key (default: 256)")
     parser.add_argument("--guard-gap", type=int, default=None, help="in-flight gap that forces least-load (2)")
     parser.add_argument("--hot-in-flight", type=int, default=None, help="in flight that spreads a hot prefix (3)")
-    parser.add_argument("--index-keys", type=int, default=None, help="prefix: keys remembered per replica (100000)")
+    parser.add_argument(
+        "--index-keys", type=int, default=None, help="keys kept per replica (prefix), per tier (kv) (100000)"
+    )
     parser.add_argument("--index-ttl", type=float, default=None, help="prefix: seconds a key is remembered (600)")
     parser.add_argument("--health-interval", type=float, default=None, help="seconds between health checks (1)")
     parser.add_argument("--health-timeout", type=float, default=None, help="seconds a health check may take (2)")
     parser.add_argument("--kv-poll-interval", type=float, default=None, help="kv: seconds between event polls (0.25)")
+    parser.add_argument(
+        "--kv-snapshot-interval", type=float, default=None, help="kv: seconds between full snapshots of an L2 (60)"
+    )
     parser.add_argument("--upstream-timeout", type=float, default=None, help="seconds to wait on a replica (300)")
 
 
 ROUTER_FLAGS = ("policy", "chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
-                "health_timeout", "kv_poll_interval", "upstream_timeout")  # fmt: skip
+                "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout")  # fmt: skip
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -128,6 +152,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             router_args += ["--" + name.replace("_", "-"), str(value)]
+    # The key reaches the children through their environment, never their command lines (visible to all users).
+    key = args.api_key or os.environ.get("PREHEAT_ROUTER_API_KEY")
+    env = {**os.environ, "PREHEAT_API_KEY": key, "PREHEAT_ROUTER_API_KEY": key} if key else None
     # SIGTERM stops the cluster like Ctrl-C; the children are in their own sessions, so the terminal's SIGINT
     # reaches only this process, which stops them in order.
     in_main = threading.current_thread() is threading.main_thread()
@@ -135,7 +162,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = None
     try:
         cluster = start_cluster(
-            args.model, args.replicas, replica_args=replica_args, router_args=router_args, echo=echo
+            args.model, args.replicas, replica_args=replica_args, router_args=router_args, echo=echo, env=env
         )
         assert cluster.router is not None
         assert cluster.router.url is not None

@@ -24,6 +24,15 @@ from preheat.router.upstream import Replica, parse_url
 
 log = logging.getLogger("preheat.router")
 PREFIX = "PREHEAT_ROUTER_"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SECONDS = (
+    "health_interval",
+    "health_timeout",
+    "kv_poll_interval",
+    "index_ttl",
+    "kv_snapshot_interval",
+    "upstream_timeout",
+)
 
 
 @dataclass(frozen=True)
@@ -41,10 +50,14 @@ class RouterSettings:
     kv_poll_interval: float = 0.25
     guard_gap: int = 2
     hot_in_flight: int = 3
-    index_keys: int = 100_000
+    index_keys: int = 100_000  # per replica: prefix's routed keys; kv's keys per tier
     index_ttl: float = 600.0
+    kv_snapshot_interval: float = 60.0  # kv: a replica with an L2 is asked for a full snapshot this often
     upstream_timeout: float = 300.0
-    api_key: str | None = None  # sent to the replicas' KV-event route (their --api-key); clients send their own
+    api_key: str | None = None  # what clients must send (Authorization: Bearer); None: the router is open
+    # What the router sends the replicas (their --api-key) in place of the client's Authorization, and on its
+    # KV-event polls; None: the client's passes through, and polls carry api_key (one key for the whole fleet).
+    replica_api_key: str | None = None
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -79,9 +92,13 @@ class RouterSettings:
         for number in ("chunk_tokens", "index_keys", "guard_gap", "hot_in_flight"):
             if int(getattr(self, number)) < 1:
                 raise ConfigError(f"--{number.replace('_', '-')} must be at least 1")
-        for seconds in ("health_interval", "health_timeout", "kv_poll_interval", "index_ttl", "upstream_timeout"):
+        for seconds in SECONDS:
             if float(getattr(self, seconds)) <= 0:
                 raise ConfigError(f"--{seconds.replace('_', '-')} must be positive")
+        for secret in ("api_key", "replica_api_key"):
+            value = getattr(self, secret)
+            if value is not None and not value.strip():
+                raise ConfigError(f"--{secret.replace('_', '-')} is empty: give a key, or leave the flag out")
         for url in self.replicas:
             parse_url(url)
         if len({parse_url(u).url for u in self.replicas}) != len(self.replicas):
@@ -115,7 +132,7 @@ class RouterService:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         replicas = [Replica(url, timeout=settings.upstream_timeout) for url in settings.replicas]
-        self.kv_index = KVIndex()
+        self.kv_index = KVIndex(max_keys=settings.index_keys, snapshot_interval=settings.kv_snapshot_interval)
         guard = LoadGuard(gap=settings.guard_gap, hot=settings.hot_in_flight)
         needs_model = settings.policy in ("prefix", "kv")
         policy = make_policy(
@@ -128,12 +145,19 @@ class RouterService:
             index_ttl=settings.index_ttl,
         )
         prompts = PromptReader.from_model(settings.model if needs_model else None)
-        self.router = Router(replicas, policy, prompts)
+        self.router = Router(
+            replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key
+        )
         self.health = HealthChecker(
             replicas, self.router.set_health, interval=settings.health_interval, timeout=settings.health_timeout
         )
         self.poller = (
-            KVEventPoller(replicas, self.kv_index, interval=settings.kv_poll_interval, api_key=settings.api_key)
+            KVEventPoller(
+                replicas,
+                self.kv_index,
+                interval=settings.kv_poll_interval,
+                api_key=settings.replica_api_key or settings.api_key,
+            )
             if settings.policy == "kv"
             else None
         )
@@ -181,6 +205,8 @@ def run(flags: Mapping[str, object], announce: Callable[[str], None] | None = No
             f"preheat router: listening on {service.url} (policy {settings.policy}, "
             f"{up}/{len(settings.replicas)} replicas healthy)"
         )
+        if not settings.api_key and settings.host not in LOOPBACK:
+            say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")
         service.serve()
     except KeyboardInterrupt:
         say("preheat router: shutting down")

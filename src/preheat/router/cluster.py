@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from preheat.errors import PreheatError
@@ -31,7 +31,9 @@ GRACE_SECONDS = 10.0
 class Child:
     """``python -m preheat ARGS`` in its own process group; ``url`` once it printed ``listening on``."""
 
-    def __init__(self, name: str, args: Sequence[str], echo: Callable[[str], None]) -> None:
+    def __init__(
+        self, name: str, args: Sequence[str], echo: Callable[[str], None], env: Mapping[str, str] | None = None
+    ) -> None:
         self.name, self.echo = name, echo
         self.url: str | None = None
         self._listening = threading.Event()
@@ -42,6 +44,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             text=True,
             start_new_session=True,
+            env=env,
             preexec_fn=_pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
         )
         self._reader = threading.Thread(target=self._read, name=f"{name} output", daemon=True)
@@ -117,16 +120,18 @@ def start_cluster(
     replica_args: Sequence[str],
     router_args: Sequence[str],
     echo: Callable[[str], None],
+    env: Mapping[str, str] | None = None,
 ) -> Cluster:
-    """Start ``replicas`` replicas of ``model``, then a router in front of them; stopped again on any failure."""
+    """Start ``replicas`` replicas of ``model``, then a router in front of them; stopped again on any failure.
+    ``env``: the children's environment (None: this process's)."""
     cluster = Cluster()
     try:
         for i in range(replicas):
             args = ["serve", model, "--port", "0", *replica_args]
-            cluster.replicas.append(Child(f"replica {i + 1}", args, echo))
+            cluster.replicas.append(Child(f"replica {i + 1}", args, echo, env))
         urls = [child.wait_address() for child in cluster.replicas]
         args = ["router", *(arg for url in urls for arg in ("--replica", url)), *router_args]
-        cluster.router = Child("router", args, echo)
+        cluster.router = Child("router", args, echo, env)
         cluster.router.wait_address()
     except BaseException:
         cluster.stop()

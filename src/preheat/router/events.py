@@ -8,18 +8,22 @@ tier: it is asked again only every ``idle_interval`` seconds and scores as "hold
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 from collections.abc import Sequence
 from urllib.parse import urlencode
 
 from preheat.errors import RouterError
+from preheat.jsonsafe import loads_bounded
 from preheat.router.health import ReplicaLoop
 from preheat.router.index import KVIndex, parse_update
 from preheat.router.upstream import Replica
 
 log = logging.getLogger("preheat.router")
 EVENTS_PATH = "/v1/kv/events"
+# A full snapshot (docs/kv-events.md: at most 2 x 100,000 keys of 32 hex digits) is about 7 MB; a longer answer is
+# refused unread rather than held in memory.
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+MAX_ANSWER_CONTAINERS = 100_000  # an answer has at most 10,000 events (one object each) and a few other objects
 
 
 class KVEventPoller(ReplicaLoop):
@@ -39,6 +43,7 @@ class KVEventPoller(ReplicaLoop):
         self.index, self.idle_interval = index, idle_interval
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._conns: dict[str, http.client.HTTPConnection] = {}
+        self._denied: set[str] = set()  # replicas that refused our key: said once, not every poll
 
     def tick(self, replica: Replica) -> float:
         return self.interval if self.poll(replica) else self.idle_interval
@@ -46,6 +51,7 @@ class KVEventPoller(ReplicaLoop):
     def poll(self, replica: Replica) -> bool:
         """Ask ``replica`` once and fold the answer into the index; False when it has no KV events to give."""
         cursor = self.index.cursor(replica.url)
+        finished = replica.finished  # taken before asking: requests finishing later may still be in its load
         query = "" if cursor is None else "?" + urlencode({"epoch": cursor[0], "since": cursor[1]})
         conn = self._conns.get(replica.url)
         if conn is None:
@@ -54,19 +60,26 @@ class KVEventPoller(ReplicaLoop):
         try:
             conn.request("GET", EVENTS_PATH + query, headers=self.headers)
             response = conn.getresponse()
-            body = response.read()
+            body = response.read(MAX_ANSWER_BYTES + 1)
+            if len(body) > MAX_ANSWER_BYTES:
+                conn.close()  # the rest of the answer is still unread on this connection
         except (OSError, http.client.HTTPException) as exc:
             conn.close()  # reconnects on the next poll; the health checker decides whether the replica is down
             log.debug("%s%s: %s", replica.url, EVENTS_PATH, exc)
             return True
         if response.status == 404:
             return False  # no KV tier there: ask again now and then, in case it restarts with one
+        if response.status in (401, 403) and replica.url not in self._denied:
+            self._denied.add(replica.url)
+            why = f"answered {response.status}: pass the replicas' API key as --replica-api-key"
+            log.warning("%s%s %s", replica.url, EVENTS_PATH, why)
         if response.status != 200:
             log.debug("%s%s answered %s", replica.url, EVENTS_PATH, response.status)  # e.g. 503 while loading
             return True
         try:
-            self.index.apply(replica.url, parse_update(json.loads(body), replica.url))
-        except (ValueError, RouterError) as exc:
+            payload = loads_bounded(body, max_bytes=MAX_ANSWER_BYTES, max_containers=MAX_ANSWER_CONTAINERS)
+            self.index.apply(replica.url, parse_update(payload, replica.url), finished=finished)
+        except (ValueError, RouterError) as exc:  # ValueError: jsonsafe.JSONInputError (too large, deep, not JSON)
             log.warning("%s%s: ignoring a malformed answer: %s", replica.url, EVENTS_PATH, exc)
             self.index.forget(replica.url)  # start over from a snapshot
         return True

@@ -59,7 +59,9 @@ class ReplicaLoop:
 class HealthChecker(ReplicaLoop):
     """``tick_all()`` once (the router's start), then ``start()`` the background checks; ``stop()`` ends them.
 
-    ``on_change(replica, healthy, why)`` is called whenever a replica enters or leaves rotation.
+    ``on_change(replica, healthy, why)`` is called when a replica should enter or leave rotation; it sets the
+    replica's flag (``Router.set_health``), so that a request that found the replica dead at the same moment does
+    not count a second ejection.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class HealthChecker(ReplicaLoop):
         return self.interval
 
     def check(self, replica: Replica) -> None:
-        """One check of ``replica``; updates its ``healthy`` flag."""
+        """One check of ``replica``; ``on_change`` when it should enter or leave rotation."""
         conn = http.client.HTTPConnection(replica.address.host, replica.address.port, timeout=self.timeout)
         try:
             conn.request("GET", "/health")
@@ -96,10 +98,8 @@ class HealthChecker(ReplicaLoop):
         if ok:
             self._failed[replica.url] = 0
             if not replica.healthy:
-                replica.healthy = True
                 self.on_change(replica, True, why)
             return
         self._failed[replica.url] += 1
         if replica.healthy and (definitive or self._failed[replica.url] >= self.failures):
-            replica.healthy = False
             self.on_change(replica, False, why)

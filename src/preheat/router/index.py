@@ -4,16 +4,23 @@
 recently routed keys go first) and aged out after ``ttl`` seconds, since a replica's cache forgets too.
 
 ``KVIndex`` (policy ``kv``): the chunk keys each replica *says* its tiers hold, rebuilt from the replicas' KV events
-(docs/kv-events.md): a snapshot replaces what was known, events after it are applied in order.
+(docs/kv-events.md): a snapshot replaces what was known, events after it are applied in order. An L2 can lose keys
+without any event (Redis expiry and eviction, files removed by hand), so a replica with an L2 is asked for a fresh
+snapshot every ``snapshot_interval`` seconds; every tier is bounded to ``max_keys`` keys, the oldest stored first.
+
+``InFlight`` (both): the keys of requests sent to a replica and not answered yet. A policy learns a request's keys
+only once a replica answered it with a 2xx: a refused, failing or unauthenticated request teaches it nothing.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from preheat.errors import RouterError
 
@@ -48,17 +55,15 @@ class PrefixIndex:
                 held.move_to_end(key)
             self._trim(held, now)
 
-    def match(self, replica: str, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` were routed to ``replica`` within ``ttl``."""
+    def match(self, replica: str, keys: Sequence[str], also: Callable[[str], bool] | None = None) -> int:
+        """How many leading ``keys`` were routed to ``replica`` within ``ttl`` (or, with ``also``, pass it)."""
         horizon = self._clock() - self.ttl
         with self._lock:
-            held = self._keys.get(replica)
-            if not held:
-                return 0
+            held: Mapping[str, float] = self._keys.get(replica) or {}
             count = 0
             for key in keys:
                 seen = held.get(key)
-                if seen is None or seen < horizon:
+                if (seen is None or seen < horizon) and not (also is not None and also(key)):
                     break
                 count += 1
             return count
@@ -70,6 +75,11 @@ class PrefixIndex:
     def size(self, replica: str) -> int:
         with self._lock:
             return len(self._keys.get(replica, ()))
+
+    def sizes(self) -> dict[str, int]:
+        """Per replica, how many keys are remembered (for ``/metrics``)."""
+        with self._lock:
+            return {name: len(held) for name, held in self._keys.items()}
 
     def forget(self, replica: str) -> None:
         """Drop everything known about ``replica`` (it restarted, or left)."""
@@ -85,6 +95,81 @@ class PrefixIndex:
             if oldest >= horizon:
                 break
             held.popitem(last=False)
+
+
+class InFlight:
+    """Per replica, the chunk keys of the requests sent there and not answered yet. A multiset (two requests in
+    flight may share keys), bounded by the requests in flight: each takes its keys out when it is answered.
+
+    >>> pending = InFlight()
+    >>> pending.add("a", ["k0", "k1"]); pending.add("a", ["k0"]); pending.remove("a", ["k0", "k1"])
+    >>> pending.contains("a", "k0"), pending.contains("a", "k1")
+    (True, False)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[str, Counter[str]] = {}
+
+    def add(self, replica: str, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._keys.setdefault(replica, Counter()).update(keys)
+
+    def remove(self, replica: str, keys: Iterable[str]) -> None:
+        with self._lock:
+            held = self._keys.get(replica)
+            if held is None:
+                return
+            held.subtract(keys)
+            for key in [k for k, n in held.items() if n <= 0]:
+                del held[key]
+            if not held:
+                del self._keys[replica]
+
+    def contains(self, replica: str, key: str) -> bool:
+        with self._lock:
+            held = self._keys.get(replica)
+            return held is not None and key in held
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            return {name: len(held) for name, held in self._keys.items()}
+
+
+class KeySet:
+    """A set of at most ``limit`` keys that remembers the order they were stored in: storing a key again makes it
+    the newest, and past the limit the oldest go first (the ones the replica's tier is likeliest to have dropped).
+
+    >>> keys = KeySet(2, ["a", "b"]); keys.add("c")
+    >>> sorted(keys)
+    ['b', 'c']
+    """
+
+    __slots__ = ("_keys", "limit")
+
+    def __init__(self, limit: int, oldest_first: Iterable[str] = ()) -> None:
+        self.limit = limit
+        self._keys: dict[str, None] = {}  # insertion-ordered: the oldest first
+        for key in oldest_first:
+            self.add(key)
+
+    def add(self, key: str) -> None:
+        self._keys.pop(key, None)
+        self._keys[key] = None
+        if len(self._keys) > self.limit:
+            del self._keys[next(iter(self._keys))]
+
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
 
 
 @dataclass(frozen=True)
@@ -113,48 +198,96 @@ class KVUpdate:
 
 
 def parse_update(payload: object, where: str) -> KVUpdate:
-    """Validate a KV-events answer from the replica at ``where``; ``RouterError`` naming the bad field."""
+    """Validate a KV-events answer from the replica at ``where``; ``RouterError`` naming the bad field.
+
+    Whatever a replica sends is either this or that error (tests/test_fuzz_kv_events.py): keys are strings, sequence
+    numbers and loads non-negative integers, ``chunk_tokens`` positive and the fingerprint 32 hex digits, since the
+    router computes every request's chunk keys from those two and a bad one would fail requests, not this answer.
+    """
+    what = f"{where}/v1/kv/events"
     if not isinstance(payload, Mapping):
-        raise RouterError(f"{where}/v1/kv/events: the answer is not a JSON object")
+        raise RouterError(f"{what}: the answer is not a JSON object")
 
     def need(name: str, kind: type | tuple[type, ...]) -> object:
         value = payload.get(name)
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-            raise RouterError(f"{where}/v1/kv/events: field {name!r} is missing or not a {kind}")
+            raise RouterError(f"{what}: field {name!r} is missing or not a {kind}")
         return value
 
+    def number(value: object, name: str, low: int) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise RouterError(f"{what}: {name} must be an integer >= {low}, got {_brief(value)}")
+        return value
+
+    def keys(name: str) -> tuple[str, ...]:
+        value = payload.get(name)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+            raise RouterError(f"{what}: {name!r} must be a list of keys (strings)")
+        return tuple(value)
+
+    fingerprint = str(need("fingerprint", str))
+    if not _FINGERPRINT.fullmatch(fingerprint):
+        raise RouterError(f"{what}: fingerprint {_brief(fingerprint)} is not 32 hex digits")
     reset = bool(payload.get("reset", False))
+    raw_events = payload.get("events") if not reset else None
+    if raw_events is not None and not isinstance(raw_events, list):
+        raise RouterError(f"{what}: 'events' must be a list")
     events: list[KVEvent] = []
-    for raw in (payload.get("events") or ()) if not reset else ():
-        if not isinstance(raw, Mapping) or raw.get("op") not in ("store", "evict") or raw.get("tier") not in TIERS:
-            raise RouterError(f"{where}/v1/kv/events: malformed event {raw!r}")
-        events.append(KVEvent(int(raw["seq"]), str(raw["op"]), str(raw["tier"]), str(raw["key"])))
+    for raw in raw_events or ():
+        if (
+            not isinstance(raw, Mapping)
+            or raw.get("op") not in ("store", "evict")
+            or raw.get("tier") not in TIERS
+            or not isinstance(raw.get("key"), str)
+        ):
+            raise RouterError(f"{what}: malformed event {_brief(raw)}")
+        seq = number(raw.get("seq"), "an event's seq", 0)
+        events.append(KVEvent(seq, str(raw["op"]), str(raw["tier"]), str(raw["key"])))
     costs = payload.get("costs") or {}
     load = payload.get("load") or {}
     if not isinstance(costs, Mapping) or not isinstance(load, Mapping):
-        raise RouterError(f"{where}/v1/kv/events: 'costs' and 'load' must be objects")
+        raise RouterError(f"{what}: 'costs' and 'load' must be objects")
     l2_id = payload.get("l2_id")
+    if l2_id is not None and not isinstance(l2_id, str):
+        raise RouterError(f"{what}: 'l2_id' must be a string or null")
     return KVUpdate(
         epoch=str(need("epoch", str)),
-        fingerprint=str(need("fingerprint", str)),
-        chunk_tokens=int(need("chunk_tokens", int)),  # type: ignore[call-overload]  # checked by need()
-        seq=int(need("seq", int)),  # type: ignore[call-overload]  # checked by need()
+        fingerprint=fingerprint,
+        chunk_tokens=number(payload.get("chunk_tokens"), "chunk_tokens", 1),
+        seq=number(payload.get("seq"), "seq", 0),
         reset=reset,
-        l2_id=str(l2_id) if l2_id else None,
-        l1=tuple(str(k) for k in payload.get("l1") or ()) if reset else (),
-        l2=tuple(str(k) for k in payload.get("l2") or ()) if reset else (),
+        l2_id=l2_id or None,
+        l1=keys("l1") if reset else (),
+        l2=keys("l2") if reset else (),
         events=tuple(events),
         costs=(
             _seconds(costs.get("prefill_s_per_token")),
             _seconds(costs.get("l1_s_per_token")),
             _seconds(costs.get("l2_s_per_token")),
         ),
-        load=(int(load.get("running") or 0), int(load.get("waiting") or 0)),
+        load=(number(load.get("running") or 0, "load.running", 0), number(load.get("waiting") or 0, "load.waiting", 0)),
     )
 
 
+_FINGERPRINT = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def _brief(value: object) -> str:
+    """``repr(value)``, cut short for a log line (a replica's answer can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _seconds(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return seconds if 0 < seconds < math.inf else None  # JSON's 1e999 is inf
 
 
 @dataclass
@@ -166,10 +299,14 @@ class ReplicaCache:
     chunk_tokens: int
     seq: int
     l2_id: str | None
-    l1: set[str] = field(default_factory=set)
-    l2: set[str] = field(default_factory=set)
+    l1: KeySet
+    l2: KeySet
+    snapshot_at: float  # when its last snapshot was applied (index clock)
     costs: tuple[float | None, float | None, float | None] = (None, None, None)
     load: tuple[int, int] = (0, 0)
+    # How many of this router's requests had finished on the replica when the answer was asked for: the ones that
+    # finish later are still in ``load``, though over (see ``KVAware.estimate``).
+    finished: int = 0
 
 
 class KVIndex:
@@ -185,28 +322,44 @@ class KVIndex:
     ['b']
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, max_keys: int = 100_000, snapshot_interval: float = 60.0, clock: Clock = time.monotonic
+    ) -> None:
+        if max_keys < 1 or snapshot_interval <= 0:
+            raise RouterError(
+                f"KV index: max_keys ({max_keys}) and snapshot_interval ({snapshot_interval}) must be positive"
+            )
+        self.max_keys, self.snapshot_interval, self._clock = max_keys, snapshot_interval, clock
         self._lock = threading.Lock()
         self._replicas: dict[str, ReplicaCache] = {}
 
     def cursor(self, replica: str) -> tuple[str, int] | None:
-        """``(epoch, seq)`` to send on the next poll, or None for a first poll (ask for a snapshot)."""
+        """``(epoch, seq)`` to send on the next poll, or None to ask for a snapshot: on the first poll, and every
+        ``snapshot_interval`` seconds for a replica with an L2, which can lose keys without saying so."""
         with self._lock:
             state = self._replicas.get(replica)
-            return None if state is None else (state.epoch, state.seq)
+            if state is None:
+                return None
+            if state.l2_id is not None and self._clock() - state.snapshot_at >= self.snapshot_interval:
+                return None
+            return state.epoch, state.seq
 
-    def apply(self, replica: str, update: KVUpdate) -> None:
+    def apply(self, replica: str, update: KVUpdate, *, finished: int = 0) -> None:
         """Fold one answer in: a snapshot replaces the replica's sets; events are applied in order, skipping any at
         or before the last ``seq`` applied. Events from another epoch without a snapshot drop the replica's state,
-        so that the next poll asks for a snapshot."""
+        so that the next poll asks for a snapshot. ``finished``: how many of this router's requests had finished on
+        the replica when the answer was asked for."""
         with self._lock:
             state = self._replicas.get(replica)
             if update.reset or state is None:
                 if not update.reset:
                     return  # events without a base: wait for the snapshot the next (cursor-less) poll gets
+                # A snapshot lists each tier newest first; past the bound, the oldest are the ones left out.
                 state = ReplicaCache(
                     update.epoch, update.fingerprint, update.chunk_tokens, update.seq, update.l2_id,
-                    set(update.l1), set(update.l2),
+                    KeySet(self.max_keys, reversed(update.l1[: self.max_keys])),
+                    KeySet(self.max_keys, reversed(update.l2[: self.max_keys])),
+                    snapshot_at=self._clock(),
                 )  # fmt: skip
                 self._replicas[replica] = state
             elif update.epoch != state.epoch:
@@ -226,7 +379,7 @@ class KVIndex:
                 if gone := [e.key for e in update.events if e.op == "evict" and e.tier == "l2"]:
                     self._evict_shared(replica, state.l2_id, gone)
             state.fingerprint, state.chunk_tokens, state.l2_id = update.fingerprint, update.chunk_tokens, update.l2_id
-            state.costs, state.load = update.costs, update.load
+            state.costs, state.load, state.finished = update.costs, update.load, finished
 
     def _evict_shared(self, replica: str, l2_id: str | None, keys: list[str]) -> None:
         # An L2 key evicted from a shared store is gone for everyone, even if the others have not said so yet.
@@ -234,7 +387,8 @@ class KVIndex:
             return
         for name, other in self._replicas.items():
             if name != replica and other.l2_id == l2_id:
-                other.l2.difference_update(keys)
+                for key in keys:
+                    other.l2.discard(key)
 
     def state(self, replica: str) -> ReplicaCache | None:
         """The replica's cache as last reported (shared, do not modify), or None before its first snapshot."""
@@ -268,7 +422,7 @@ class KVIndex:
 class _Union:
     """Membership in any of several sets, without copying them."""
 
-    def __init__(self, sets: Sequence[set[str]]) -> None:
+    def __init__(self, sets: Sequence[Collection[str]]) -> None:
         self._sets = sets
 
     def __contains__(self, key: object) -> bool:
@@ -277,5 +431,5 @@ class _Union:
     def __iter__(self) -> Iterator[str]:  # for tests and doctests
         seen: set[str] = set()
         for s in self._sets:
-            seen |= s
+            seen.update(s)
         return iter(seen)

@@ -13,8 +13,13 @@ Series = list[tuple[Mapping[str, str], float]]
 class RouterMetrics:
     """Every series of the router's ``GET /metrics``; replica state is read at scrape time."""
 
-    def __init__(self, replica_state: Callable[[], Sequence[tuple[str, bool, int]]]) -> None:
+    def __init__(
+        self,
+        replica_state: Callable[[], Sequence[tuple[str, bool, int]]],
+        index_sizes: Callable[[], Mapping[tuple[str, str], int]] = dict,
+    ) -> None:
         self._replica_state = replica_state  # (url, healthy, in flight) per replica
+        self._index_sizes = index_sizes  # keys per (replica, index) the policy remembers
         self.routed = Counter(
             "preheat_router_requests_total", "Requests answered through the router, by replica and status code."
         )
@@ -31,8 +36,14 @@ class RouterMetrics:
         )
         up = Gauge("preheat_router_replica_up", "1 when a replica is in rotation, 0 when ejected.", self._up)
         flight = Gauge("preheat_router_in_flight", "Requests in flight through the router, per replica.", self._flight)
+        index = Gauge(
+            "preheat_router_index_keys",
+            "Chunk keys the routing policy holds per replica and index (prefix: routed, in_flight; "
+            "kv: l1, l2, recent, in_flight).",
+            self._index,
+        )
         self._all: list[_Metric] = [
-            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.overhead, up, flight,
+            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.overhead, up, flight, index,
         ]  # fmt: skip
 
     def _up(self) -> Series:
@@ -41,9 +52,8 @@ class RouterMetrics:
     def _flight(self) -> Series:
         return [({"replica": url}, float(n)) for url, _, n in self._replica_state()]
 
-    def add(self, metric: _Metric) -> None:
-        """Serve one more series (the KV index sizes, with policy ``kv``)."""
-        self._all.append(metric)
+    def _index(self) -> Series:
+        return [({"replica": url, "index": index}, float(n)) for (url, index), n in self._index_sizes().items()]
 
     def render(self) -> str:
         return exposition(self._all)

@@ -11,20 +11,24 @@ socket; ``Router`` (proxy.py) feeds it and counts its reasons in ``/metrics``.
   ``kv_no_hit``: least-load).
 
 ``prefix`` and ``kv`` then apply the load guard (``LoadGuard``): ``load_guard`` and ``hot_spread`` override them.
+
+``prefix`` and ``kv`` learn a request's chunk keys only once a replica answered it with a 2xx (``answered``); while
+it is in flight (``sent``) its keys count as held there, so that a burst sharing a new prefix stays together, and
+a request that fails or is refused leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
 from preheat.errors import ConfigError
 from preheat.kv.keys import chunk_keys
-from preheat.router.index import KVIndex, PrefixIndex
+from preheat.router.index import InFlight, KVIndex, PrefixIndex
 from preheat.router.score import Estimate, expected_ttft, resolve_costs
 
 POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
@@ -32,12 +36,13 @@ POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A healthy replica as a policy sees it: its name (URL), requests in flight through this router, and the mean
-    seconds a request has taken there (None before the first one)."""
+    """A healthy replica as a policy sees it: its name (URL), requests in flight through this router, the mean
+    seconds a request has taken there (None before the first one), and how many have finished there."""
 
     name: str
     in_flight: int = 0
     service_seconds: float | None = None
+    finished: int = 0
 
 
 @dataclass
@@ -48,6 +53,7 @@ class RouteRequest:
     session: str | None = None
     token_ids: list[int] | None = None
     _keys: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    in_flight_keys: list[str] = field(default_factory=list)  # what ``Policy.sent`` marked, for ``answered``
 
     def keys(self, fingerprint: str, chunk_tokens: int) -> list[str]:
         """The prompt's chunk keys under ``fingerprint`` (computed once per fingerprint and chunk size)."""
@@ -93,7 +99,8 @@ class LoadGuard:
 
 
 class Policy:
-    """Base of the policies: ``choose`` one of ``candidates`` (never empty), then ``routed`` once it is sent."""
+    """Base of the policies: ``choose`` one of ``candidates`` (never empty); then, for each replica the request is
+    sent to (a retry sends it to a second one), ``sent`` and, once that replica answered or failed, ``answered``."""
 
     name = ""
     needs_tokens = False  # whether the request's prompt must be tokenized before choosing
@@ -101,15 +108,39 @@ class Policy:
     def __init__(self) -> None:
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self.in_flight = InFlight()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         raise NotImplementedError
 
-    def routed(self, request: RouteRequest, replica: str) -> None:
-        """Called with the replica that actually got the request (after a retry, the second one)."""
+    def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
+        """The chunk keys of ``request`` that this policy tracks on ``replica`` (none: the policy keeps no index)."""
+        return []
+
+    def sent(self, request: RouteRequest, replica: str) -> None:
+        """``request`` is on its way to ``replica``: its keys count as held there until it is answered."""
+        request.in_flight_keys = self.keys_for(request, replica)
+        if request.in_flight_keys:
+            self.in_flight.add(replica, request.in_flight_keys)
+
+    def answered(self, request: RouteRequest, replica: str, ok: bool) -> None:
+        """``replica`` answered ``request`` (``ok``: with a 2xx) or failed before answering (``ok`` False). Only an
+        ``ok`` answer teaches the index anything: the replica computed, so cached, the prompt's chunks."""
+        keys, request.in_flight_keys = request.in_flight_keys, []
+        if keys:
+            self.in_flight.remove(replica, keys)
+            if ok:
+                self.learn(replica, keys)
+
+    def learn(self, replica: str, keys: list[str]) -> None:
+        """Remember that ``replica`` now holds ``keys`` (a 2xx answered the request they came from)."""
 
     def forget(self, replica: str) -> None:
         """The replica was ejected or restarted: whatever was learnt about its cache is stale."""
+
+    def index_sizes(self) -> dict[tuple[str, str], int]:
+        """Keys remembered, per (replica, index): for ``/metrics``."""
+        return {(name, "in_flight"): n for name, n in self.in_flight.sizes().items()}
 
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         """The fewest in flight; ties broken in turn, so that idle replicas share the work evenly."""
@@ -169,22 +200,33 @@ class Prefix(Policy):
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         keys = request.keys(self.fingerprint, self.chunk_tokens)
-        matches = {c.name: self.index.match(c.name, keys) for c in candidates} if keys else {}
+        matches = {c.name: self.match(c.name, keys) for c in candidates} if keys else {}
         if not any(matches.values()):
             return Decision(self.least_loaded(candidates).name, "no_match")
         ranked = sorted(candidates, key=lambda c: (-matches[c.name], c.in_flight))
         return self.guard.apply(ranked, Decision(ranked[0].name, "prefix_match"))
 
-    def routed(self, request: RouteRequest, replica: str) -> None:
-        self.index.record(replica, request.keys(self.fingerprint, self.chunk_tokens))
+    def match(self, replica: str, keys: Sequence[str]) -> int:
+        """Leading ``keys`` answered there within the index's ttl, or in requests still in flight there."""
+        return self.index.match(replica, keys, also=lambda key: self.in_flight.contains(replica, key))
+
+    def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
+        return request.keys(self.fingerprint, self.chunk_tokens)
+
+    def learn(self, replica: str, keys: list[str]) -> None:
+        self.index.record(replica, keys)
 
     def forget(self, replica: str) -> None:
         self.index.forget(replica)
 
+    def index_sizes(self) -> dict[tuple[str, str], int]:
+        return super().index_sizes() | {(name, "routed"): n for name, n in self.index.sizes().items()}
+
 
 class KVAware(Policy):
-    """The lowest expected TTFT (score.py) from the replicas' KV events; keys routed in the last few seconds count
-    as L1 hits until the replica's own events confirm them (a poll interval would otherwise hide them)."""
+    """The lowest expected TTFT (score.py) from the replicas' KV events; keys of requests in flight to a replica, or
+    answered there in the last few seconds, count as L1 hits until the replica's own events confirm them (a poll
+    interval would otherwise hide them)."""
 
     name = "kv"
     needs_tokens = True
@@ -201,12 +243,16 @@ class KVAware(Policy):
         keys = request.keys(state.fingerprint, state.chunk_tokens)
         others = [c for c in self.index.all_costs() if c is not state.costs]
         costs = resolve_costs(state.costs, others)
-        queued = max(candidate.in_flight, sum(state.load))
+        # The replica's own running + waiting are as old as its last poll: the requests of this router that
+        # finished there since that poll was sent are counted in them, but are over. Counted anyway, they would
+        # send a user's next request away from the replica that just cached its context.
+        over = max(candidate.finished - state.finished, 0)
+        queued = max(candidate.in_flight, sum(state.load) - over)
         # Work ahead of this request: each queued request takes about what requests there have taken so far, and
         # the one generating now is, on average, half done.
         wait = max(queued - 0.5, 0.0) * (candidate.service_seconds or 0.0)
         name = candidate.name
-        l1 = _Either(state.l1, lambda key: self.recent.contains(name, key))
+        l1 = _Either(state.l1, lambda key: self.recent.contains(name, key) or self.in_flight.contains(name, key))
         l2 = self.index.l2_view(name)
         return expected_ttft(
             len(request.token_ids), keys, state.chunk_tokens, l1=l1, l2=l2, costs=costs, queue_wait=wait
@@ -225,13 +271,21 @@ class KVAware(Policy):
             return Decision(self.least_loaded(candidates).name, reason, best)
         return self.guard.apply(ranked, Decision(ranked[0].name, reason, best))
 
-    def routed(self, request: RouteRequest, replica: str) -> None:
+    def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
         state = self.index.state(replica)
-        if state is not None:
-            self.recent.record(replica, request.keys(state.fingerprint, state.chunk_tokens))
+        return [] if state is None else request.keys(state.fingerprint, state.chunk_tokens)
+
+    def learn(self, replica: str, keys: list[str]) -> None:
+        self.recent.record(replica, keys)
 
     def forget(self, replica: str) -> None:
         self.recent.forget(replica)
+
+    def index_sizes(self) -> dict[tuple[str, str], int]:
+        sizes = super().index_sizes() | {(name, "recent"): n for name, n in self.recent.sizes().items()}
+        for name, (l1, l2) in self.index.sizes().items():
+            sizes[(name, "l1")], sizes[(name, "l2")] = l1, l2
+        return sizes
 
 
 def _ttft(estimate: Estimate | None) -> float:
@@ -239,9 +293,9 @@ def _ttft(estimate: Estimate | None) -> float:
 
 
 class _Either:
-    """Membership in a set or by a predicate (the recently-routed keys)."""
+    """Membership in a set or by a predicate (the keys routed there recently, or in flight there)."""
 
-    def __init__(self, keys: set[str], predicate: Callable[[str], bool]) -> None:
+    def __init__(self, keys: Container[str], predicate: Callable[[str], bool]) -> None:
         self._keys, self._predicate = keys, predicate
 
     def __contains__(self, key: object) -> bool:
@@ -271,6 +325,6 @@ def make_policy(
             raise ConfigError("--policy prefix needs a fingerprint (the router derives one from --model)")
         return Prefix(fingerprint, chunk_tokens, PrefixIndex(max_keys=index_keys, ttl=index_ttl), guard)
     if name == "kv":
-        # Recently routed keys stand in for the replica's store events for a few poll intervals only.
+        # Keys answered there recently stand in for the replica's store events for a few poll intervals only.
         return KVAware(kv_index or KVIndex(), guard, PrefixIndex(max_keys=index_keys, ttl=5.0))
     raise ConfigError(f"--policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -11,12 +11,13 @@ see one server's errors whether or not a router stands in front of it.
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import TYPE_CHECKING
 
 from preheat.errors import PreheatError, RouterError
+from preheat.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.policies import RouteRequest
+from preheat.server.openai import MAX_BODY_BYTES, MAX_CONTAINERS
 
 if TYPE_CHECKING:
     from preheat.engine.tokenizer import TextTokenizer
@@ -51,8 +52,9 @@ class PromptReader:
         if kind is None:
             return request
         try:
-            raw = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+            # The replica's own bounds: a body refused here is routed by load, and the replica answers its 400.
+            raw = loads_bounded(body, max_bytes=MAX_BODY_BYTES, max_containers=MAX_CONTAINERS)
+        except JSONInputError:
             return request
         if not isinstance(raw, dict):
             return request

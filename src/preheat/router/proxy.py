@@ -3,6 +3,10 @@
 Bodies pass through byte for byte: a non-streaming answer is relayed with its Content-Length, a streamed one chunk
 by chunk as the replica writes its chunks (one server-sent event each), so tokens reach the client as they are made.
 
+Authentication: with an API key (``--api-key``) every route but ``/health`` and ``/metrics`` needs
+``Authorization: Bearer <key>``; a request without it is answered 401 before its body is read, tokenized, indexed or
+sent anywhere. With ``--replica-api-key`` the router presents its own key to the replicas in place of the client's.
+
 Failures: a request that fails before the replica sent anything (refused, reset, closed) ejects that replica and is
 retried once on another; one that fails after (the replica died mid-answer) gets a clear error: a 502 when nothing
 was sent yet, else a final ``data: {"error": ...}`` event and ``[DONE]``, as the replica itself ends a failed stream.
@@ -10,12 +14,13 @@ was sent yet, else a final ``data: {"error": ...}`` event and ``[DONE]``, as the
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -24,10 +29,12 @@ from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
 from preheat.router.upstream import Replica, UpstreamError
 from preheat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from preheat.server.openai import MAX_BODY_BYTES
 from preheat.sources.httpserve import write_body
+from preheat.sources.ranges import parse_length
 
 log = logging.getLogger("preheat.router")
-MAX_BODY = 32 * 1024 * 1024  # the replica's own limit: larger bodies are refused here, without a round trip
+MAX_BODY = MAX_BODY_BYTES  # the replica's own limit: larger bodies are refused here, without a round trip
 # Per-connection headers are not forwarded (RFC 9110 7.6.1); Host and Content-Length are set again for the replica.
 HOP_HEADERS = frozenset(
     ("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
@@ -39,28 +46,43 @@ REASON_HEADER = "X-Preheat-Route"
 
 
 class Router:
-    """The replicas, the policy and the metrics: everything a request thread shares."""
+    """The replicas, the policy and the metrics: everything a request thread shares. ``api_key``: what clients must
+    present (None: anyone may ask); ``replica_api_key``: what the router presents to replicas in place of the
+    client's ``Authorization`` (None: the client's passes through)."""
 
-    def __init__(self, replicas: Sequence[Replica], policy: Policy, prompts: PromptReader) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        policy: Policy,
+        prompts: PromptReader,
+        *,
+        api_key: str | None = None,
+        replica_api_key: str | None = None,
+    ) -> None:
         self.replicas, self.policy, self.prompts = list(replicas), policy, prompts
-        self.metrics = RouterMetrics(lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas])
+        self.api_key = api_key
+        self.replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
+        self.metrics = RouterMetrics(
+            lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas], policy.index_sizes
+        )
 
     def healthy(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r not in exclude]
 
     def set_health(self, replica: Replica, healthy: bool, why: str) -> None:
         """A replica enters or leaves rotation (health checker or a failed request)."""
+        if not replica.set_healthy(healthy):
+            return  # already so: the health checker and a failed request can find a dead replica at the same time
         if healthy:
             log.warning("replica %s is in rotation (%s)", replica.url, why)
             return
-        replica.healthy = False
         replica.close_idle()
         self.policy.forget(replica.url)  # back from the dead, its cache will have restarted empty
         self.metrics.ejections.inc(replica=replica.url)
         log.warning("replica %s ejected: %s", replica.url, why)
 
     def choose(self, request: RouteRequest, pool: Sequence[Replica], retry: bool = False) -> tuple[Replica, Decision]:
-        candidates = [Candidate(r.url, r.in_flight, r.service_seconds) for r in pool]
+        candidates = [Candidate(r.url, r.in_flight, r.service_seconds, r.finished) for r in pool]
         decision = self.policy.choose(request, candidates)
         reason = "retry" if retry else decision.reason
         self.metrics.decisions.inc(policy=self.policy.name, reason=reason)
@@ -118,11 +140,30 @@ class RouterHandler(BaseHTTPRequestHandler):
     def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         write_body(self, status, body, content_type, headers)
 
-    def send_error_json(self, status: int, message: str, type_: str, code: str) -> None:
-        """An OpenAI-shaped error the router itself answers (no replica, or the replica failed)."""
+    def send_error_json(
+        self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None
+    ) -> None:
+        """An OpenAI-shaped error the router itself answers (no replica, the replica failed, no API key)."""
         self.server.router.metrics.errors.inc(code=code)
         body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-        self.send_body(status, json.dumps(body).encode(), "application/json", {"Retry-After": "1"})
+        extra = {"Retry-After": "1"} if headers is None else headers
+        self.send_body(status, json.dumps(body).encode(), "application/json", extra)
+
+    def authorized(self) -> bool:
+        """True when the router has no API key or the request bears it (compared in constant time); else answers
+        401 as ``preheat serve`` does, before the body is read, tokenized, indexed or forwarded."""
+        key = self.server.router.api_key
+        if not key:
+            return True
+        given = self.headers.get("Authorization", "")
+        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), key.encode()):
+            return True
+        if self.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in self.headers:
+            self.close_connection = True  # its body is left unread: the connection cannot carry another request
+        message = "missing or wrong API key: send 'Authorization: Bearer <key>' (the router's --api-key)"
+        headers = {"WWW-Authenticate": "Bearer"}
+        self.send_error_json(401, message, "authentication_error", "invalid_api_key", headers)
+        return False
 
     def health(self) -> None:
         router = self.server.router
@@ -143,15 +184,22 @@ class RouterHandler(BaseHTTPRequestHandler):
                 )
                 return None
             return b""
-        if not length.isdigit() or int(length) > MAX_BODY:
+        size = parse_length(length)  # None for '²' or 5,000 digits too, which int() would choke on
+        if size is None:
+            self.close_connection = True
+            self.send_error_json(411, "a Content-Length header is required", "invalid_request_error", "length_required")
+            return None
+        if size > MAX_BODY:
             self.close_connection = True
             self.send_error_json(413, f"request body over {MAX_BODY} bytes", "invalid_request_error", "too_large")
             return None
-        return self.rfile.read(int(length))
+        return self.rfile.read(size)
 
     def forward(self, method: str) -> None:
         started = time.perf_counter()
         router = self.server.router
+        if not self.authorized():
+            return
         body = self.read_body()
         if body is None:
             return
@@ -162,6 +210,10 @@ class RouterHandler(BaseHTTPRequestHandler):
         else:
             request = RouteRequest(session=self.headers.get(SESSION_HEADER))
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+        if router.replica_authorization is not None:
+            # The client's credential is for the router; the replicas get the router's own.
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = router.replica_authorization
         tried: list[Replica] = []
         while True:
             pool = router.healthy(exclude=tried)
@@ -172,11 +224,15 @@ class RouterHandler(BaseHTTPRequestHandler):
             replica, decision = router.choose(request, pool, retry=bool(tried))
             tried.append(replica)
             replica.begin()
+            if generation:
+                router.policy.sent(request, replica.url)
             sent = time.perf_counter()
             try:
                 conn, response = replica.send(method, self.path, body, headers)
             except UpstreamError as exc:
                 replica.end(None)
+                if generation:
+                    router.policy.answered(request, replica.url, ok=False)
                 if exc.before_first_byte:
                     router.set_health(replica, False, str(exc))
                 if exc.before_first_byte and len(tried) == 1:
@@ -185,19 +241,30 @@ class RouterHandler(BaseHTTPRequestHandler):
                 self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
                 return
             if generation:
-                router.policy.routed(request, replica.url)
+                # Learnt only from a 2xx, before the client hears of it (its next request may share the prefix).
+                router.policy.answered(request, replica.url, ok=200 <= response.status < 300)
             break
+        # The request is over for the replica when its last byte arrives, before the client gets ours: a client that
+        # sends its next request as soon as it has this answer must not find this one still counted in flight.
+        over = _once(lambda: replica.end(time.perf_counter() - sent))
         try:
-            upstream_done, status = self.relay(replica, conn, response, "retry" if len(tried) > 1 else decision.reason)
+            reason = "retry" if len(tried) > 1 else decision.reason
+            upstream_done, status = self.relay(replica, conn, response, reason, over)
         finally:
-            replica.end(time.perf_counter() - sent)
+            over()  # when the relay ended some other way (an exception)
         router.metrics.routed.inc(replica=replica.url, status=str(status))
         router.metrics.overhead.observe((sent - started) + max(time.perf_counter() - upstream_done, 0.0))
 
     def relay(
-        self, replica: Replica, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, reason: str
+        self,
+        replica: Replica,
+        conn: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        reason: str,
+        over: Callable[[], None],
     ) -> tuple[float, int]:
-        """Send the replica's answer to the client; returns when the replica's last byte arrived, and the status."""
+        """Send the replica's answer to the client, calling ``over()`` once the replica's part is over (before the
+        client's last byte); returns when the replica's last byte arrived, and the status."""
         headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_HEADERS]
         headers += [(REPLICA_HEADER, replica.url), (REASON_HEADER, reason)]
         if not response.chunked:
@@ -205,11 +272,13 @@ class RouterHandler(BaseHTTPRequestHandler):
                 body = response.read()
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
+                over()
                 message = f"replica {replica.url} failed while answering: {type(exc).__name__}: {exc}"
                 self.send_error_json(502, message, "server_error", "replica_failed")
                 return time.perf_counter(), 502
             done = time.perf_counter()
             replica.release(conn, response)
+            over()
             self.send_response(response.status)
             for name, value in headers:
                 self.send_header(name, value)
@@ -222,10 +291,16 @@ class RouterHandler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.stream(replica, conn, response)
+        self.stream(replica, conn, response, over)
         return time.perf_counter(), response.status
 
-    def stream(self, replica: Replica, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+    def stream(
+        self,
+        replica: Replica,
+        conn: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        over: Callable[[], None],
+    ) -> None:
         """Relay a chunked answer as the replica writes it. Server-sent events are relayed whole: a replica that
         dies mid-event must not leave half an event in front of the error event that ends the stream."""
         events = (response.getheader("Content-Type") or "").startswith("text/event-stream")
@@ -235,6 +310,7 @@ class RouterHandler(BaseHTTPRequestHandler):
                 data = response.read1(65536)
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
+                over()
                 self.close_connection = True
                 message = f"replica {replica.url} failed mid-stream: {type(exc).__name__}: {exc}"
                 self.server.router.metrics.errors.inc(code="replica_failed")
@@ -242,6 +318,8 @@ class RouterHandler(BaseHTTPRequestHandler):
                 self.write_chunk(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
                 self.write_chunk(b"")
                 return
+            if not data:
+                over()  # the replica's last chunk came: the client's last one goes out below
             pending += data
             if events and data:
                 cut = pending.rfind(b"\n\n") + 2  # 1 when there is no complete event yet
@@ -265,3 +343,14 @@ class RouterHandler(BaseHTTPRequestHandler):
         except OSError:
             return False
         return True
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """``action`` on the first call, nothing on later ones (one handler thread calls it)."""
+    pending = [action]
+
+    def call() -> None:
+        if pending:
+            pending.pop()()
+
+    return call

@@ -47,7 +47,8 @@ def parse_url(url: str) -> Address:
 
 class Replica:
     """One replica: ``healthy`` (set by the health checker and by failed requests), ``in_flight`` (requests through
-    this router now), ``service_seconds`` (moving mean of a request's duration there) and its connection pool."""
+    this router now), ``finished`` (requests it answered through this router so far), ``service_seconds`` (moving
+    mean of a request's duration there) and its connection pool."""
 
     def __init__(self, url: str, *, timeout: float = 300.0, connect_timeout: float = 2.0) -> None:
         self.address = parse_url(url)
@@ -55,9 +56,16 @@ class Replica:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.healthy = False  # until the first health check says otherwise
         self.in_flight = 0
+        self.finished = 0
         self.service_seconds: float | None = None
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+
+    def set_healthy(self, healthy: bool) -> bool:
+        """Enter (True) or leave rotation; False when it already was so (another thread got there first)."""
+        with self._lock:
+            changed, self.healthy = self.healthy != healthy, healthy
+            return changed
 
     # -- load ----------------------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -69,6 +77,7 @@ class Replica:
         with self._lock:
             self.in_flight -= 1
             if seconds is not None:
+                self.finished += 1
                 old = self.service_seconds
                 self.service_seconds = seconds if old is None else old + SERVICE_EWMA * (seconds - old)
 
@@ -81,8 +90,10 @@ class Replica:
         return conn, False
 
     def release(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
-        """Return ``conn`` to the pool once ``response`` was read to its end, unless either side asked to close."""
-        if response.will_close or not response.isclosed():
+        """Return ``conn`` to the pool once ``response`` was read to its end, unless either side asked to close or the
+        answer is an error: a server that refuses a request early (401, 404) may not have read its body, and the
+        unread bytes would be taken for the next request sent on this connection."""
+        if response.will_close or not response.isclosed() or response.status >= 400:
             conn.close()
             return
         with self._lock:
