@@ -311,6 +311,24 @@ def test_api_key_is_required_on_v1_routes(guarded: ServerProcess) -> None:
     assert anonymous.get("/metrics").status == 200, "scrapers need no key"
 
 
+@pytest.mark.parametrize(("path", "key", "status"), [("/v1/completions", "guess", 401), ("/v1/nowhere", "sekret", 404)])
+def test_a_refusal_before_the_body_is_read_closes_the_connection(
+    guarded: ServerProcess, path: str, key: str, status: int
+) -> None:
+    """A body the server never read must not be parsed as the keep-alive client's next request."""
+    host, port = guarded.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = b'{"prompt": "GET /health HTTP/1.1", "max_tokens": 1}'
+    conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {key}"})
+    refused = conn.getresponse()
+    refused.read()
+    assert refused.status == status
+    assert refused.headers["Connection"] == "close"
+    conn.request("GET", "/health")  # http.client reconnects after 'Connection: close'; garbage would be a 400
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
 def test_a_full_queue_answers_429(guarded: ServerProcess) -> None:
     client = Client(guarded.url, "sekret")
     clients = 4

@@ -122,6 +122,11 @@ class Handler(BaseHTTPRequestHandler):
     def send_error_json(self, error: openai.APIError, headers: dict[str, str] | None = None) -> None:
         self.send_json(error.status, error.body(), headers)
 
+    def refuse_unread(self, error: openai.APIError, headers: dict[str, str] | None = None) -> None:
+        """Answer ``error`` without reading the request's body, and close the connection: its unread bytes would
+        otherwise be parsed as the next request of a keep-alive client (``Connection: close`` tells it so)."""
+        self.send_error_json(error, {**(headers or {}), "Connection": "close"})
+
     def count(self, status: int) -> None:
         self.state.metrics.requests.inc(endpoint=self.route(), status=str(status))
 
@@ -137,7 +142,7 @@ class Handler(BaseHTTPRequestHandler):
         given = self.headers.get("Authorization", "")
         if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), key.encode()):
             return True
-        self.send_error_json(
+        self.refuse_unread(
             openai.APIError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
@@ -152,12 +157,10 @@ class Handler(BaseHTTPRequestHandler):
         """The request body, or None after answering 411/413 (no length, or too large)."""
         length = parse_length(self.headers.get("Content-Length"))  # None also for '²' or 5,000 digits
         if length is None:
-            self.send_error_json(openai.APIError(411, "a Content-Length header is required", code="length_required"))
-            self.close_connection = True
+            self.refuse_unread(openai.APIError(411, "a Content-Length header is required", code="length_required"))
             return None
         if length > MAX_BODY:
-            self.send_error_json(openai.APIError(413, f"request body over {MAX_BODY} bytes", code="too_large"))
-            self.close_connection = True
+            self.refuse_unread(openai.APIError(413, f"request body over {MAX_BODY} bytes", code="too_large"))
             return None
         return self.rfile.read(length)
 
@@ -189,7 +192,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         kind = GENERATION_ROUTES.get(path)
         if kind is None:
-            self.send_error_json(openai.APIError(404, f"no route {path}", code="not_found"))
+            self.refuse_unread(openai.APIError(404, f"no route {path}", code="not_found"))
             return
         body = self.read_body()
         if body is None:
