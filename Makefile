@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.preheat-installed
 
-.PHONY: demo test lint typecheck bench bench-pull bench-coldstart bench-ttft bench-kvquant bench-router bench-p2p bench-plan clean venv
+.PHONY: demo test lint typecheck bench bench-pull bench-coldstart bench-ttft bench-kvquant bench-router bench-p2p bench-plan bench-soak clean venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ bench-kvquant: $(STAMP)
 bench-router: $(STAMP)
 	@mkdir -p .bench
 	$(PY) bench/router.py --json .bench/router.json
+
+## bench-soak: router + 3 replicas + Redis and fs:// L2 under load for 150 s while replicas, Redis and L2 files fail
+bench-soak: $(STAMP)
+	@mkdir -p .bench
+	$(PY) bench/soak.py --duration 150 --json .bench/soak.json
 
 ## bench-p2p: a new replica fed by 1 or 2 peers, the origin, or local disk; compile with and without artifacts
 bench-p2p: $(STAMP)
