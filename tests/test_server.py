@@ -3,9 +3,11 @@ random-weight Llama (its text is noise, but every byte of the pipeline is real),
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -231,6 +233,28 @@ def test_a_waiting_non_streaming_client_that_leaves_stops_its_generation(client:
     sock.close()
     wait_for(lambda: client.metric("preheat_generations_finished_total", reason="abort") > aborted, "an abort")
     assert client.metric("preheat_generated_tokens_total") - generated < MAX_LEN - 10
+
+
+def test_sigterm_during_generation_exits_cleanly(tiny_model: str) -> None:
+    """Kubernetes stops pods with SIGTERM while they generate: that is a clean exit (0), not a C++ abort (-6)."""
+    with ServerProcess(tiny_model) as process:
+        process.wait_ready(timeout=120)
+        client = Client(process.url)
+        body = {"prompt": LONG, "max_tokens": MAX_LEN, "temperature": 0, "stream": True}
+        streams = [threading.Thread(target=_ignore_errors, args=(client.stream, "/v1/completions", body)) for _ in "ab"]
+        for thread in streams:
+            thread.start()
+        wait_for(lambda: client.metric("preheat_requests_running") == 1, "the generation to start")
+        process.proc.send_signal(signal.SIGTERM)
+        assert process.proc.wait(timeout=60) == 0, process.lines[-5:]
+        for thread in streams:
+            thread.join(timeout=60)
+
+
+def _ignore_errors(call: object, *args: object) -> None:
+    """Run a client call whose connection the test expects the server to cut."""
+    with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+        call(*args)  # type: ignore[operator]
 
 
 # -- observability ---------------------------------------------------------------------------------------------------

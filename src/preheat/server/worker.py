@@ -63,18 +63,28 @@ class Worker:
         self._running = 0
         self._cond = threading.Condition()
         self._stopping = False
+        self._current: Job | None = None
         self._thread = threading.Thread(target=self._loop, name="preheat-generate", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Let the current token finish, cancel everything, and end the thread."""
+    def stop(self, timeout: float = 10.0) -> None:
+        """Let the current token finish, cancel everything, and wait up to ``timeout`` seconds for the thread to end.
+
+        The wait matters: a daemon thread still inside torch while the interpreter shuts down makes the C++ runtime
+        abort ("terminate called without an active exception", exit -6), so SIGTERM under load would look like a
+        crash. Cancelling the running job ends it at its next token.
+        """
         with self._cond:
             self._stopping = True
             for job in self._waiting:
                 job.cancel()
+            if self._current is not None:
+                self._current.cancel()
             self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def load(self) -> tuple[int, int]:
         """(jobs waiting, jobs generating): the queue-depth gauges."""
@@ -100,11 +110,13 @@ class Worker:
                     return
                 job = self._waiting.popleft()
                 self._running = 1
+                self._current = job
             try:
                 self._run(job)
             finally:
                 with self._cond:
                     self._running = 0
+                    self._current = None
                 job.events.put(None)
 
     def _run(self, job: Job) -> None:
