@@ -302,6 +302,6 @@ def test_remote_load_writes_through_then_loads_from_the_cache(origin_dir: Path, 
 
 def test_rank_loads_do_not_write_through(origin_dir: Path, cache: ModelCache) -> None:
     with FileServer(origin_dir) as server:
-        part = preheat.load(server.url, cache=cache, rank=1, world_size=2)
+        part = preheat.load(server.url, cache=cache, rank=1, world_size=2, verify=False)  # slices: no digests
     assert part.cache_write is None
     assert cache.entries() == []

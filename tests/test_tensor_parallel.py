@@ -12,6 +12,7 @@ import torch
 import preheat
 from conftest import WrittenCheckpoint, page_bound, same_bytes
 from preheat.checkpoint.layout import open_checkpoint
+from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
 from preheat.checkpoint.tp import TPPlan, rank_slice
 from preheat.checkpoint.writer import save_file
 from preheat.errors import CheckpointError, ConfigError
@@ -174,6 +175,33 @@ def test_rank_reads_only_its_slice(wide_checkpoint: WrittenCheckpoint, world_siz
         assert result.report.bytes_read <= page_bound(runs, PAGE)
         if world_size > 1:
             assert result.report.bytes_read < file.size
+
+
+@pytest.fixture(scope="module")
+def long_rows_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reviewed shape's MLP (intermediate 5632: ``down_proj`` rows of 11 KiB, so a rank's half rows start and
+    end mid-page) at hidden 512, one layer: about 18 MiB."""
+    root = tmp_path_factory.mktemp("long-rows")
+    write_llama_checkpoint(root, LlamaShape(256, 512, 5632, 1, 4, 4), seed=4)
+    return root
+
+
+@pytest.mark.parametrize("chunk", [8 * 1024, 64 * 1024, None])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", ["wide", "long_rows"])
+def test_direct_rank_reads_within_its_page_bound(
+    name: str, world_size: int, chunk: int | None, request: pytest.FixtureRequest
+) -> None:
+    """O_DIRECT reads whole pages: a rank must still fetch no more than the pages holding its slices (+2%), at any
+    chunk size (cutting reads mid-page made it read most pages twice)."""
+    root = request.getfixturevalue(f"{name}_checkpoint")
+    root = root.root if isinstance(root, WrittenCheckpoint) else root
+    (file,) = open_checkpoint(root).files
+    for rank in range(world_size):
+        runs = [r for e in file.header.tensors for r in rank_slice(e, "auto", rank, world_size, path=file.path).runs]
+        report = preheat.load(root, mode="direct", rank=rank, world_size=world_size, chunk_bytes=chunk).report
+        assert report.bytes_read <= page_bound(runs, PAGE) * 1.02, (rank, report.bytes_read / file.size)
+        assert report.bytes_read >= sum(length for _, length in runs)
 
 
 @pytest.mark.parametrize("mode", ["read", "direct"])

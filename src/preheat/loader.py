@@ -8,6 +8,9 @@ Stages (each timed in the ``LoadReport``):
    (CUDA with ``read``/``direct``); ``mmap`` maps the files instead and reads lazily on first touch;
 4. device_sync: wait for the last device copies;
 5. views: tensors are views into the file buffers; a view keeps its buffer alive, so no caller ever needs ``.clone()``.
+
+Verification (docs/loader.md) happens inside the read stage: each tensor is hashed as its bytes land and checked
+against its digest in ``preheat.json``; ``checkpoint/loadverify.py`` decides which tensors can and must be checked.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from preheat.checkpoint import dtypes
+from preheat.checkpoint import dtypes, torch_dtypes
+from preheat.checkpoint.digest import TensorDigests
 from preheat.checkpoint.layout import Checkpoint, CheckpointFile, open_checkpoint
+from preheat.checkpoint.loadverify import VerifyPlan, plan_verification
+from preheat.checkpoint.manifest import MANIFEST_NAME
 from preheat.checkpoint.tp import TPPlan, rank_slice
 from preheat.config import LoaderSettings, format_bytes
 from preheat.errors import CacheError, CheckpointError, ConfigError, DeviceError
@@ -32,7 +39,7 @@ from preheat.io.buffers import PAGE, host_buffer, round_down, round_up
 from preheat.io.files import ensure_size
 from preheat.io.gds import gds_status, run_gds
 from preheat.io.pipeline import StagedReader
-from preheat.io.reads import Extent, FileJob, ParallelReader, plan_ops
+from preheat.io.reads import Extent, FileJob, ParallelReader, gather, plan_ops
 from preheat.io.tuning import tune
 from preheat.sources.base import is_uri
 
@@ -63,6 +70,10 @@ class LoadReport:
     tuning: str = ""
     stages: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # True when every returned tensor was checked against its preheat.json digest during this load; when False,
+    # ``notes`` says why (verify=False, no manifest, a lazy mode, TP slices).
+    verified: bool = False
+    verified_tensors: int = 0
 
     @property
     def seconds(self) -> float:
@@ -82,7 +93,7 @@ class LoadReport:
         return (
             f"loaded {self.tensors} tensors, {format_bytes(self.bytes)} from {self.files} file(s) in "
             f"{self.seconds:.3f} s ({self.gbps:.2f} GB/s, mode={self.mode}, device={self.device}, "
-            f"rank {self.rank}/{self.world_size})"
+            f"rank {self.rank}/{self.world_size}, {'verified' if self.verified else 'UNVERIFIED'})"
         )
 
 
@@ -99,6 +110,8 @@ class LoadResult(dict[str, torch.Tensor]):
     cache_lease: object | None = None
     # (plan, buffer) per file of a read-mode load: what write-through saves. Internal.
     file_buffers: list[tuple[FilePlan, torch.Tensor]] | None = None
+    # One memoryview per mapped file of an mmap load, while its tensors are being checked. Internal.
+    mappings: list[memoryview] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +164,9 @@ def plan_file(file: CheckpointFile, tp_plan: TPPlan, rank: int, world_size: int,
     return FilePlan(file, tuple(extents_list), tuple(placed_list), round_up(cursor, align_base), header.data_end, False)
 
 
-def _resolve_mode(mode: str, device: torch.device, world_size: int, *, remote: bool = False) -> str:
+def _resolve_mode(
+    mode: str, device: torch.device, world_size: int, *, remote: bool = False, verify: bool | None = None
+) -> str:
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     if remote:
@@ -176,7 +191,9 @@ def _resolve_mode(mode: str, device: torch.device, world_size: int, *, remote: b
     if not torch.cuda.is_available():
         raise DeviceError(f"device {device} was requested but torch sees no CUDA device")
     if mode == "auto":
-        return "gds" if gds_status().available and not gds_status().compat_mode else "read"
+        # GDS moves bytes past host memory, where nothing can hash them: a load that must be checked reads instead.
+        real_gds = gds_status().available and not gds_status().compat_mode
+        return "gds" if real_gds and verify is not True else "read"
     return mode
 
 
@@ -193,6 +210,7 @@ def load(
     progress: Callable[[int, int], None] | None = None,
     dequantize: bool = False,
     cache: ModelCache | str | os.PathLike[str] | bool | None = None,
+    verify: bool | None = None,
 ) -> LoadResult:
     """Load every tensor of a safetensors checkpoint (this rank's slices of them when ``world_size > 1``).
 
@@ -211,8 +229,13 @@ def load(
     ``cache`` (remote sources only): a ``ModelCache``, a cache directory, ``True`` for the default one, ``False`` for
     none; ``None`` uses the cache only when ``PREHEAT_CACHE_DIR`` is set. A cached checkpoint loads from local disk;
     otherwise it streams from the origin into memory and is written through to the cache in the background.
-    Raises ``CheckpointError`` naming the file and tensor for any malformed or truncated input; never returns a
-    partial result.
+    ``verify``: check every tensor against its digest in ``preheat.json`` as its bytes land. ``None`` (default):
+    required for remote sources (a checkpoint without a manifest, or TP slices of an unsharded one, is refused unless
+    ``verify=False``); for local ones, done when there is a manifest and the mode reads into memory (``read``,
+    ``direct``, CUDA staging), not for ``mmap``/``gds``. ``True``: every tensor or the load fails before reading.
+    ``False``: nothing. ``report.verified`` says whether every tensor was checked, ``report.notes`` why not.
+    Raises ``CheckpointError`` naming the file and tensor for any malformed or truncated input, or a tensor whose
+    bytes do not match its digest (naming the source too); never returns a partial result.
     """
     settings = LoaderSettings.from_env()
     dev = torch.device(device)
@@ -236,11 +259,12 @@ def load(
                 "chunk_bytes": chunk_bytes,
                 "progress": progress,
                 "dequantize": dequantize,
+                "verify": verify,
             },
         )
         if hit is not None:
             return hit
-    chosen = _resolve_mode(mode or settings.mode, dev, world_size, remote=remote)
+    chosen = _resolve_mode(mode or settings.mode, dev, world_size, remote=remote, verify=verify)
     report = LoadReport(os.fspath(source), chosen, str(dev), rank, world_size)
 
     started = time.perf_counter()
@@ -248,10 +272,22 @@ def load(
     report.files = len(checkpoint.files)
     # A pre-sharded checkpoint's files already hold this rank's slices: read them whole, never slice again.
     part_rank, parts = (0, 1) if checkpoint.presharded else (rank, world_size)
+    checks = plan_verification(
+        checkpoint,
+        [_whole_tensors(f, tp_plan, part_rank, parts) for f in checkpoint.files],
+        verify=verify,
+        remote=remote,
+        mode=chosen,
+        rank=rank,
+        world_size=world_size,
+    )
     if chosen == "mmap":
         # Mapping needs no read plan and no thread tuning: the kernel reads pages when they are touched.
         report.stages["plan"] = time.perf_counter() - started
         result = _load_mmap(checkpoint, tp_plan, part_rank, parts, report)
+        if checks.count and result.mappings is not None:
+            _check_mapped(result.mappings, checkpoint, checks, threads or settings.threads or 8, report)
+        result.mappings = None
         if progress is not None:
             mapped = checkpoint.total_bytes
             progress(mapped, mapped)
@@ -277,7 +313,9 @@ def load(
             chunk_bytes=tuning.chunk_bytes,
             progress=_Progress(progress, sum(e.length for p in plans for e in p.extents)),
             report=report,
+            checks=checks,
         )
+    _report_verification(report, checks)
     if node_cache is not None and parts == 1 and dev.type == "cpu" and result.file_buffers is not None:
         from preheat.store.writethrough import LoadedFile, start_write_through
 
@@ -319,7 +357,9 @@ def _load_cached(cache: ModelCache, uri: str, options: dict[str, Any]) -> LoadRe
     from preheat.store.pull import origin_key
 
     try:
-        key, _ = origin_key(open_origin(uri))
+        key, manifest = origin_key(open_origin(uri))
+        if manifest is None and options["verify"] is not False:
+            return None  # the load from the origin refuses it, saying why (no manifest: nothing to check against)
         path = cache.lookup(key)
         if path is None:
             return None
@@ -330,7 +370,8 @@ def _load_cached(cache: ModelCache, uri: str, options: dict[str, Any]) -> LoadRe
     result = load(path, cache=False, **options)
     result.cache_lease = lease
     result.report.source = uri
-    result.report.notes.append(f"node cache hit: {path}")
+    # The entry is a local directory now, loaded by the local rules; its files were checked when it was published.
+    result.report.notes.append(f"node cache hit: {path} (every file was checked against the digests when cached)")
     return result
 
 
@@ -358,6 +399,7 @@ def _load_read(
     chunk_bytes: int,
     progress: _Progress,
     report: LoadReport,
+    checks: VerifyPlan,
 ) -> LoadResult:
     direct = mode == "direct"
     if direct and not _direct_ok(plans, report):
@@ -370,6 +412,10 @@ def _load_read(
             buffers.append(torch.empty(plan.buffer_bytes, dtype=torch.uint8, device=device))
         else:
             buffers.append(host_buffer(plan.buffer_bytes, align=PAGE if direct else 64))
+    digests = [
+        TensorDigests(expected, path=p.file.path, source=report.source) if expected else None
+        for p, expected in zip(plans, checks.files, strict=True)
+    ]
     jobs = [
         FileJob(
             p.file.path,
@@ -379,8 +425,9 @@ def _load_read(
             direct=direct,
             scattered=not p.whole,
             open_source=p.file.open_source if p.file.origin is not None else None,
+            landing=digest,
         )
-        for p, buf in zip(plans, buffers, strict=True)
+        for p, buf, digest in zip(plans, buffers, digests, strict=True)
     ]
     t1 = time.perf_counter()
     report.stages["allocate"] = t1 - t0
@@ -402,6 +449,7 @@ def _load_read(
     report.stages["read"] = t2 - t1
     if t3 > t2:
         report.stages["device_sync"] = t3 - t2
+    report.verified_tensors = sum(d.finish() for d in digests if d is not None)
     result = LoadResult()
     for plan, buf in zip(plans, buffers, strict=True):
         for placed in plan.tensors:
@@ -425,7 +473,7 @@ def _direct_ok(plans: list[FilePlan], report: LoadReport) -> bool:
 
 def _view(buf: torch.Tensor, placed: PlacedTensor, path: str) -> torch.Tensor:
     raw = buf[placed.offset : placed.offset + placed.nbytes]
-    dtype = dtypes.to_torch(placed.dtype)
+    dtype = torch_dtypes.to_torch(placed.dtype)
     if placed.offset % dtypes.itemsize(placed.dtype):
         # The format does not promise aligned offsets; an unaligned tensor gets its own aligned copy.
         raw = raw.clone()
@@ -461,9 +509,11 @@ def _load_mmap(
     dim 1 are strided views, so nothing is copied."""
     t0 = time.perf_counter()
     result = LoadResult()
+    mappings: list[memoryview] = []
     for file in checkpoint.files:
         header = file.header
         if header.data_end == 0 or not header.tensors:
+            mappings.append(memoryview(b""))
             continue
         fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -474,6 +524,7 @@ def _load_mmap(
         if world_size > 1:
             _prefetch_rank_pages(mapping, file, tp_plan, rank, world_size)
         whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        mappings.append(memoryview(mapping))
         for entry in header.tensors:
             part = rank_slice(entry, tp_plan, rank, world_size, path=file.path)
             tensor = _view(
@@ -484,4 +535,50 @@ def _load_mmap(
             result[entry.name] = tensor
     report.stages["map"] = time.perf_counter() - t0
     report.bytes_read = 0  # pages are read on first touch, by whoever touches them
+    result.mappings = mappings
     return result
+
+
+def _check_mapped(
+    mappings: list[memoryview], checkpoint: Checkpoint, checks: VerifyPlan, threads: int, report: LoadReport
+) -> None:
+    """``verify=True`` with ``mmap``: hash every checked tensor's mapped pages now (faulting them in), in parallel."""
+    t0 = time.perf_counter()
+    step = 64 * 1024 * 1024
+    digests = [
+        TensorDigests(expected, path=file.path, source=report.source)
+        for file, expected in zip(checkpoint.files, checks.files, strict=True)
+    ]
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="preheat-verify") as pool:
+        futures = [
+            pool.submit(_land, digest, view, start, min(step, item.offset + item.nbytes - start))
+            for digest, view, expected in zip(digests, mappings, checks.files, strict=True)
+            for item in expected
+            for start in range(item.offset, item.offset + item.nbytes, step)
+        ]
+        gather(futures)
+    report.verified_tensors = sum(d.finish() for d in digests)
+    report.stages["verify"] = time.perf_counter() - t0
+
+
+def _land(digest: TensorDigests, view: memoryview, start: int, length: int) -> int:
+    digest.landed(start, view[start : start + length], stable=True)
+    return length
+
+
+def _whole_tensors(file: CheckpointFile, tp_plan: TPPlan, rank: int, world_size: int) -> set[str]:
+    """The tensors of ``file`` that rank ``rank`` reads whole (all of them without TP, or pre-sharded)."""
+    whole = set()
+    for entry in file.header.tensors:
+        part = rank_slice(entry, tp_plan, rank, world_size, path=file.path)
+        if part.runs == ((entry.start, entry.nbytes),) or entry.nbytes == 0:
+            whole.add(entry.name)
+    return whole
+
+
+def _report_verification(report: LoadReport, checks: VerifyPlan) -> None:
+    report.verified = checks.complete and report.verified_tensors == checks.total
+    if checks.reason:
+        checked = f"{report.verified_tensors} of {checks.total} tensors checked" if report.verified_tensors else ""
+        note = f"not verified against {MANIFEST_NAME}: {checks.reason}"
+        report.notes.append(f"{note} ({checked})" if checked else note)

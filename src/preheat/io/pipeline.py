@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer, round_down, round_up
-from preheat.io.reads import DISCARD, FileJob, OpenJobs, Progress, ReadOp, gather, read_at_least
+from preheat.io.reads import DISCARD, FileJob, OpenJobs, Progress, ReadOp, gather, read_at_least, useful_pieces
 from preheat.sources.base import Source
 
 
@@ -52,7 +52,7 @@ class StagedReader:
             futures: list[Future[int]] = [
                 pool.submit(self._run_op, source, op, job) for job, source, _ in opened for op in job.ops
             ]
-            total = gather(futures)
+            total = gather(futures, jobs)
         self.synchronize()  # each lane's last copies may still be in flight on its stream
         return total
 
@@ -92,6 +92,12 @@ class StagedReader:
             read_at_least(source, view[: op.length], op.file_offset, op.length, path=job.path)
             cursor, got = 0, op.length
         self._copy_out(lane, slot, staging=staging, cursor=cursor, op=op, dest=job.dest)
+        if job.landing is not None:
+            # Host bytes exist only here, in a staging buffer this lane reuses next: the landing must be done with
+            # them before we return (the device copy reads the same buffer meanwhile; both only read it).
+            for file_offset, _, length in useful_pieces(op):
+                at = cursor + file_offset - op.file_offset
+                job.landing.landed(file_offset, view[at : at + length], stable=False)
         if self.progress is not None:
             self.progress(op.useful_bytes)
         return got

@@ -3,17 +3,20 @@
 Pure planning (``plan_ops``) turns "these file ranges go to these buffer offsets" into read operations that are
 large (split at ``chunk_bytes``) and few (nearby small ranges are merged into one ``preadv``, with the gap between
 them landing in a scratch buffer, but only when the gap holds no page that would not be fetched anyway, so merging
-never costs disk bytes). ``ParallelReader`` runs those operations on a thread pool; ``os.preadv`` releases the GIL,
-so threads read truly in parallel.
+never costs disk bytes). Operations are cut at page boundaries wherever they can be, so that O_DIRECT, which reads
+whole pages, never reads a page twice. ``ParallelReader`` runs those operations on a thread pool; ``os.preadv``
+releases the GIL, so threads read truly in parallel. A job's ``landing`` (a checksum over tensors, say) is told about
+every useful byte range once it has landed.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -57,42 +60,101 @@ def _gap_is_free(end: int, start: int, page: int) -> bool:
     return start // page <= (end - 1) // page + 1
 
 
-def plan_ops(extents: Iterable[Extent], *, chunk_bytes: int, page: int = PAGE, max_iov: int = MAX_IOV) -> list[ReadOp]:
-    """Split large extents at ``chunk_bytes`` and merge small neighbours whose gap costs no extra pages."""
-    ops: list[ReadOp] = []
-    op_start, op_end, op_size = 0, 0, 0
-    pieces: list[tuple[int, int]] = []
+def useful_pieces(op: ReadOp) -> Iterator[tuple[int, int, int]]:
+    """``(file_offset, dest_offset, length)`` of each piece of ``op`` that is kept (merged gaps left out)."""
+    offset = op.file_offset
+    for dest, length in op.pieces:
+        if dest != DISCARD:
+            yield offset, dest, length
+        offset += length
 
-    for extent in sorted(extents, key=lambda e: e.file_offset):
-        offset, dest, remaining = extent.file_offset, extent.dest_offset, extent.length
-        while remaining:
-            gap = offset - op_end
-            mergeable = (
-                bool(pieces)
-                and gap >= 0
-                and _gap_is_free(op_end, offset, page)
-                and op_size + gap < chunk_bytes
-                and len(pieces) + 2 <= max_iov
-            )
-            if mergeable:
-                if gap:
-                    pieces.append((DISCARD, gap))
-                    op_size += gap
-            else:
-                if pieces:
-                    ops.append(ReadOp(op_start, tuple(pieces)))
-                op_start, op_size, pieces = offset, 0, []
-            take = min(remaining, chunk_bytes - op_size)
-            pieces.append((dest, take))
-            op_size += take
-            offset, dest, remaining = offset + take, dest + take, remaining - take
-            op_end = offset
-            if op_size >= chunk_bytes:
-                ops.append(ReadOp(op_start, tuple(pieces)))
-                pieces, op_size = [], 0
-    if pieces:
-        ops.append(ReadOp(op_start, tuple(pieces)))
+
+def plan_ops(extents: Iterable[Extent], *, chunk_bytes: int, page: int = PAGE, max_iov: int = MAX_IOV) -> list[ReadOp]:
+    """Merge neighbouring extents whose gap costs no extra pages into spans, then cut each span into operations of
+    at most ``chunk_bytes`` (and ``max_iov`` pieces).
+
+    Cuts fall on page boundaries whenever one lies inside the operation, so consecutive operations never share a
+    page: an O_DIRECT reader, which widens every operation to whole pages, then reads each needed page once (a TP
+    rank's row slices are a few KiB each; cutting them mid-page made ``direct`` read most pages twice). Operations
+    start and end on useful bytes: a cut inside a merged gap drops the gap's bytes on both sides of it.
+    """
+    ops: list[ReadOp] = []
+    for start, pieces in _spans(extents, page):
+        ops.extend(_cut(start, pieces, chunk_bytes=chunk_bytes, page=page, max_iov=max_iov))
     return ops
+
+
+def _spans(extents: Iterable[Extent], page: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Runs of extents in file order, each as ``(file_offset, pieces)`` with free gaps as ``DISCARD`` pieces."""
+    spans: list[tuple[int, list[tuple[int, int]]]] = []
+    end = 0
+    for extent in sorted((e for e in extents if e.length), key=lambda e: e.file_offset):
+        gap = extent.file_offset - end
+        if spans and gap >= 0 and _gap_is_free(end, extent.file_offset, page):
+            pieces = spans[-1][1]
+            if gap:
+                pieces.append((DISCARD, gap))
+            pieces.append((extent.dest_offset, extent.length))
+        else:
+            spans.append((extent.file_offset, [(extent.dest_offset, extent.length)]))
+        end = extent.file_offset + extent.length
+    return spans
+
+
+def _cut(start: int, pieces: list[tuple[int, int]], *, chunk_bytes: int, page: int, max_iov: int) -> Iterator[ReadOp]:
+    """Cut one span (contiguous ``pieces`` from file offset ``start``, first and last kept) into operations."""
+    starts: list[int] = []
+    offset = start
+    for _, length in pieces:
+        starts.append(offset)
+        offset += length
+    span_end = offset
+    limit_iov = max(max_iov, 1)
+    k, cursor = 0, start  # piece k holds the next unplanned byte, at file offset ``cursor``
+    while k < len(pieces):
+        if pieces[k][0] == DISCARD:  # an operation never starts in a gap
+            k += 1
+            cursor = starts[k] if k < len(pieces) else span_end
+            continue
+        # The furthest cut allowed: chunk_bytes of file, or the end of the max_iov-th piece, or the span's end.
+        cut, j = span_end, k
+        while j < len(pieces):
+            piece_end = starts[j] + pieces[j][1]
+            if piece_end >= cursor + chunk_bytes:
+                cut = cursor + chunk_bytes
+                break
+            if j - k + 1 >= limit_iov:
+                cut = piece_end
+                break
+            j += 1
+        if cut < span_end and cut - cut % page > cursor:
+            cut -= cut % page
+        out: list[tuple[int, int]] = []
+        m = k
+        while m < len(pieces) and starts[m] < cut:
+            lo, hi = max(starts[m], cursor), min(starts[m] + pieces[m][1], cut)
+            dest = pieces[m][0]
+            out.append((dest if dest == DISCARD else dest + lo - starts[m], hi - lo))
+            m += 1
+        while out[-1][0] == DISCARD:  # the first piece is kept, so this stops
+            out.pop()
+        yield ReadOp(cursor, tuple(out))
+        cursor = cut
+        while k < len(pieces) and starts[k] + pieces[k][1] <= cursor:
+            k += 1
+
+
+class Landing(Protocol):
+    """Told about bytes of a job once they are in host memory; must be thread-safe (every reader thread calls it).
+
+    ``stable`` says whether ``data`` stays valid after the call returns (the destination buffer) or is about to be
+    reused (a staging buffer); a landing that needs the bytes later must finish with unstable ones before returning.
+    ``abort()`` is called when the job fails, so that a reader waiting inside ``landed`` gives up.
+    """
+
+    def landed(self, file_offset: int, data: memoryview, *, stable: bool) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 @dataclass
@@ -102,6 +164,7 @@ class FileJob:
     ``open_source`` opens where the bytes come from (an HTTP or S3 object, say); when it is None, the local file at
     ``path`` is opened (with O_DIRECT when ``direct``). Either way the reader closes what it opened.
     ``needed_size`` is the file size the plan relies on, checked again right before reading.
+    ``landing`` is told about every kept byte range of every op, by file offset, once it has landed.
     """
 
     path: str
@@ -112,6 +175,7 @@ class FileJob:
     # Sliced (TP) reads touch scattered ranges: turn kernel readahead off so only the requested pages are fetched.
     scattered: bool = False
     open_source: Callable[[], Source] | None = None
+    landing: Landing | None = None
 
 
 class OpenJobs:
@@ -157,13 +221,17 @@ class ParallelReader:
             for job, source, size in opened:
                 view = as_memoryview(job.dest)
                 futures.extend(pool.submit(self._run_op, source, op, view, job, size) for op in job.ops)
-            return gather(futures)
+            return gather(futures, jobs)
 
     def _run_op(self, source: Source, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
         if job.direct:
             got = self._direct_op(source, op, view, job, size)
         else:
             got = readv_all(source, op, view, self._scratch(), path=job.path)
+        if job.landing is not None:
+            # The bytes stay in the destination buffer, so the landing may keep views of them for later.
+            for file_offset, dest, length in useful_pieces(op):
+                job.landing.landed(file_offset, view[dest : dest + length], stable=True)
         if self.progress is not None:
             self.progress(op.useful_bytes)
         return got
@@ -211,8 +279,9 @@ class ParallelReader:
         return as_memoryview(bounce)
 
 
-def gather(futures: Sequence[Future[int]]) -> int:
-    """Sum the futures' results; on the first failure cancel the rest and re-raise it."""
+def gather(futures: Sequence[Future[int]], jobs: Sequence[FileJob] = ()) -> int:
+    """Sum the futures' results; on the first failure cancel the rest, abort the jobs' landings (so that no thread
+    still running waits for bytes that will never land) and re-raise it."""
     total = 0
     try:
         for future in futures:
@@ -220,6 +289,9 @@ def gather(futures: Sequence[Future[int]]) -> int:
     except BaseException:
         for future in futures:
             future.cancel()
+        for job in jobs:
+            if job.landing is not None:
+                job.landing.abort()
         raise
     return total
 

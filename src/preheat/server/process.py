@@ -29,7 +29,9 @@ def _pdeathsig() -> Callable[[], None] | None:
     """A function to run in the child between fork and exec that asks Linux for SIGTERM when the parent dies.
 
     Everything is looked up here, in the parent: after a fork in a threaded parent (pytest, the benchmark) the child
-    must not import or load libraries, only make the one system call.
+    must not import or load libraries, only make the one system call. Linux sends the signal when the *thread* that
+    forked the child exits, not the process: start children from a thread that lives as long as they should (the
+    main thread, or one long-lived spawner), never from a short-lived worker thread.
     """
     if not sys.platform.startswith("linux"):
         return None
