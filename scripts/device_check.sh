@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_nixl.py tests/test_load.py \
-  tests/test_tensor_parallel.py 2>&1 | tee "$out/tests.txt"
+  tests/test_tensor_parallel.py tests/test_load_verify.py 2>&1 | tee "$out/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 timeout 280 python3 bench/load.py --device cuda --size "${PREHEAT_DEVICE_BENCH_SIZE:-4GB}" --repeat 3 \

@@ -99,3 +99,21 @@ def test_up_with_an_api_key_locks_the_router_and_every_replica(tiny_servable_mod
     assert opened.status == 200, opened.body
     assert health.status == 200
     assert wait_gone(pids) == []
+
+
+def test_up_hands_the_l2_url_to_replicas_through_their_environment(kv_model: Path, tmp_path: Path) -> None:
+    """An L2 URL may carry a Redis password: it must not appear on any child's command line (readable by all)."""
+    shared = tmp_path / "kv-l2-with-a-secret"
+    up, _, pids, replicas = start_up(kv_model, "--kv-l1", "1MiB", "--kv-l2", f"fs://{shared}")
+    try:
+        command_lines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids]
+        l2_ids = [Client(url).get("/v1/kv/events").json()["l2_id"] for url in replicas]
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert all(str(shared).encode() not in line for line in command_lines)
+    assert all(l2_ids), l2_ids  # every replica still runs on the shared L2...
+    assert len(set(l2_ids)) == 1, l2_ids  # ...the same one

@@ -143,7 +143,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     replica_args: list[str] = []
-    for name in ("kv_l1", "kv_l2", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
+    for name in ("kv_l1", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
         value = getattr(args, name)
         if value is not None:
             replica_args += ["--" + name.replace("_", "-"), str(value)]
@@ -152,9 +152,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             router_args += ["--" + name.replace("_", "-"), str(value)]
-    # The key reaches the children through their environment, never their command lines (visible to all users).
+    # Secrets reach the children through their environment, never their command lines (visible to all users): the
+    # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
     key = args.api_key or os.environ.get("PREHEAT_ROUTER_API_KEY")
-    env = {**os.environ, "PREHEAT_API_KEY": key, "PREHEAT_ROUTER_API_KEY": key} if key else None
+    extra = {"PREHEAT_API_KEY": key, "PREHEAT_ROUTER_API_KEY": key} if key else {}
+    if args.kv_l2 is not None:
+        extra["PREHEAT_KV_L2"] = str(args.kv_l2)
+    env = {**os.environ, **extra} if extra else None
     # SIGTERM stops the cluster like Ctrl-C; the children are in their own sessions, so the terminal's SIGINT
     # reaches only this process, which stops them in order.
     in_main = threading.current_thread() is threading.main_thread()

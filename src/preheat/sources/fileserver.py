@@ -10,7 +10,7 @@ tests (``Faults``: ignore Range, cut connections mid-body, flip bytes, answer a 
 never answer, or send no validators).
 
 >>> with FileServer("/srv/models", throttle_bps=50_000_000) as server:      # doctest: +SKIP
-...     weights = preheat.load(server.url_for("tiny"))
+...     weights = preheat.load(server.url_for("tiny"))          # checked against tiny/preheat.json
 ...     server.stats.snapshot().bytes_sent
 
 Command line (Ctrl-C stops it)::
