@@ -32,6 +32,8 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:  # Any: boto3 shi
         host, port = server.get_host_and_port()
         for name, value in {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
             monkeypatch.setenv(name, value)
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):  # either would win over the settings above
+            monkeypatch.delenv(name, raising=False)
         client = boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1")
         client.create_bucket(Bucket=BUCKET)
         yield client

@@ -41,12 +41,19 @@ def _find(store: ArtifactStore, registry: Path) -> tuple[artifacts.Verified | No
     return find_artifacts(KEY, store, registry=f"file://{registry}", identity=KEY.identity, token=TOKEN)
 
 
+def _find_offered(
+    store: ArtifactStore, blob: bytes, kv_model: Path, tmp_path: Path
+) -> tuple[artifacts.Verified | None, str, list[str]]:
+    """What ``store`` finds while the one peer in a ``file://`` registry offers ``blob``."""
+    with peer_serving_file(kv_model, _write(tmp_path / "offer.blob", blob), tmp_path / "reg"):
+        return _find(store, tmp_path / "reg")
+
+
 def test_an_unsigned_blob_from_a_peer_is_refused_with_how_to_enable(
     tmp_path: Path, kv_model: Path, unsigned: bytes, keys: dict[str, KeyPair]
 ) -> None:
     store = ArtifactStore(str(tmp_path / "newcomer"), keys["fleet"].trusted)
-    with peer_serving_file(kv_model, _write(tmp_path / "offer.blob", unsigned), tmp_path / "reg"):
-        found, _, refused = _find(store, tmp_path / "reg")
+    found, _, refused = _find_offered(store, unsigned, kv_model, tmp_path)
     assert found is None
     assert len(refused) == 1
     assert "artifacts are not signed; refused" in refused[0]
@@ -73,8 +80,7 @@ def test_a_blob_signed_by_an_untrusted_key_is_refused(
 ) -> None:
     signed = artifacts.sign(unsigned, keys["stranger"].signer, where="test")
     store = ArtifactStore(str(tmp_path / "newcomer"), keys["fleet"].trusted)
-    with peer_serving_file(kv_model, _write(tmp_path / "offer.blob", signed), tmp_path / "reg"):
-        found, _, refused = _find(store, tmp_path / "reg")
+    found, _, refused = _find_offered(store, signed, kv_model, tmp_path)
     assert found is None
     stranger = fingerprint(read_public_key(str(keys["stranger"].public)))
     assert f"signed by {stranger}, which is not a trusted key" in refused[0]
@@ -117,8 +123,7 @@ def test_a_peer_does_not_reserve_an_unverified_blob(
     tmp_path: Path, kv_model: Path, unsigned: bytes, keys: dict[str, KeyPair]
 ) -> None:
     store = ArtifactStore(str(tmp_path / "b"), keys["fleet"].trusted)
-    with peer_serving_file(kv_model, _write(tmp_path / "offer.blob", unsigned), tmp_path / "reg"):
-        assert _find(store, tmp_path / "reg")[0] is None  # refused: nothing kept
+    assert _find_offered(store, unsigned, kv_model, tmp_path)[0] is None  # refused: nothing kept
     # ...and one that landed in the cache anyway (as format 1 kept every blob it received) is not served either.
     _write(Path(store.blob_path(KEY.hex)), unsigned)
     manifest = Manifest.from_json((kv_model / MANIFEST_NAME).read_bytes(), where=str(kv_model))
@@ -133,8 +138,7 @@ def test_a_verified_blob_is_reserved_and_verifies_at_the_next_peer(
 ) -> None:
     signed = artifacts.sign(unsigned, keys["fleet"].signer, where="test")
     b_store = ArtifactStore(str(tmp_path / "b"), keys["fleet"].trusted)
-    with peer_serving_file(kv_model, _write(tmp_path / "offer.blob", signed), tmp_path / "reg"):
-        found, _, _ = _find(b_store, tmp_path / "reg")
+    found, _, _ = _find_offered(b_store, signed, kv_model, tmp_path)
     assert found is not None
     b_store.put(found)
     manifest = Manifest.from_json((kv_model / MANIFEST_NAME).read_bytes(), where=str(kv_model))
@@ -221,8 +225,7 @@ def test_a_refused_node_cache_blob_falls_back_to_a_trusted_peer(
     store = ArtifactStore(str(tmp_path / "b"), keys["fleet"].trusted)
     _write(Path(store.blob_path(KEY.hex)), unsigned)  # planted, unsigned, no built-here record
     signed = artifacts.sign(unsigned, keys["fleet"].signer, where="test")
-    with peer_serving_file(kv_model, _write(tmp_path / "offer.blob", signed), tmp_path / "reg"):
-        found, source, refused = _find(store, tmp_path / "reg")
+    found, source, refused = _find_offered(store, signed, kv_model, tmp_path)
     assert found is not None
     assert source.startswith("peer ")
     assert len(refused) == 1

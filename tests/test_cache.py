@@ -196,6 +196,18 @@ def _journal_bytes(cache_root: Path, chunk: int) -> int:
     return sum(1 for line in journals[0].read_text().splitlines() if '"pin"' not in line) * chunk
 
 
+def kill_pull_after(url: str, cache_root: Path, nbytes: float, *, threads: int, chunk: int) -> None:
+    """Run ``preheat pull URL`` in another process and SIGKILL it once its journal records ``nbytes`` (or after 60 s),
+    leaving its partial files and journal as a crash would."""
+    proc = spawn_pull(url, cache_root, threads=threads, chunk=str(chunk), quiet=True)
+    deadline = time.monotonic() + 60
+    while _journal_bytes(cache_root, chunk) < nbytes and time.monotonic() < deadline:
+        assert proc.poll() is None, "the pull finished before it could be interrupted"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 def spawn_pull(url: str, cache_root: Path, *, threads: int, chunk: str, quiet: bool = False) -> subprocess.Popen[str]:
     """``preheat pull URL --json`` as a separate process (output discarded when ``quiet``, else captured)."""
     out = subprocess.DEVNULL if quiet else subprocess.PIPE
@@ -223,15 +235,9 @@ def spawn_pull(url: str, cache_root: Path, *, threads: int, chunk: str, quiet: b
 def test_killed_pull_resumes_fetching_only_missing_chunks(origin_dir: Path, tmp_path: Path) -> None:
     cache_root = tmp_path / "cache"
     chunk = 128 * 1024
+    total = sum(f.stat().st_size for f in origin_dir.iterdir() if f.name != MANIFEST_NAME)
     with FileServer(origin_dir, throttle_bps=2_000_000) as server:
-        proc = spawn_pull(server.url, cache_root, threads=2, chunk=str(chunk), quiet=True)
-        total = sum(f.stat().st_size for f in origin_dir.iterdir() if f.name != MANIFEST_NAME)
-        deadline = time.monotonic() + 60
-        while _journal_bytes(cache_root, chunk) < total * 0.5 and time.monotonic() < deadline:
-            assert proc.poll() is None, "the pull finished before it could be interrupted"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_pull_after(server.url, cache_root, total * 0.5, threads=2, chunk=chunk)
         result = pull(server.url, ModelCache(cache_root), threads=4, chunk_bytes=chunk)
     assert not result.hit
     assert result.bytes_resumed >= total * 0.45

@@ -17,21 +17,11 @@ from preheat.errors import CheckpointError, SourceAccessError, SourceError, Sour
 from preheat.sources import open_origin
 from preheat.sources.s3 import S3Origin, parse_s3_uri
 from preheat.sources.stats import TOTALS
+from s3moto import AWS_TEST_ENV, BUCKET, moto_s3
 
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
 
-BUCKET = "models"
 MiB = 1 << 20
-_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    # Nothing from this machine's ~/.aws or an instance metadata service may leak into the tests.
-    "AWS_CONFIG_FILE": "/nonexistent/preheat-test-aws-config",
-    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/preheat-test-aws-credentials",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +31,7 @@ def endpoint(
     """A moto S3 server holding the shared checkpoints under ``s3://models/{single,sharded,wide}/``: plain Hugging
     Face directories without ``preheat.json``, so loads pass ``verify=False`` (checked loads: test_load_verify.py)."""
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto logs every request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in _ENV.items():
-            patch.setenv(name, value)
-        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
-        client.create_bucket(Bucket=BUCKET)
+    with pytest.MonkeyPatch.context() as patch, moto_s3(patch) as client:
         for prefix, written in (
             ("single", single_checkpoint),
             ("sharded", sharded_checkpoint),
@@ -57,14 +39,13 @@ def endpoint(
         ):
             for path in written.root.iterdir():
                 client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
-        yield url
-    server.stop()
+        yield str(client.meta.endpoint_url)
 
 
 @pytest.fixture(autouse=True)
 def aws_env(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Point boto3 at moto through ``AWS_ENDPOINT_URL``, as a user would."""
-    for name, value in _ENV.items():
+    for name, value in AWS_TEST_ENV.items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "PREHEAT_HTTP_TIMEOUT", "PREHEAT_HTTP_RETRIES"):
         monkeypatch.delenv(name, raising=False)

@@ -5,9 +5,7 @@ exactly one version of it, never a mix. Real origins: preheat's FileServer, a mo
 from __future__ import annotations
 
 import os
-import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from preheat.sources.fileserver import FileServer
 from preheat.sources.http import HTTPOrigin
 from preheat.store import ModelCache, journal
 from preheat.store.pull import pull
-from test_cache import MEDIUM, _journal_bytes, make_origin, spawn_pull
+from test_cache import MEDIUM, kill_pull_after, make_origin
 
 CHUNK = 128 * 1024
 
@@ -72,13 +70,7 @@ def test_killed_pull_of_a_changed_origin_publishes_only_the_new_bytes(hf_origin:
     total = sum(p.stat().st_size for p in weight_files(hf_origin))
     newer = new_version(hf_origin, seed=1)
     with FileServer(hf_origin, throttle_bps=1_000_000) as server:
-        proc = spawn_pull(server.url, cache_root, threads=2, chunk=str(CHUNK), quiet=True)
-        deadline = time.monotonic() + 60
-        while _journal_bytes(cache_root, CHUNK) < total * 0.3 and time.monotonic() < deadline:
-            assert proc.poll() is None, "the pull finished before it could be interrupted"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_pull_after(server.url, cache_root, total * 0.3, threads=2, chunk=CHUNK)
         replace_files(hf_origin, newer)
         result = pull(server.url, ModelCache(cache_root), threads=4, chunk_bytes=CHUNK)
     assert_entry_holds(result.path, newer)

@@ -13,45 +13,24 @@ import pytest
 
 from preheat.store import ModelCache
 from preheat.store.pull import pull
+from s3moto import BUCKET, moto_s3
 from test_cache import make_origin
 from test_store_resume import CHUNK, PullInterruptedError, assert_entry_holds, interrupt_at, new_version
 
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
-
-URI = "s3://models/hf"
-_AWS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    # Nothing from this machine's ~/.aws or an instance metadata service may leak into the tests.
-    "AWS_CONFIG_FILE": "/nonexistent/preheat-test-aws-config",
-    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/preheat-test-aws-credentials",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
+URI = f"s3://{BUCKET}/hf"
 
 
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:  # Any: boto3 has no stubs
     """A moto S3 server with an empty bucket ``models``, found through ``AWS_ENDPOINT_URL``; yields a client."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for name, value in _AWS.items():
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
-    client = boto3.client("s3", region_name="us-east-1")
-    client.create_bucket(Bucket="models")
-    yield client
-    server.stop()
+    with moto_s3(monkeypatch) as client:
+        yield client
 
 
 def upload(client: Any, origin: Path, replaced: dict[str, bytes] | None = None) -> None:  # Any: boto3 has no stubs
     for path in origin.iterdir():
         data = (replaced or {}).get(path.name) or path.read_bytes()
-        client.put_object(Bucket="models", Key=f"hf/{path.name}", Body=data)
+        client.put_object(Bucket=BUCKET, Key=f"hf/{path.name}", Body=data)
 
 
 @pytest.fixture

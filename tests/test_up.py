@@ -3,12 +3,14 @@ after Ctrl-C or SIGTERM (checked in /proc, not trusted)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,18 @@ def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list
     pytest.fail(f"preheat up exited with {up.returncode} before it was ready")
 
 
+@contextlib.contextmanager
+def running_up(model: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str, list[int], list[str]]]:
+    """``start_up``, and ``preheat up`` killed on the way out if the test did not stop it (a failed assertion)."""
+    up, router, pids, replicas = start_up(model, *extra)
+    try:
+        yield up, router, pids, replicas
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie is dead: it only waits to be reaped)."""
     try:
@@ -57,8 +71,7 @@ def wait_gone(pids: list[int], deadline: float = 30.0) -> list[int]:
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_up_serves_through_its_router_and_stops_every_child(tiny_servable_model: Path, stop: signal.Signals) -> None:
-    up, router, pids, _ = start_up(tiny_servable_model, "--policy", "least-load")
-    try:
+    with running_up(tiny_servable_model, "--policy", "least-load") as (up, router, pids, _):
         assert len(pids) == 3
         assert all(alive(p) for p in pids)
         client = Client(router)
@@ -67,10 +80,6 @@ def test_up_serves_through_its_router_and_stops_every_child(tiny_servable_model:
         assert len(client.get("/health").json()["replicas"]) == 2
         up.send_signal(stop)
         assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
     assert wait_gone(pids) == []
 
 
@@ -83,18 +92,13 @@ def test_children_do_not_outlive_a_killed_up(tiny_servable_model: Path) -> None:
 
 
 def test_up_with_an_api_key_locks_the_router_and_every_replica(tiny_servable_model: Path) -> None:
-    up, router, pids, replicas = start_up(tiny_servable_model, "--api-key", "sesame")
-    try:
+    with running_up(tiny_servable_model, "--api-key", "sesame") as (up, router, pids, replicas):
         body = {"model": NAME, "prompt": "Hello", "max_tokens": 2}
         locked = [Client(url).post("/v1/completions", body).status for url in (router, *replicas)]
         opened = Client(router, api_key="sesame").post("/v1/completions", body)
         health = Client(router).get("/health")  # probes need no key
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
     assert locked == [401, 401, 401]
     assert opened.status == 200, opened.body
     assert health.status == 200
@@ -104,16 +108,11 @@ def test_up_with_an_api_key_locks_the_router_and_every_replica(tiny_servable_mod
 def test_up_hands_the_l2_url_to_replicas_through_their_environment(kv_model: Path, tmp_path: Path) -> None:
     """An L2 URL may carry a Redis password: it must not appear on any child's command line (readable by all)."""
     shared = tmp_path / "kv-l2-with-a-secret"
-    up, _, pids, replicas = start_up(kv_model, "--kv-l1", "1MiB", "--kv-l2", f"fs://{shared}")
-    try:
+    with running_up(kv_model, "--kv-l1", "1MiB", "--kv-l2", f"fs://{shared}") as (up, _, pids, replicas):
         command_lines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids]
         l2_ids = [Client(url).get("/v1/kv/events").json()["l2_id"] for url in replicas]
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
     assert all(str(shared).encode() not in line for line in command_lines)
     assert all(l2_ids), l2_ids  # every replica still runs on the shared L2...
     assert len(set(l2_ids)) == 1, l2_ids  # ...the same one

@@ -100,18 +100,10 @@ def _read_blob(path: str) -> bytes:
     return raw
 
 
-def _write_in_place(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def _cmd_sign(args: argparse.Namespace) -> int:
     from preheat.errors import ArtifactTrustError, PeerError
     from preheat.peer import artifacts
+    from preheat.peer.artifact_store import write_atomic
     from preheat.peer.signing import SigningKey, fingerprint
 
     key = SigningKey.read(args.key)
@@ -121,7 +113,7 @@ def _cmd_sign(args: argparse.Namespace) -> int:
     skipped: list[dict[str, str]] = []
     if args.blobs:  # the operator names these blobs, and so vouches for them
         for path in args.blobs:
-            _write_in_place(path, artifacts.sign(_read_blob(path), key, where=path))
+            write_atomic(path, artifacts.sign(_read_blob(path), key, where=path))
             signed.append({"blob": path})
     else:  # the node cache: only what this node built; what it received keeps its builder's signature
         store = _store(args.cache_dir, [])

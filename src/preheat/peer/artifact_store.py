@@ -118,10 +118,10 @@ class ArtifactStore:
         """Store a verified blob atomically (and, when it was built here, the marker that says so); its path."""
         os.makedirs(self.root, exist_ok=True)
         path = self.blob_path(verified.hex)
-        _write_atomic(path, verified.blob)
+        write_atomic(path, verified.blob)
         marker = self.marker_path(verified.hex)
         if verified.local:
-            _write_atomic(marker, f"sha256:{verified.body_sha256}\n".encode())
+            write_atomic(marker, f"sha256:{verified.body_sha256}\n".encode())
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
@@ -145,7 +145,8 @@ class ArtifactStore:
         return []
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` by rename: a reader sees the old bytes or the new ones, never part of them."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "wb") as handle:
         handle.write(data)

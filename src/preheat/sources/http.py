@@ -181,21 +181,6 @@ class HTTPFile(RemoteFile):
         self._target = url  # where redirects lead; learnt from the first request and reused
         self._streams = _Streams()
         self._scratch = threading.local()
-        self._seen: Validator | None = None  # set by the size probe
-        self._pinned: Validator | None = None
-
-    def validator(self) -> Validator:
-        """The file's size, strong ETag and Last-Modified as the size probe saw them."""
-        size = self.size()
-        return self._seen if self._seen is not None else Validator(size)
-
-    def require(self, pinned: Validator) -> None:
-        """Read only version ``pinned``: ``SourceChangedError`` now if the server names another one, and later when
-        a conditional GET is refused (412) or answered for another version."""
-        seen = self.validator()
-        if seen != pinned:
-            raise SourceChangedError(f"{self._url} changed on the server: it is now {seen}, was {pinned}")
-        self._pinned = pinned
 
     def _conditions(self) -> dict[str, str]:
         pinned = self._pinned

@@ -1,7 +1,9 @@
-"""What the network sources share: ``RemoteFile`` (cached size, ``readv`` as retried attempts) and ``Cursor``.
+"""What the network sources share: ``RemoteFile`` (cached size, ``readv`` as retried attempts, a pinned version) and
+``Cursor``.
 
-A subclass says how to learn the size (``_probe_size``) and how one attempt fetches the missing bytes of a read
-(``_attempt``); the retry loop, resumption and byte accounting live here once.
+A subclass says how to learn the size (``_probe_size``, which also records the version it saw in ``_seen``) and how
+one attempt fetches the missing bytes of a read (``_attempt``, which makes its request conditional on ``_pinned``);
+the retry loop, resumption, byte accounting and ``validator()``/``require()`` live here once.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from preheat.errors import SourceChangedError
+from preheat.sources.base import Validator
 from preheat.sources.net import NetSettings, retrying
 from preheat.sources.stats import TransferStats
 
@@ -57,10 +61,12 @@ class Cursor:
 class RemoteFile:
     """A ``Source`` over the network. Thread-safe: the size is probed once, reads run in the callers' threads.
 
-    ``verbs`` names the size probe and the read in messages (``("HEAD", "GET")``, ``("HeadObject", "GetObject")``).
+    ``verbs`` names the size probe and the read in messages (``("HEAD", "GET")``, ``("HeadObject", "GetObject")``);
+    ``changed`` says in messages that the file is now another version (``"changed on the server"``, ``"was replaced"``).
     """
 
     verbs = ("HEAD", "GET")
+    changed = "changed on the server"
 
     def __init__(self, url: str, *, settings: NetSettings, stats: TransferStats) -> None:
         self._url = url
@@ -68,6 +74,8 @@ class RemoteFile:
         self._stats = stats
         self._size: int | None = None
         self._size_lock = threading.Lock()
+        self._seen: Validator | None = None  # set by the size probe
+        self._pinned: Validator | None = None  # set by ``require``; ``_attempt`` makes each read conditional on it
 
     @property
     def name(self) -> str:
@@ -79,6 +87,19 @@ class RemoteFile:
                 what = f"{self.verbs[0]} {self._url}"
                 self._size = retrying(self._probe_size, settings=self._settings, what=what, stats=self._stats)
             return self._size
+
+    def validator(self) -> Validator:
+        """The file's size and version (strong ETag, Last-Modified) as the size probe saw them."""
+        size = self.size()
+        return self._seen if self._seen is not None else Validator(size)
+
+    def require(self, pinned: Validator) -> None:
+        """Read only version ``pinned``: ``SourceChangedError`` now if the origin names another one, and later when
+        a conditional read is refused (412) or answered for another version."""
+        seen = self.validator()
+        if seen != pinned:
+            raise SourceChangedError(f"{self._url} {self.changed}: it is now {seen}, was {pinned}")
+        self._pinned = pinned
 
     def readv(self, offset: int, buffers: Sequence[memoryview]) -> int:
         size = self.size()

@@ -149,26 +149,12 @@ class S3Object(RemoteFile):
     """One object; ``readv`` sends a ranged GetObject and is safe from many threads (the client is thread-safe)."""
 
     verbs = ("HeadObject", "GetObject")
+    changed = "was replaced"
 
     def __init__(self, origin: S3Origin, key: str, url: str) -> None:
         super().__init__(url, settings=origin.settings, stats=origin.stats)
         self._origin = origin
         self._key = key
-        self._seen: Validator | None = None  # set by the size probe
-        self._pinned: Validator | None = None
-
-    def validator(self) -> Validator:
-        """The object's size, ETag and LastModified as HeadObject saw them."""
-        size = self.size()
-        return self._seen if self._seen is not None else Validator(size)
-
-    def require(self, pinned: Validator) -> None:
-        """Read only version ``pinned``: ``SourceChangedError`` now if the object was replaced, and later when a
-        conditional GetObject is refused (412 PreconditionFailed) or answers for another ETag."""
-        seen = self.validator()
-        if seen != pinned:
-            raise SourceChangedError(f"{self._url} was replaced: it is now {seen}, was {pinned}")
-        self._pinned = pinned
 
     def _probe_size(self) -> int:
         origin = self._origin
