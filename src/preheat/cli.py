@@ -23,7 +23,8 @@ environment:
   PREHEAT_CHUNK_BYTES    bytes per read operation, e.g. 16MiB (default: tuned)
   PREHEAT_LOAD_MODE      default --mode
 
-docs: README.md (quick start), docs/loader.md (how loading works), docs/architecture.md (layers)
+docs: README.md (quick start), docs/loader.md (how loading works), docs/architecture.md (layers),
+      docs/security.md (trust model: tokens, KV MAC, signed artifacts)
 """
 
 
