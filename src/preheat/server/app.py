@@ -99,6 +99,9 @@ class Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "preheat"
+    # Headers and body leave in separate writes: with Nagle's algorithm on, the body waits for the client's delayed
+    # ACK of the headers (~40 ms on Linux) on every keep-alive answer, and on every streamed token.
+    disable_nagle_algorithm = True
     # Socket timeout for reads and writes: an idle keep-alive connection or a client that stops reading its stream
     # for this long loses its thread (and its generation) instead of holding them forever.
     timeout = 300
