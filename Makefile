@@ -28,10 +28,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m preheat demo
 
-## test: lint, type-check, then the whole test suite
+## test: lint, type-check, check the import layers (docs/architecture.md), then the whole test suite
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
@@ -83,4 +84,4 @@ bench-plan: $(STAMP)
 	$(PY) bench/simulate.py
 
 clean:
-	rm -rf $(VENV) .bench .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .bench .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -29,7 +29,7 @@ import urllib.request
 from typing import Any
 
 from preheat.demo import smollm2_checkpoint
-from preheat.server.process import ServerProcess
+from preheat.procs import ServerProcess
 
 QUESTION = "What is the capital of France?"
 POLL = 0.02

@@ -52,9 +52,11 @@ def main() -> int:
     ]
     reference = [[s.token_id for s in engine.generate(ids, params)] for ids in prompts]
     exact_logits = [first_logits(engine, ids) for ids in prompts]
+    spec = engine.kv_spec()
+    assert spec is not None  # SmolLM2 runs on the native engine
     results = {}
     for kv_dtype in ("auto", "int8", "fp8"):
-        tiers = build_tiers(engine, KVSettings(l1="4GiB", kv_dtype=kv_dtype))
+        tiers = build_tiers(spec, KVSettings(l1="4GiB", kv_dtype=kv_dtype))
         engine.attach_kv_tiers(tiers)
         prefix_share, same_pos, cosines, cached = [], [], [], []
         for ids, ref, logits in zip(prompts, reference, exact_logits, strict=True):

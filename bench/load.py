@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
@@ -149,7 +150,7 @@ def _raw_pread(threads: int, hugepages: bool) -> Callable[[list[str], str], int]
             buf = torch.empty(size, dtype=torch.uint8)
             if hugepages:
                 advise_hugepages(buf)
-            view = memoryview(buf.numpy())
+            view = buf.numpy().data
             fd = os.open(path, os.O_RDONLY)
             step = round_up(-(-size // threads), PAGE)
 
@@ -257,10 +258,24 @@ def time_one(contender: Contender, files: list[str], root: str, *, cold: bool) -
     gc.collect()
 
 
-def tp_section(root: str, world_sizes: list[int]) -> list[dict[str, object]]:
+class TPRow(TypedDict):
+    """One rank's load in the TP section (a JSON object in --json)."""
+
+    world_size: int
+    rank: int
+    mode: str
+    slice_bytes: int
+    page_bound: int
+    disk_bytes: int
+    file_bytes: int
+    within_bound: bool
+    seconds: float
+
+
+def tp_section(root: str, world_sizes: list[int]) -> list[TPRow]:
     checkpoint = open_checkpoint(root)
     file_bytes = sum(f.size for f in checkpoint.files)
-    rows = []
+    rows: list[TPRow] = []
     for world in world_sizes:
         for rank in range(world):
             slice_bytes = 0
@@ -281,17 +296,17 @@ def tp_section(root: str, world_sizes: list[int]) -> list[dict[str, object]]:
                 disk = read_bytes() - before
                 del weights
                 rows.append(
-                    {
-                        "world_size": world,
-                        "rank": rank,
-                        "mode": mode,
-                        "slice_bytes": slice_bytes,
-                        "page_bound": bound,
-                        "disk_bytes": disk,
-                        "file_bytes": file_bytes,
-                        "within_bound": disk <= bound * 1.02,
-                        "seconds": elapsed,
-                    }
+                    TPRow(
+                        world_size=world,
+                        rank=rank,
+                        mode=mode,
+                        slice_bytes=slice_bytes,
+                        page_bound=bound,
+                        disk_bytes=disk,
+                        file_bytes=file_bytes,
+                        within_bound=disk <= bound * 1.02,
+                        seconds=elapsed,
+                    )
                 )
     return rows
 
@@ -431,11 +446,11 @@ def main() -> int:
         )
     print("(x best peer: ratio to the fastest non-preheat contender in this run)")
     if args.device == "cpu":
-        print_targets({r["name"]: r for r in results})
+        print_targets({str(r["name"]): r for r in results})
     else:
-        print_gpu_targets({r["name"]: r for r in results})
+        print_gpu_targets({str(r["name"]): r for r in results})
 
-    tp_rows: list[dict[str, object]] = []
+    tp_rows: list[TPRow] = []
     if args.tp and args.device == "cpu":
         tp_rows = tp_section(root, [int(w) for w in args.tp.split(",") if w])
         print(f"\nTP: rank r of W from the unsharded checkpoint, cold cache ({total / 1e6:.0f} MB of tensors)")
@@ -445,10 +460,10 @@ def main() -> int:
         )
         for row in tp_rows:
             print(
-                f"{row['world_size']:>2} {row['rank']:>4} {row['mode']:>6} {int(row['slice_bytes']) / 1e6:9.1f} "  # type: ignore[call-overload]
-                f"{int(row['page_bound']) / 1e6:13.1f} {int(row['disk_bytes']) / 1e6:17.1f} "  # type: ignore[call-overload]
-                f"{int(row['disk_bytes']) / int(row['file_bytes']):7.1%} {'yes' if row['within_bound'] else 'NO':>3s}"
-            )  # type: ignore[call-overload]
+                f"{row['world_size']:>2} {row['rank']:>4} {row['mode']:>6} {row['slice_bytes'] / 1e6:9.1f} "
+                f"{row['page_bound'] / 1e6:13.1f} {row['disk_bytes'] / 1e6:17.1f} "
+                f"{row['disk_bytes'] / row['file_bytes']:7.1%} {'yes' if row['within_bound'] else 'NO':>3s}"
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(

@@ -36,7 +36,7 @@ import torch
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from preheat.config import parse_size
-from preheat.server.process import ServerProcess
+from preheat.procs import ServerProcess
 from preheat.sources.fileserver import FileServer
 
 

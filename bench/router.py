@@ -43,8 +43,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from preheat.demo import smollm2_checkpoint
+from preheat.procs import ServerProcess
 from preheat.router.cluster import Child
-from preheat.server.process import ServerProcess
 
 # A fixed vocabulary: seeded draws from it make every user's document, identical across runs and policies.
 _VOCABULARY = """cache replica token prefix router memory latency queue request batch shard tier disk network kernel

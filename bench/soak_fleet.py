@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 import xxhash
 
 from preheat.errors import PreheatError
+from preheat.procs import pdeathsig
 from preheat.router.cluster import Child
-from preheat.server.process import _pdeathsig
 from soak_clients import Fault
 
 T = TypeVar("T")
@@ -142,7 +142,7 @@ class Redis:
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                     start_new_session=True,
-                    preexec_fn=_pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+                    preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
                 )
                 self.pids.append(self.proc.pid)
 

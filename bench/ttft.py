@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from preheat.demo import smollm2_checkpoint
-from preheat.server.process import ServerProcess
+from preheat.procs import ServerProcess
 
 TEXT = (
     "the river valley holds old stone towns where farmers grow grapes wheat and olives while merchants trade wool "

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from preheat.engine.kv import KVLayout
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, store_form, stored_dtype
 from preheat.kv.keys import chunk_keys, fingerprint
+from preheat.kv.spec import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
 CHUNK_TOKENS = 32

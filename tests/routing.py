@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from netfaults import LoopbackProxy
+from preheat.procs import ServerProcess
 from preheat.router.app import RouterService, RouterSettings
-from preheat.server.process import ServerProcess
 from serving import Client
 
 NAME = "tiny"

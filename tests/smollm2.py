@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import preheat
-from preheat.checkpoint import convert as convert_module
-from preheat.checkpoint import digest, gguf, inputs, manifest, quant
-from preheat.checkpoint.convert import convert
+from preheat.checkpoint import digest, gguf, manifest, quant
 from preheat.checkpoint.manifest import digest_bytes, file_digest
+from preheat.convert import convert, inputs
+from preheat.convert import pipeline as convert_module
 from preheat.errors import ConfigError
 from preheat.models import find_smollm2_gguf
 

@@ -14,13 +14,13 @@ import torch
 
 import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors, write
-from preheat.checkpoint import convert as convert_module
-from preheat.checkpoint.convert import convert
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape
 from preheat.checkpoint.verify import verify_checkpoint
 from preheat.checkpoint.writer import save_file
+from preheat.convert import convert
+from preheat.convert import pipeline as convert_module
 from preheat.errors import CheckpointError, ConfigError
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from preheat.checkpoint.writer import save_file
-from preheat.engine import Engine, KVLayout, PagedKVCache, SamplingParams, Sequence
+from preheat.engine import Engine, PagedKVCache, SamplingParams, Sequence
 from preheat.engine.model import LlamaModel
 from preheat.errors import KVError
+from preheat.kv.spec import KVLayout
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 VOCAB, HIDDEN, INTER, LAYERS, HEADS = 384, 64, 96, 2, 4  # the vocabulary of the tiny servable tokenizer
@@ -261,6 +262,7 @@ def test_other_architectures_run_through_transformers(tmp_path: Path, tiny_serva
         (root / name).write_bytes((tiny_servable_model / name).read_bytes())
     engine = Engine.from_checkpoint(str(root))
     assert engine.kv_cache is None  # no chunk export for the fallback
+    assert engine.kv_spec() is None  # so no KV tiers either
     ids = engine.encode_prompt("The capital of France")
     steps = list(engine.generate(ids, SamplingParams(max_tokens=5, temperature=0)))
     want = list(ids)

@@ -192,7 +192,7 @@ def test_load_stages_are_recorded_on_the_timeline(tiny_servable_model: Path) -> 
 
 
 def test_a_quantized_checkpoint_loads_dequantized(tiny_servable_model: Path, tmp_path: Path) -> None:
-    from preheat.checkpoint.convert import convert
+    from preheat.convert import convert
 
     convert(str(tiny_servable_model), tmp_path / "int8", dtype="int8")
     quantized = Engine.from_checkpoint(str(tmp_path / "int8"))

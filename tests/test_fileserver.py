@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from preheat.errors import ConfigError
+from preheat.http.ranges import UnsatisfiableRangeError, parse_range
 from preheat.sources.fileserver import Faults, FileServer, ForbiddenPathError, resolve_path
-from preheat.sources.ranges import UnsatisfiableRangeError, parse_range
 
 DATA = bytes(range(256)) * 40  # 10240 bytes, every offset recognisable
 SECRET = b"outside-the-root: must never be served"

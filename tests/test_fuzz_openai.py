@@ -15,8 +15,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostile import FUZZ, huge_ints, json_values, tricky_text
-from preheat.server import openai
-from preheat.server.process import ServerProcess
+from preheat.procs import ServerProcess
+from preheat.text.request import (
+    CHAT_ROLES,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    APIError,
+    GenerationRequest,
+    parse_request,
+)
 from routing import NAME, running_router, start_replicas
 from serving import Client
 
@@ -27,7 +34,7 @@ FIELDS = {
         st.fixed_dictionaries(
             {},
             optional={
-                "role": st.sampled_from([*openai.CHAT_ROLES, "robot"]),
+                "role": st.sampled_from([*CHAT_ROLES, "robot"]),
                 "content": tricky_text
                 | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": tricky_text})),
             },
@@ -50,23 +57,23 @@ FIELDS = {
 bodies = st.fixed_dictionaries({}, optional={name: value | json_values(5) for name, value in FIELDS.items()})
 
 
-def parsed(raw: bytes, kind: str) -> openai.GenerationRequest | openai.APIError:
+def parsed(raw: bytes, kind: str) -> GenerationRequest | APIError:
     try:
-        return openai.parse_request(raw, kind, NAME)
-    except openai.APIError as exc:
+        return parse_request(raw, kind, NAME)
+    except APIError as exc:
         return exc
 
 
 def check(raw: bytes, kind: str) -> None:
     """``raw`` is a valid request of ``kind`` within every bound, or an APIError 400."""
     request = parsed(raw, kind)
-    if isinstance(request, openai.APIError):
+    if isinstance(request, APIError):
         assert request.status == 400
         assert request.message
         return
     assert request.kind == kind
-    assert len(request.stop) <= openai.MAX_STOP_SEQUENCES
-    assert all(0 < len(s) <= openai.MAX_STOP_CHARS for s in request.stop)
+    assert len(request.stop) <= MAX_STOP_SEQUENCES
+    assert all(0 < len(s) <= MAX_STOP_CHARS for s in request.stop)
     assert 0.0 <= request.temperature <= 2.0
     assert 0.0 < request.top_p <= 1.0
     assert request.max_tokens is None or request.max_tokens >= 1

@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 
 from hostile import FUZZ, ScriptedServer
 from preheat.errors import SourceError
-from preheat.sources.fileserver import FileServer
-from preheat.sources.http import HTTPOrigin
-from preheat.sources.net import NetSettings
-from preheat.sources.ranges import (
+from preheat.http.ranges import (
     MAX_DIGITS,
     UnsatisfiableRangeError,
     parse_content_range,
     parse_length,
     parse_range,
 )
+from preheat.sources.fileserver import FileServer
+from preheat.sources.http import HTTPOrigin
+from preheat.sources.net import NetSettings
 
 SIZE = 1000
 digits = st.integers(0, 6000).map(lambda n: "9" * n) | st.integers(0, 10**25).map(str) | st.just("")

@@ -35,7 +35,9 @@ def generate(engine: Engine, ids: list[int]) -> tuple[list[int], int]:
 
 
 def with_tiers(engine: Engine, **settings: object) -> TieredKV:
-    tiers = build_tiers(engine, KVSettings(**settings))  # type: ignore[arg-type]
+    spec = engine.kv_spec()
+    assert spec is not None
+    tiers = build_tiers(spec, KVSettings(**settings))  # type: ignore[arg-type]
     assert tiers is not None
     engine.attach_kv_tiers(tiers)
     return tiers

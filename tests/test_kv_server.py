@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.server.process import ServerProcess
+from preheat.procs import ServerProcess
 from redisserver import RedisServer
 from serving import Client
 

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors
-from preheat.checkpoint.convert import convert
 from preheat.checkpoint.digest import ExpectedDigest, TensorDigests, digest_bytes
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorRecord, build_manifest
+from preheat.convert import convert
 from preheat.errors import CheckpointError, ConfigError
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer
 from preheat.io.pipeline import StagedReader

@@ -1,4 +1,4 @@
-"""The server's pure parts, without sockets: OpenAI request rules, server-sent event framing, Prometheus text."""
+"""The server's pure parts, without sockets: OpenAI request rules, server-sent event framing."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import json
 import pytest
 
 from preheat.server import openai, sse
-from preheat.server.metrics import Counter, Histogram, ServerMetrics
-from preheat.timeline import Stage
+from preheat.text.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, APIError, GenerationRequest, parse_request
 
 
-def parse(body: dict[str, object], kind: str = "completion") -> openai.GenerationRequest:
-    return openai.parse_request(json.dumps(body).encode(), kind, "m")
+def parse(body: dict[str, object], kind: str = "completion") -> GenerationRequest:
+    return parse_request(json.dumps(body).encode(), kind, "m")
 
 
 def test_completion_defaults_follow_openai() -> None:
@@ -33,7 +32,7 @@ def test_chat_answers_as_long_as_the_context_allows_unless_limited() -> None:
 def test_prompt_forms() -> None:
     assert parse({"prompt": ["Hi"]}).prompt == "Hi"
     assert parse({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
-    with pytest.raises(openai.APIError, match="batches are not supported"):
+    with pytest.raises(APIError, match="batches are not supported"):
         parse({"prompt": ["a", "b"]})
 
 
@@ -42,43 +41,43 @@ def test_chat_content_parts_are_joined_and_non_text_parts_refused() -> None:
     request = parse({"messages": [{"role": "user", "content": parts}]}, "chat")
     assert request.messages == [{"role": "user", "content": "Hello, world"}]
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
-    with pytest.raises(openai.APIError) as caught:
+    with pytest.raises(APIError) as caught:
         parse({"messages": [{"role": "user", "content": image}]}, "chat")
     assert caught.value.param == "messages[0].content"
 
 
 def test_booleans_are_not_numbers() -> None:
-    with pytest.raises(openai.APIError) as caught:
+    with pytest.raises(APIError) as caught:
         parse({"prompt": "Hi", "max_tokens": True})
     assert caught.value.param == "max_tokens"
 
 
 def test_stop_is_bounded_in_count_and_length() -> None:
-    most = [f"s{i}" for i in range(openai.MAX_STOP_SEQUENCES)]
+    most = [f"s{i}" for i in range(MAX_STOP_SEQUENCES)]
     assert parse({"prompt": "Hi", "stop": most}).stop == most
-    assert parse({"prompt": "Hi", "stop": "x" * openai.MAX_STOP_CHARS}).stop == ["x" * openai.MAX_STOP_CHARS]
+    assert parse({"prompt": "Hi", "stop": "x" * MAX_STOP_CHARS}).stop == ["x" * MAX_STOP_CHARS]
     too_many: dict[str, object] = {"prompt": "Hi", "stop": [*most, "one more"]}
     too_long: dict[str, object] = {
         "messages": [{"role": "user", "content": "Hi"}],
-        "stop": ["ok", "x" * (openai.MAX_STOP_CHARS + 1)],
+        "stop": ["ok", "x" * (MAX_STOP_CHARS + 1)],
     }
     for body, kind, says in [(too_many, "completion", "at most 16 sequences"), (too_long, "chat", "at most 256 char")]:
-        with pytest.raises(openai.APIError, match=says) as caught:
+        with pytest.raises(APIError, match=says) as caught:
             parse(body, kind)
         assert (caught.value.status, caught.value.param, caught.value.code) == (400, "stop", "invalid_value")
 
 
 def test_a_body_of_a_million_empty_lists_is_a_400() -> None:
     raw = b'{"prompt": "Hi", "user": [' + b"[]," * 1_000_000 + b"[]]}"
-    with pytest.raises(openai.APIError, match="more than 100000 arrays and objects") as caught:
-        openai.parse_request(raw, "completion", "m")
+    with pytest.raises(APIError, match="more than 100000 arrays and objects") as caught:
+        parse_request(raw, "completion", "m")
     assert caught.value.status == 400
 
 
 def test_a_deeply_nested_body_is_a_400_not_a_recursion_error() -> None:
     for raw in (b"[" * 100_000, b'{"prompt": "Hi", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
-        with pytest.raises(openai.APIError, match="nested deeper than 64 levels") as caught:
-            openai.parse_request(raw, "completion", "m")
+        with pytest.raises(APIError, match="nested deeper than 64 levels") as caught:
+            parse_request(raw, "completion", "m")
         assert (caught.value.status, caught.value.code) == (400, "invalid_json")
 
 
@@ -106,36 +105,3 @@ def test_chunks_are_http_chunked_frames() -> None:
     assert sse.chunk(b"hello") == b"5\r\nhello\r\n"
     assert sse.chunk(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
     assert sse.chunk(b"") == b"", "an empty chunk would end the response"
-
-
-def test_histogram_buckets_are_cumulative() -> None:
-    histogram = Histogram("h_seconds", "help", (0.1, 1.0))
-    for value in (0.05, 0.1, 0.5, 5.0):
-        histogram.observe(value)
-    assert histogram.lines() == [
-        'h_seconds_bucket{le="0.1"} 2',
-        'h_seconds_bucket{le="1"} 3',
-        'h_seconds_bucket{le="+Inf"} 4',
-        "h_seconds_sum 5.65",
-        "h_seconds_count 4",
-    ]
-
-
-def test_label_values_are_escaped() -> None:
-    counter = Counter("c_total", "help")
-    counter.inc(endpoint='a"b\\c\nd')
-    assert counter.lines() == ['c_total{endpoint="a\\"b\\\\c\\nd"} 1']
-
-
-def test_stage_durations_come_from_the_timeline() -> None:
-    stages = [
-        Stage("weight_load", 1.0, 1.5),
-        Stage("ready", 2.0, 2.0),
-        Stage("warmup", 1.5, None),  # still running: not a duration yet
-    ]
-    text = ServerMetrics(lambda: stages, lambda: (2, 1)).render()
-    assert 'preheat_load_stage_seconds{stage="weight_load"} 0.5' in text
-    assert "warmup" not in text
-    assert "preheat_time_to_ready_seconds 2" in text
-    assert "preheat_queue_depth 2" in text
-    assert "preheat_requests_running 1" in text

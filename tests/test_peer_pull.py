@@ -23,12 +23,13 @@ import pytest
 from peers import SeedPeer, copy_checkpoint, write_peer_checkpoint
 from preheat.checkpoint.digest import file_digest
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.errors import SourceError, SourceNotFoundError
+from preheat.errors import CacheError, SourceError, SourceNotFoundError
 from preheat.peer.pull import PeerOptions, pull_from_peers
 from preheat.peer.registry import FileRegistry, PeerEntry
 from preheat.sources.fileserver import FileServer
 from preheat.store.cache import ModelCache
-from preheat.store.pull import PullResult
+from preheat.store.pull import PullResult, pull
+from test_cache import mounted_tmpfs
 
 PIECE = 256 * 1024
 
@@ -117,7 +118,10 @@ def test_a_peer_killed_mid_pull_has_its_pieces_moved(
     with SeedPeer(checkpoint, "--max-mbps", "2") as a, SeedPeer(checkpoint, "--max-mbps", "2") as b:
         options = PeerOptions(peers=(a.address, b.address), origin=origin.url, chunk_bytes=PIECE)
         result = pull_from_peers(
-            f"preheat://{manifest.identity}", cache, options, progress=on_progress(0.2, a.kill)  # type: ignore[arg-type]
+            f"preheat://{manifest.identity}",
+            cache,
+            options,
+            progress=on_progress(0.2, a.kill),  # type: ignore[arg-type]
         )
     assert_published_intact(result, manifest)
     assert result.sources.get(f"peer {a.address}", 0) < result.bytes_total / 2
@@ -129,12 +133,13 @@ def test_a_frozen_peer_is_dropped_as_stalled_and_the_pull_completes(
     checkpoint: Path, manifest: Manifest, origin: FileServer, cache: ModelCache
 ) -> None:
     with SeedPeer(checkpoint, "--max-mbps", "2") as a, SeedPeer(checkpoint, "--max-mbps", "2") as b:
-        options = PeerOptions(
-            peers=(a.address, b.address), origin=origin.url, chunk_bytes=PIECE, stall_timeout=1.0
-        )
+        options = PeerOptions(peers=(a.address, b.address), origin=origin.url, chunk_bytes=PIECE, stall_timeout=1.0)
         # SIGSTOP: the frozen peer's sockets stay open and the kernel still accepts connections, but no byte flows.
         result = pull_from_peers(
-            f"preheat://{manifest.identity}", cache, options, progress=on_progress(0.2, a.freeze)  # type: ignore[arg-type]
+            f"preheat://{manifest.identity}",
+            cache,
+            options,
+            progress=on_progress(0.2, a.freeze),  # type: ignore[arg-type]
         )
     assert_published_intact(result, manifest)
     assert result.sources[f"peer {b.address}"] > result.bytes_total / 2
@@ -285,9 +290,42 @@ def test_a_pull_left_without_sources_fails_and_the_next_one_resumes(
         options = PeerOptions(peers=(only.address,), chunk_bytes=PIECE)  # no origin to fall back to
         with pytest.raises(SourceError, match="no source left"):
             pull_from_peers(
-                f"preheat://{manifest.identity}", cache, options, progress=on_progress(0.3, only.kill)  # type: ignore[arg-type]
+                f"preheat://{manifest.identity}",
+                cache,
+                options,
+                progress=on_progress(0.3, only.kill),  # type: ignore[arg-type]
             )
     result = pull_from_peers(f"preheat://{manifest.identity}", cache, PeerOptions(origin=origin.url, chunk_bytes=PIECE))
     assert_published_intact(result, manifest)
     assert result.bytes_resumed >= 0.3 * result.bytes_total
     assert result.sources["origin"] == result.bytes_total - result.bytes_resumed
+
+
+def test_a_peer_pull_resumes_what_an_interrupted_plain_pull_left(
+    manifest: Manifest, origin: FileServer, cache: ModelCache, plain_peer: SeedPeer
+) -> None:
+    stop = RuntimeError("interrupted")
+
+    def interrupt(done: int, total: int) -> None:
+        if done >= total / 2:
+            raise stop
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pull(origin.url, cache, threads=1, chunk_bytes=PIECE, progress=interrupt)
+    options = PeerOptions(peers=(plain_peer.address,), origin=origin.url, chunk_bytes=PIECE)
+    result = pull_from_peers(f"preheat://{manifest.identity}", cache, options)
+    assert_published_intact(result, manifest)
+    assert result.bytes_resumed >= result.bytes_total * 0.45  # one journal: the plain pull's ranges count here too
+    assert set(result.sources) == {f"peer {plain_peer.address}"}
+
+
+def test_a_full_disk_is_the_cache_error_every_pull_gives(
+    manifest: Manifest, origin: FileServer, plain_peer: SeedPeer, tmp_path: Path
+) -> None:
+    small = tmp_path / "small"
+    with mounted_tmpfs(small, "size=256k"):
+        cache = ModelCache(small / "cache")
+        options = PeerOptions(peers=(plain_peer.address,), origin=origin.url, chunk_bytes=PIECE)
+        with pytest.raises(CacheError, match=r"disk full.*preheat cache gc"):
+            pull_from_peers(f"preheat://{manifest.identity}", cache, options)
+        assert not any((small / "cache" / "partial").iterdir())

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 import preheat
 from conftest import WrittenCheckpoint, same_bytes, write
-from preheat.checkpoint.convert import convert
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, QuantInfo, build_manifest
 from preheat.checkpoint.quant import GROUP, dequantize, is_quantizable, quantize, quantize_with
@@ -21,6 +20,7 @@ from preheat.checkpoint.safetensors import TensorEntry
 from preheat.checkpoint.synthetic import LlamaShape
 from preheat.checkpoint.tp import rank_slice
 from preheat.checkpoint.writer import save_file
+from preheat.convert import convert
 from preheat.errors import CheckpointError
 from smollm2 import Predictor, SmolLM2, agreement
 

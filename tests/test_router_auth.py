@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.server.process import ServerProcess
+from preheat.procs import ServerProcess
 from routing import NAME, replica_of, router_metric, running_router, start_replicas
 from serving import Client, Reply
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from netfaults import FaultProxy
+from preheat.procs import ServerProcess
 from preheat.router.policies import make_policy
 from preheat.router.prompts import PromptReader
 from preheat.router.proxy import Router
 from preheat.router.upstream import Replica
-from preheat.server.process import ServerProcess
 from routing import NAME, SlowProxy, replica_of, router_metric, running_router, start_replicas, wait_until
 from serving import Client, Reply
 

@@ -1,9 +1,15 @@
-"""The router's pure parts: expected-TTFT scoring, the prefix index, the KV-event index and the routing policies.
+"""The router's pure parts: expected-TTFT scoring, the prefix index, the KV-event index, the routing policies and the
+torch-free prompt reader.
 
 No sockets: recorded ``/v1/kv/events`` answers (shaped as docs/kv-events.md says) go in, decisions come out.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +27,7 @@ from preheat.router.policies import (
     rendezvous,
 )
 from preheat.router.score import Costs, expected_ttft, resolve_costs
+from preheat.text.tokenizer import TextTokenizer
 
 FP = "ab" * 16
 C = 4
@@ -365,3 +372,23 @@ def test_flags_win_over_the_environment() -> None:
     env = {"PREHEAT_ROUTER_REPLICAS": "http://a:1", "PREHEAT_ROUTER_POLICY": "least-load", "PREHEAT_ROUTER_PORT": "9"}
     settings = RouterSettings.resolve({"policy": "session"}, env)
     assert (settings.replicas, settings.policy, settings.port) == (("http://a:1",), "session", 9)
+
+
+def test_the_router_tokenizes_like_the_replica_without_torch_the_engine_or_the_server(
+    tiny_servable_model: Path,
+) -> None:
+    """Prompts are read with the replica's own torch-free ``preheat.text``: the same ids, and no model code loaded."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    code = (
+        "import json, sys\n"
+        "from preheat.router.prompts import PromptReader\n"
+        f"reader = PromptReader.from_model({str(tiny_servable_model)!r})\n"
+        f"body = json.dumps({{'messages': {chat!r}}}).encode()\n"
+        "ids = reader.read('/v1/chat/completions', body, None).token_ids\n"
+        "heavy = ('torch', 'transformers', 'preheat.engine', 'preheat.server')\n"
+        "print(json.dumps({'ids': ids, 'loaded': [m for m in heavy if m in sys.modules]}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    answer = json.loads(out)
+    assert answer["loaded"] == []
+    assert answer["ids"] == TextTokenizer.from_dir(str(tiny_servable_model)).encode_chat(chat)

@@ -20,7 +20,7 @@ import pytest
 
 from preheat.checkpoint.synthetic import make_tiny_servable_model
 from preheat.errors import ConfigError
-from preheat.server.process import ServerProcess
+from preheat.procs import ServerProcess
 from preheat.server.settings import ServeSettings
 from preheat.sources.fileserver import FileServer
 from serving import Client, Gate

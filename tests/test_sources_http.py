@@ -20,11 +20,11 @@ import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
+from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources import open_origin
 from preheat.sources.fileserver import Faults, FileServer
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.net import NetSettings
-from preheat.sources.ranges import parse_content_range, range_header
 from preheat.sources.stats import TOTALS, TransferCounts
 
 MiB = 1 << 20

@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from preheat.store import ModelCache
+from preheat.store import ModelCache, durable
 from preheat.store.pull import JOURNAL, pull
 from test_cache import cli, make_origin
 from test_store_resume import CHUNK, PullInterruptedError, interrupt_at
@@ -179,3 +180,15 @@ def test_gc_keeps_a_recent_abandoned_pull_for_resuming(tmp_path: Path) -> None:
     assert os.path.isdir(recent)
     everything = cli("cache", "gc", "--cache-dir", cache.root, "--stale-after", "0", "--json")
     assert [s["path"] for s in json.loads(everything.stdout)["swept"]] == [recent]
+
+
+def test_concurrent_atomic_writes_of_one_path_never_share_a_temp_file(tmp_path: Path) -> None:
+    target = str(tmp_path / "blob")
+    payloads = [bytes([i]) * 65536 for i in range(8)]
+    threads = [threading.Thread(target=durable.write_file, args=(target, data)) for data in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert Path(target).read_bytes() in payloads  # one writer's bytes whole, never a mix
+    assert os.listdir(tmp_path) == ["blob"]  # no temp file left behind

@@ -182,3 +182,17 @@ def test_journal_round_trips(pinned: dict[str, dict[str, object]], chunks: set[j
 def test_a_damaged_journal_only_loses_progress(lines: list[str]) -> None:
     state = journal.parse(lines)  # never raises, whatever the lines
     assert all(isinstance(c[1], int) and c[2] > 0 for c in state.chunks)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 64), st.integers(1, 16)), max_size=8),
+    st.integers(0, 80),
+    st.integers(1, 16),
+)
+def test_a_piece_counts_as_on_disk_exactly_when_journaled_ranges_cover_it(
+    ranges: list[tuple[int, int]], offset: int, length: int
+) -> None:
+    on_disk = {b for start, n in ranges for b in range(start, start + n)}
+    coverage = journal.Coverage({("f", start, n) for start, n in ranges})
+    assert coverage.covers("f", offset, length) == all(b in on_disk for b in range(offset, offset + length))
+    assert not coverage.covers("other", offset, length)

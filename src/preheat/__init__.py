@@ -8,14 +8,20 @@
 from typing import TYPE_CHECKING, Any
 
 from preheat.errors import (
+    ArtifactTrustError,
     CacheError,
     CheckpointError,
     ConfigError,
     DeviceError,
     KVError,
+    PeerError,
+    PlanError,
     PreheatError,
+    RegistryError,
     RequestError,
+    RouterError,
     SourceAccessError,
+    SourceChangedError,
     SourceError,
     SourceNotFoundError,
 )
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = [
+    "ArtifactTrustError",
     "CacheError",
     "CheckpointError",
     "ConfigError",
@@ -32,9 +39,14 @@ __all__ = [
     "KVError",
     "LoadReport",
     "LoadResult",
+    "PeerError",
+    "PlanError",
     "PreheatError",
+    "RegistryError",
     "RequestError",
+    "RouterError",
     "SourceAccessError",
+    "SourceChangedError",
     "SourceError",
     "SourceNotFoundError",
     "__version__",

@@ -11,11 +11,11 @@ import json
 import logging
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 from preheat.config import format_bytes, parse_size
-from preheat.errors import PreheatError
+from preheat.errors import ConfigError, PreheatError
+from preheat.progress import ProgressBars
 
 EPILOG = """\
 environment:
@@ -103,9 +103,9 @@ def _tp_plan(value: str) -> str | dict[str, int | None]:
         with open(value, encoding="utf-8") as handle:
             plan = json.load(handle)
     except (OSError, ValueError) as exc:
-        raise PreheatError(f"--tp-plan {value}: cannot read a JSON mapping of patterns to dims ({exc})") from None
+        raise ConfigError(f"--tp-plan {value}: cannot read a JSON mapping of patterns to dims ({exc})") from None
     if not isinstance(plan, dict) or not all(v is None or isinstance(v, int) for v in plan.values()):
-        raise PreheatError(f"--tp-plan {value}: must map name patterns to an integer dim or null")
+        raise ConfigError(f"--tp-plan {value}: must map name patterns to an integer dim or null")
     return plan
 
 
@@ -116,7 +116,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
     plan = _tp_plan(args.tp_plan)
     reports: list[LoadReport] = []
     for _ in range(max(1, args.repeat)):
-        with _LazyProgress(enabled=not args.json and sys.stderr.isatty(), label=f"loading {args.path}") as bar:
+        with ProgressBars(enabled=_bars(args), label=f"loading {args.path}", delay=2.0, transient=True) as bar:
             weights = load(
                 args.path,
                 args.device,
@@ -172,43 +172,6 @@ def _print_reports(reports: Sequence[object]) -> None:
             + ", ".join(f"{d:.3f} s" for d in durations)
             + f"; median {statistics.median(durations):.3f} s ({median.gbps:.2f} GB/s)"
         )
-
-
-class _LazyProgress:
-    """A progress bar that appears only once a load has taken ~2 s, so quick loads print nothing extra."""
-
-    def __init__(self, *, enabled: bool, label: str, delay: float = 2.0) -> None:
-        self.enabled, self.label, self.delay = enabled, label, delay
-        self.start = time.monotonic()
-        self._progress: object | None = None
-        self._task: object | None = None
-
-    def __enter__(self) -> _LazyProgress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()  # type: ignore[attr-defined]
-
-    def update(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self._progress is None:
-            if time.monotonic() - self.start < self.delay:
-                return
-            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-            progress = Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                transient=True,
-            )
-            progress.start()
-            self._task = progress.add_task(self.label, total=total)
-            self._progress = progress
-        self._progress.update(self._task, completed=done)  # type: ignore[attr-defined]
 
 
 def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -286,9 +249,9 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.Argum
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from preheat.checkpoint.convert import convert
+    from preheat.convert import convert
 
-    with _StageProgress(enabled=not args.json and sys.stderr.isatty()) as bar:
+    with ProgressBars(enabled=_bars(args)) as bar:
         result = convert(
             args.src,
             args.dst,
@@ -296,7 +259,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             force=args.force,
             shard_bytes=parse_size(args.shard_size),
-            progress=bar.update,
+            progress=bar.stage,
         )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -313,7 +276,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from preheat.checkpoint.verify import verify_checkpoint
 
-    with _LazyProgress(enabled=not args.json and sys.stderr.isatty(), label=f"verifying {args.path}") as bar:
+    with ProgressBars(enabled=_bars(args), label=f"verifying {args.path}", delay=2.0, transient=True) as bar:
         report = verify_checkpoint(args.path, progress=bar.update, threads=args.threads)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -362,35 +325,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-class _StageProgress:
-    """One rich progress line per stage of a long job (read, write, verify); a total of 0 means unknown."""
-
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled
-        self._progress: object | None = None
-        self._tasks: dict[str, object] = {}
-
-    def __enter__(self) -> _StageProgress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()  # type: ignore[attr-defined]
-
-    def update(self, stage: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self._progress is None:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn
-
-            progress = Progress(
-                "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeElapsedColumn()
-            )
-            progress.start()
-            self._progress = progress
-        if stage not in self._tasks:
-            self._tasks[stage] = self._progress.add_task(stage, total=total or None)  # type: ignore[attr-defined]
-        self._progress.update(self._tasks[stage], completed=done, total=total or None)  # type: ignore[attr-defined]
+def _bars(args: argparse.Namespace) -> bool:
+    """Progress bars for people: on a terminal, and not when the output is ``--json``."""
+    return not args.json and sys.stderr.isatty()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

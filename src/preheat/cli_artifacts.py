@@ -103,8 +103,8 @@ def _read_blob(path: str) -> bytes:
 def _cmd_sign(args: argparse.Namespace) -> int:
     from preheat.errors import ArtifactTrustError, PeerError
     from preheat.peer import artifacts
-    from preheat.peer.artifact_store import write_atomic
     from preheat.peer.signing import SigningKey, fingerprint
+    from preheat.store.durable import write_file
 
     key = SigningKey.read(args.key)
     if os.stat(args.key).st_mode & 0o077:
@@ -113,7 +113,7 @@ def _cmd_sign(args: argparse.Namespace) -> int:
     skipped: list[dict[str, str]] = []
     if args.blobs:  # the operator names these blobs, and so vouches for them
         for path in args.blobs:
-            write_atomic(path, artifacts.sign(_read_blob(path), key, where=path))
+            write_file(path, artifacts.sign(_read_blob(path), key, where=path))
             signed.append({"blob": path})
     else:  # the node cache: only what this node built; what it received keeps its builder's signature
         store = _store(args.cache_dir, [])

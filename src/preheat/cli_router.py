@@ -137,6 +137,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from preheat.http.server import sigterm_interrupts
     from preheat.router.cluster import start_cluster, wait_healthy
 
     def echo(line: str) -> None:
@@ -162,43 +163,37 @@ def _cmd_up(args: argparse.Namespace) -> int:
     # SIGTERM stops the cluster like Ctrl-C; the children are in their own sessions, so the terminal's SIGINT
     # reaches only this process, which stops them in order.
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
     cluster = None
-    try:
-        cluster = start_cluster(
-            args.model, args.replicas, replica_args=replica_args, router_args=router_args, echo=echo, env=env
-        )
-        assert cluster.router is not None
-        assert cluster.router.url is not None
-        for child in cluster.children:
-            print(f"{child.name}: {child.url} (pid {child.pid})", flush=True)
-        live = cluster
-        wait_healthy(
-            cluster.router.url,
-            args.replicas,
-            args.ready_timeout,
-            alive=lambda: all(c.proc.poll() is None for c in live.children),
-        )
-        print(f"ready: {cluster.router.url}/v1 (Ctrl-C stops everything)", flush=True)
-        while cluster.router.proc.poll() is None:
-            time.sleep(0.25)
-        print("preheat up: the router exited; stopping the replicas", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("preheat up: stopping", file=sys.stderr, flush=True)
-        return 0
-    finally:
-        if cluster is not None:
-            # A second Ctrl-C must not cut the shutdown short and leave children behind.
-            interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
-            if in_main:
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            cluster.stop()
-            if interrupt is not None:
-                signal.signal(signal.SIGINT, interrupt)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    with sigterm_interrupts():
+        try:
+            cluster = start_cluster(
+                args.model, args.replicas, replica_args=replica_args, router_args=router_args, echo=echo, env=env
+            )
+            assert cluster.router is not None
+            assert cluster.router.url is not None
+            for child in cluster.children:
+                print(f"{child.name}: {child.url} (pid {child.pid})", flush=True)
+            live = cluster
+            wait_healthy(
+                cluster.router.url,
+                args.replicas,
+                args.ready_timeout,
+                alive=lambda: all(c.proc.poll() is None for c in live.children),
+            )
+            print(f"ready: {cluster.router.url}/v1 (Ctrl-C stops everything)", flush=True)
+            while cluster.router.proc.poll() is None:
+                time.sleep(0.25)
+            print("preheat up: the router exited; stopping the replicas", file=sys.stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:
+            print("preheat up: stopping", file=sys.stderr, flush=True)
+            return 0
+        finally:
+            if cluster is not None:
+                # A second Ctrl-C must not cut the shutdown short and leave children behind.
+                interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+                if in_main:
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                cluster.stop()
+                if interrupt is not None:
+                    signal.signal(signal.SIGINT, interrupt)

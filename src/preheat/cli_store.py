@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from preheat.config import format_bytes, parse_size
-from preheat.errors import PreheatError
+from preheat.errors import CacheError
 
 PULL_HELP = """\
 Download a checkpoint into the node-local cache, in parallel, resumably, verified, published atomically.
@@ -101,40 +101,24 @@ def _cache(args: argparse.Namespace) -> Any:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
+    from preheat.progress import ProgressBars
     from preheat.store.pull import pull
 
     show = not args.json and sys.stderr.isatty()
-    bar = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        transient=True,
-        disable=not show,
-    )
-    with bar:
-        task = bar.add_task(f"pulling {args.uri}", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        peers = None
-        if args.uri.startswith("preheat://"):  # tokens only from PREHEAT_PEER_TOKEN: a command line is public
-            from preheat.peer.pull import PeerOptions
+    with ProgressBars(enabled=show, label=f"pulling {args.uri}", transient=True) as bar:
+        progress = bar.update
+        peers = args.uri.startswith("preheat://")
+        if peers:  # a name peers hold: tokens only from PREHEAT_PEER_TOKEN (a command line is public)
+            from preheat.peer.pull import PeerOptions, pull_from_peers
 
             given = {"registry": getattr(args, "registry", None), "origin": getattr(args, "origin", None)}
-            peers = PeerOptions.from_env(**given)
-        result = pull(
-            args.uri,
-            _cache(args),
-            threads=args.threads,
-            chunk_bytes=parse_size(args.chunk_bytes),
-            progress=progress,
-            peers=peers,
-        )
+            options = PeerOptions.from_env(**given)
+            result = pull_from_peers(
+                args.uri, _cache(args), options, chunk_bytes=parse_size(args.chunk_bytes), progress=progress
+            )
+        else:
+            chunk_bytes = parse_size(args.chunk_bytes)
+            result = pull(args.uri, _cache(args), threads=args.threads, chunk_bytes=chunk_bytes, progress=progress)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     elif getattr(args, "warm", False):
@@ -145,7 +129,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         print(f"{result.key}\n{result.path}\n{state}{rate}")
         for note in result.notes:
             print(f"note: {note}", file=sys.stderr)
-        for source, nbytes in result.sources.items() if peers is not None else ():
+        for source, nbytes in result.sources.items() if peers else ():
             print(f"from {source}: {format_bytes(nbytes)}", file=sys.stderr)
     return 0
 
@@ -172,7 +156,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     cache = _cache(args)
     key = args.target if cache.lookup(args.target) else cache.find_uri(args.target)
     if key is None:
-        raise PreheatError(f"no cache entry with key or URI {args.target!r} in {cache.root}")
+        raise CacheError(f"no cache entry with key or URI {args.target!r} in {cache.root}")
     cache.remove(key)
     print(f"removed {key}")
     return 0

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from preheat.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _UNITS = {
     "": 1,
@@ -108,3 +113,38 @@ class LoaderSettings:
             chunk_bytes=_env_size("PREHEAT_CHUNK_BYTES"),
             mode=os.environ.get("PREHEAT_LOAD_MODE", "auto") or "auto",
         )
+
+
+def resolve_settings(
+    settings: type[DataclassInstance],
+    flags: Mapping[str, object],
+    env: Mapping[str, str] | None,
+    *,
+    prefix: str,
+    parse: Callable[[str, str, str], object],
+) -> dict[str, object]:
+    """The values given for the fields of a settings dataclass: each field's flag, else its ``<prefix><NAME>``
+    environment variable (``env``, default ``os.environ``), else nothing (the field's default applies).
+
+    A flag that is missing, ``None`` or an empty list was not given; a list (a repeatable flag) becomes a tuple, so
+    settings stay hashable. A variable that is empty or blank was not set; otherwise ``parse(name, variable, raw)``
+    turns its stripped text into the field's type (raising ``ConfigError`` naming the variable).
+
+    >>> @dataclass(frozen=True)
+    ... class Demo:
+    ...     port: int = 80
+    >>> resolve_settings(Demo, {"port": None}, {"DEMO_PORT": " 81 "}, prefix="DEMO_", parse=lambda n, v, r: int(r))
+    {'port': 81}
+    """
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for field in fields(settings):
+        given = flags.get(field.name)
+        if given is not None and given != []:
+            values[field.name] = tuple(given) if isinstance(given, list) else given
+            continue
+        variable = prefix + field.name.upper()
+        raw = env.get(variable, "").strip()
+        if raw:
+            values[field.name] = parse(field.name, variable, raw)
+    return values

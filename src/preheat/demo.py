@@ -18,12 +18,9 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from preheat.errors import PreheatError
-
-if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
+from preheat.progress import ProgressBars
 
 # float32 ("keep": the GGUF dequantized): every CPU computes in float32, so the weights are bound zero-copy from the
 # page cache on any machine; bf16 is zero-copy only on CPUs with native bf16 and converted at every start elsewhere.
@@ -56,50 +53,18 @@ def smollm2_checkpoint(
         found = cache.lookup(key)
         if found is not None:
             return found
-        from preheat.checkpoint.convert import convert
+        from preheat.convert import convert
 
         say(f"converting {os.path.basename(gguf)} -> safetensors ({key}) in {cache.root}")
         say("  (first run only: about 30 s on 2 cores; later runs reuse it)")
         started = time.monotonic()
         partial = cache.partial_dir(key)
-        with _ConvertProgress(say) as progress:
-            convert(gguf, partial, dtype=dtype, force=True, progress=progress.update)
+        # A bar per conversion stage on a terminal; one line per stage otherwise (logs, CI).
+        with ProgressBars(enabled=sys.stderr.isatty(), say=say, indent="  ") as progress:
+            convert(gguf, partial, dtype=dtype, force=True, progress=progress.stage)
         path = cache.publish(key, f"file://{gguf}")
         say(f"converted in {time.monotonic() - started:.1f} s: {path}")
         return path
-
-
-class _ConvertProgress:
-    """A rich progress bar per conversion stage on a terminal; one line per stage otherwise (logs, CI)."""
-
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self.say = say
-        self.bar: Progress | None = None
-        self.tasks: dict[str, TaskID] = {}
-        self.seen: set[str] = set()
-        self.interactive = sys.stderr.isatty()
-
-    def __enter__(self) -> _ConvertProgress:
-        if self.interactive:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn
-
-            self.bar = Progress("  {task.description}", BarColumn(), DownloadColumn(), TimeElapsedColumn())
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def update(self, stage: str, done: int, total: int) -> None:
-        if self.bar is None:
-            if stage not in self.seen:
-                self.seen.add(stage)
-                self.say(f"  {stage} ...")
-            return
-        if stage not in self.tasks:
-            self.tasks[stage] = self.bar.add_task(stage, total=total or None)
-        self.bar.update(self.tasks[stage], completed=done, total=total or None)
 
 
 def stream_chat(
@@ -143,7 +108,7 @@ def stream_chat(
 def run_demo(*, question: str, max_tokens: int = 48, gpu_cost_per_hour: float = 32.0) -> int:
     """The whole demo; returns the exit code."""
     from preheat import timeline_report
-    from preheat.server.process import ServerProcess
+    from preheat.procs import ServerProcess
 
     def say(line: str) -> None:
         print(line, flush=True)

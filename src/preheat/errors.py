@@ -61,7 +61,8 @@ class ArtifactTrustError(PeerError):
 
 
 class CacheError(PreheatError):
-    """The node-local model cache failed in a way that cannot be treated as a miss."""
+    """The node-local model cache failed in a way that cannot be treated as a miss, or has no entry for a key or URI
+    named on purpose (``preheat cache rm``)."""
 
 
 class KVError(PreheatError):

@@ -22,8 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,7 +40,7 @@ from preheat.io.files import ensure_size
 from preheat.io.gds import gds_status, run_gds
 from preheat.io.pipeline import StagedReader
 from preheat.io.reads import Extent, FileJob, ParallelReader, gather, plan_ops
-from preheat.io.tuning import tune
+from preheat.io.tuning import IOTuning, tune
 from preheat.sources.base import is_uri
 
 if TYPE_CHECKING:
@@ -197,6 +197,55 @@ def _resolve_mode(
     return mode
 
 
+@dataclass(frozen=True)
+class LoadRequest:
+    """What one load was asked for, validated: ``load``'s arguments less the cache choice (a cache hit loads the
+    cached directory with the same request, ``source`` replaced)."""
+
+    source: str
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    tp_plan: TPPlan = "auto"
+    mode: str | None = None
+    threads: int | None = None
+    chunk_bytes: int | None = None
+    progress: Callable[[int, int], None] | None = None
+    dequantize: bool = False
+    verify: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is not within world size {self.world_size}")
+        if isinstance(self.tp_plan, str) and self.tp_plan != "auto":
+            raise ConfigError(
+                f"unknown tp_plan {self.tp_plan!r}: use 'auto' or a mapping of name patterns to a dim or None"
+            )
+
+    @property
+    def remote(self) -> bool:
+        return is_uri(self.source)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Everything decided before the first tensor byte is read: the mode, the checkpoint (files and parsed headers),
+    which tensors are checked, and for the read modes each file's read plan and the I/O tuning."""
+
+    request: LoadRequest
+    mode: str
+    checkpoint: Checkpoint
+    # The rank and world size the files are sliced for: (0, 1) when the checkpoint is pre-sharded, since its files
+    # already hold this rank's slices.
+    part_rank: int
+    parts: int
+    checks: VerifyPlan
+    files: tuple[FilePlan, ...]  # empty for mmap, which needs no read plan
+    tuning: IOTuning | None  # None for mmap, which needs no thread tuning
+    verify_threads: int  # threads hashing mapped pages (mmap with verification)
+    seconds: float  # the time planning took (the report's "plan" stage)
+
+
 def load(
     source: str | os.PathLike[str],
     device: str | torch.device = "cpu",
@@ -238,103 +287,137 @@ def load(
     bytes do not match its digest (naming the source too); never returns a partial result.
     """
     settings = LoaderSettings.from_env()
-    dev = torch.device(device)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is not within world size {world_size}")
-    if isinstance(tp_plan, str) and tp_plan != "auto":
-        raise ConfigError(f"unknown tp_plan {tp_plan!r}: use 'auto' or a mapping of name patterns to a dim or None")
-    remote = is_uri(os.fspath(source))
-    node_cache = _node_cache(cache) if remote else None
-    if node_cache is not None:
-        hit = _load_cached(
-            node_cache,
-            os.fspath(source),
-            {
-                "device": dev,
-                "rank": rank,
-                "world_size": world_size,
-                "tp_plan": tp_plan,
-                "mode": mode,
-                "threads": threads,
-                "chunk_bytes": chunk_bytes,
-                "progress": progress,
-                "dequantize": dequantize,
-                "verify": verify,
-            },
-        )
-        if hit is not None:
-            return hit
-    chosen = _resolve_mode(mode or settings.mode, dev, world_size, remote=remote, verify=verify)
-    report = LoadReport(os.fspath(source), chosen, str(dev), rank, world_size)
-
-    started = time.perf_counter()
-    checkpoint = open_checkpoint(source, rank=rank, world_size=world_size)
-    report.files = len(checkpoint.files)
-    # A pre-sharded checkpoint's files already hold this rank's slices: read them whole, never slice again.
-    part_rank, parts = (0, 1) if checkpoint.presharded else (rank, world_size)
-    checks = plan_verification(
-        checkpoint,
-        [_whole_tensors(f, tp_plan, part_rank, parts) for f in checkpoint.files],
-        verify=verify,
-        remote=remote,
-        mode=chosen,
+    request = LoadRequest(
+        os.fspath(source),
+        torch.device(device),
         rank=rank,
         world_size=world_size,
+        tp_plan=tp_plan,
+        mode=mode,
+        threads=threads,
+        chunk_bytes=chunk_bytes,
+        progress=progress,
+        dequantize=dequantize,
+        verify=verify,
     )
-    if chosen == "mmap":
-        # Mapping needs no read plan and no thread tuning: the kernel reads pages when they are touched.
-        report.stages["plan"] = time.perf_counter() - started
-        result = _load_mmap(checkpoint, tp_plan, part_rank, parts, report)
-        if checks.count and result.mappings is not None:
-            _check_mapped(result.mappings, checkpoint, checks, threads or settings.threads or 8, report)
-        result.mappings = None
-        if progress is not None:
-            mapped = checkpoint.total_bytes
-            progress(mapped, mapped)
-    else:
-        align = PAGE if chosen in ("direct", "gds") else 1
-        plans = [plan_file(f, tp_plan, part_rank, parts, align_base=align) for f in checkpoint.files]
-        tuning = tune(
-            checkpoint.files[0].path if checkpoint.files else os.fspath(source),
-            sum(e.length for p in plans for e in p.extents),
-            threads=threads if threads is not None else settings.threads,
-            chunk_bytes=chunk_bytes if chunk_bytes is not None else settings.chunk_bytes,
-            dma=chosen in ("direct", "gds"),
-            scattered=not all(p.whole for p in plans),
-            remote=remote,
-        )
-        report.threads, report.chunk_bytes, report.tuning = tuning.threads, tuning.chunk_bytes, tuning.reason
-        report.stages["plan"] = time.perf_counter() - started
-        result = _load_read(
-            plans,
-            mode=chosen,
-            device=dev,
-            threads=tuning.threads,
-            chunk_bytes=tuning.chunk_bytes,
-            progress=_Progress(progress, sum(e.length for p in plans for e in p.extents)),
-            report=report,
-            checks=checks,
-        )
-    _report_verification(report, checks)
-    if node_cache is not None and parts == 1 and dev.type == "cpu" and result.file_buffers is not None:
-        from preheat.store.writethrough import LoadedFile, start_write_through
+    node_cache = _node_cache(cache) if request.remote else None
+    if node_cache is not None:
+        hit = _load_cached(node_cache, request, settings)
+        if hit is not None:
+            return hit
+    return _load_request(request, settings, node_cache)
 
-        loaded = [
-            LoadedFile(plan.file.name, plan.file.size, plan.file.header.data_start, plan.file.header.data_end, buf)
-            for plan, buf in result.file_buffers
-        ]
-        result.cache_write = start_write_through(node_cache, os.fspath(source), loaded)
-        report.notes.append(f"writing through to the node cache at {node_cache.root} in the background")
+
+def _load_request(request: LoadRequest, settings: LoaderSettings, node_cache: ModelCache | None) -> LoadResult:
+    """Plan, execute, then what follows the read: write-through of a remote load, dequantisation, the totals."""
+    plan = plan_load(request, settings)
+    result = execute_load(plan)
+    report = result.report
+    if node_cache is not None and plan.parts == 1 and request.device.type == "cpu" and result.file_buffers is not None:
+        _write_through(result, node_cache, request.source)
     result.file_buffers = None
-    if dequantize and checkpoint.manifest is not None:
+    if request.dequantize and plan.checkpoint.manifest is not None:
         from preheat.checkpoint.quant import dequantize_weights
 
-        dequantize_weights(result, checkpoint.manifest, where=os.fspath(source))
+        dequantize_weights(result, plan.checkpoint.manifest, where=request.source)
     report.tensors = len(result)
     report.bytes = sum(t.numel() * t.element_size() for t in result.values())
-    result.report = report
     log.info("%s", report.summary())
     return result
+
+
+def plan_load(request: LoadRequest, settings: LoaderSettings) -> LoadPlan:
+    """Choose the mode, resolve the source and parse its headers, decide which tensors are checked, and (for the
+    read modes) lay out each file's buffer and tune the reads. Reads headers only."""
+    mode = _resolve_mode(
+        request.mode or settings.mode,
+        request.device,
+        request.world_size,
+        remote=request.remote,
+        verify=request.verify,
+    )
+    started = time.perf_counter()
+    checkpoint = open_checkpoint(request.source, rank=request.rank, world_size=request.world_size)
+    part_rank, parts = (0, 1) if checkpoint.presharded else (request.rank, request.world_size)
+    checks = plan_verification(
+        checkpoint,
+        [_whole_tensors(f, request.tp_plan, part_rank, parts) for f in checkpoint.files],
+        verify=request.verify,
+        remote=request.remote,
+        mode=mode,
+        rank=request.rank,
+        world_size=request.world_size,
+    )
+    files: tuple[FilePlan, ...] = ()
+    tuning = None
+    if mode != "mmap":
+        align = PAGE if mode in ("direct", "gds") else 1
+        files = tuple(plan_file(f, request.tp_plan, part_rank, parts, align_base=align) for f in checkpoint.files)
+        tuning = tune(
+            checkpoint.files[0].path if checkpoint.files else request.source,
+            sum(e.length for p in files for e in p.extents),
+            threads=request.threads if request.threads is not None else settings.threads,
+            chunk_bytes=request.chunk_bytes if request.chunk_bytes is not None else settings.chunk_bytes,
+            dma=mode in ("direct", "gds"),
+            scattered=not all(p.whole for p in files),
+            remote=request.remote,
+        )
+    return LoadPlan(
+        request,
+        mode,
+        checkpoint,
+        part_rank,
+        parts,
+        checks,
+        files,
+        tuning,
+        verify_threads=request.threads or settings.threads or 8,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def execute_load(plan: LoadPlan) -> LoadResult:
+    """Read (or map) what ``plan`` says and check it; the result's ``report`` holds the stages so far."""
+    request = plan.request
+    report = LoadReport(request.source, plan.mode, str(request.device), request.rank, request.world_size)
+    report.files = len(plan.checkpoint.files)
+    report.stages["plan"] = plan.seconds
+    if plan.tuning is None:  # mmap: the kernel reads pages when they are touched
+        result = _load_mmap(plan.checkpoint, request.tp_plan, plan.part_rank, plan.parts, report)
+        if plan.checks.count and result.mappings is not None:
+            _check_mapped(result.mappings, plan.checkpoint, plan.checks, plan.verify_threads, report)
+        result.mappings = None
+        if request.progress is not None:
+            mapped = plan.checkpoint.total_bytes
+            request.progress(mapped, mapped)
+    else:
+        tuning = plan.tuning
+        report.threads, report.chunk_bytes, report.tuning = tuning.threads, tuning.chunk_bytes, tuning.reason
+        result = _load_read(
+            list(plan.files),
+            mode=plan.mode,
+            device=request.device,
+            threads=tuning.threads,
+            chunk_bytes=tuning.chunk_bytes,
+            progress=_Progress(request.progress, sum(e.length for p in plan.files for e in p.extents)),
+            report=report,
+            checks=plan.checks,
+        )
+    _report_verification(report, plan.checks)
+    result.report = report
+    return result
+
+
+def _write_through(result: LoadResult, node_cache: ModelCache, uri: str) -> None:
+    """Save a remote load's file buffers into the node cache in the background (``result.cache_write``)."""
+    from preheat.store.writethrough import LoadedFile, start_write_through
+
+    loaded = [
+        LoadedFile(plan.file.name, plan.file.size, plan.file.header.data_start, plan.file.header.data_end, buf)
+        for plan, buf in result.file_buffers or ()
+    ]
+    result.cache_write = start_write_through(node_cache, uri, loaded)
+    result.report.notes.append(f"writing through to the node cache at {node_cache.root} in the background")
 
 
 def _node_cache(cache: ModelCache | str | os.PathLike[str] | bool | None) -> ModelCache | None:
@@ -351,14 +434,15 @@ def _node_cache(cache: ModelCache | str | os.PathLike[str] | bool | None) -> Mod
     return ModelCache(cache)
 
 
-def _load_cached(cache: ModelCache, uri: str, options: dict[str, Any]) -> LoadResult | None:  # Any: load()'s kwargs
-    """Load ``uri`` from the node cache when it holds it (one small request asks the origin for its identity)."""
-    from preheat.sources.base import open_origin
+def _load_cached(cache: ModelCache, request: LoadRequest, settings: LoaderSettings) -> LoadResult | None:
+    """Load ``request.source`` from the node cache when it holds it (one small request asks the origin for its
+    identity): the cached directory loads by the local rules, with no cache."""
+    from preheat.sources.open import open_origin
     from preheat.store.pull import origin_key
 
     try:
-        key, manifest = origin_key(open_origin(uri))
-        if manifest is None and options["verify"] is not False:
+        key, manifest = origin_key(open_origin(request.source))
+        if manifest is None and request.verify is not False:
             return None  # the load from the origin refuses it, saying why (no manifest: nothing to check against)
         path = cache.lookup(key)
         if path is None:
@@ -367,9 +451,9 @@ def _load_cached(cache: ModelCache, uri: str, options: dict[str, Any]) -> LoadRe
     except (CacheError, OSError) as exc:
         log.warning("node cache at %s unusable, loading from the origin: %s", cache.root, exc)
         return None
-    result = load(path, cache=False, **options)
+    result = _load_request(replace(request, source=os.fspath(path)), settings, None)
     result.cache_lease = lease
-    result.report.source = uri
+    result.report.source = request.source
     # The entry is a local directory now, loaded by the local rules; its files were checked when it was published.
     result.report.notes.append(f"node cache hit: {path} (every file was checked against the digests when cached)")
     return result

@@ -15,10 +15,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.errors import PreheatError, SourceError
+from preheat.errors import PlanError, SourceError
 from preheat.timeline import Stage
 
 TIMELINE_PATH = "/v1/preheat/timeline"
+MAX_TIMELINE_BYTES = 16 * 1024 * 1024  # a timeline is a few kB; a larger answer is not one
 BAR_WIDTH = 32
 
 
@@ -60,15 +61,15 @@ class Waterfall:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "timeline") -> Waterfall:
-        """Validate ``data`` (a parsed timeline JSON); raise ``PreheatError`` naming ``where`` and the bad field."""
+        """Validate ``data`` (a parsed timeline JSON); raise ``PlanError`` naming ``where`` and the bad field."""
         if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
-            raise PreheatError(f"{where}: not a preheat timeline (expected an object with a 'stages' list)")
+            raise PlanError(f"{where}: not a preheat timeline (expected an object with a 'stages' list)")
         rows = []
         for i, record in enumerate(data["stages"]):
             try:
                 stage = Stage.from_dict(record)
             except (KeyError, TypeError, ValueError) as exc:
-                raise PreheatError(f"{where}: stage {i} is malformed ({type(exc).__name__}: {exc})") from None
+                raise PlanError(f"{where}: stage {i} is malformed ({type(exc).__name__}: {exc})") from None
             rows.append(Row.from_stage(stage))
         rows.sort(key=lambda r: (r.start, r.end))
         total = float(data.get("total") or max((r.end for r in rows), default=0.0))
@@ -123,21 +124,23 @@ class Waterfall:
 def fetch(source: str, *, api_key: str | None = None, timeout: float = 10.0) -> object:
     """The timeline JSON from a server URL (its ``/v1/preheat/timeline``) or from a file."""
     if source.startswith(("http://", "https://")):
-        import urllib.error
-        import urllib.request
+        from http.client import responses
+
+        from preheat.http.client import HTTPClientError, Timeouts, request
 
         url = source if source.rstrip("/").endswith(TIMELINE_PATH) else source.rstrip("/") + TIMELINE_PATH
-        request = urllib.request.Request(url)
         key = api_key or os.environ.get("PREHEAT_API_KEY")
-        if key:
-            request.add_header("Authorization", f"Bearer {key}")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            hint = " (pass --api-key or PREHEAT_API_KEY)" if exc.code == 401 else ""
-            raise SourceError(f"{url}: HTTP {exc.code} {exc.reason}{hint}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            answer = request(url, timeouts=Timeouts.within(timeout), headers=headers, max_body=MAX_TIMELINE_BYTES)
+        except HTTPClientError as exc:
+            raise SourceError(f"cannot fetch the timeline: {exc}") from None
+        if answer.status != 200:
+            hint = " (pass --api-key or PREHEAT_API_KEY)" if answer.status == 401 else ""
+            raise SourceError(f"{url}: HTTP {answer.status} {responses.get(answer.status, '')}{hint}")
+        try:
+            return json.loads(answer.body)
+        except ValueError as exc:
             raise SourceError(f"{url}: cannot fetch the timeline ({exc})") from None
     try:
         with open(source, encoding="utf-8") as handle:
@@ -145,7 +148,7 @@ def fetch(source: str, *, api_key: str | None = None, timeout: float = 10.0) -> 
     except OSError as exc:
         raise SourceError(f"{source}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
-        raise PreheatError(f"{source}: not JSON ({exc})") from None
+        raise PlanError(f"{source}: not JSON ({exc})") from None
 
 
 # -- text ----------------------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from preheat.errors import CheckpointError, ConfigError
 from preheat.io.files import read_exact
 from preheat.io.reads import read_at_least
 from preheat.jsonsafe import loads_bounded
-from preheat.sources.base import READ_BYTES_LIMIT, Origin, Source, check_name, is_uri, open_origin
+from preheat.sources.base import READ_BYTES_LIMIT, Origin, Source, check_name, is_uri
 from preheat.sources.local import LocalFile
+from preheat.sources.open import open_origin
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -6,9 +6,10 @@ out in whole token chunks for the KV tiers. See docs/engine.md.
 >>> for step in engine.generate(engine.encode_prompt("Hello"), SamplingParams(temperature=0)):  # doctest: +SKIP
 ...     print(step.text, end="")
 
-Importing this package imports nothing heavy: torch comes with the first of the names below (``Engine`` ...), so the
-router and the planning tools can use ``preheat.engine.tokenizer`` without it. transformers is imported only by the
-fallback for other architectures, jinja2 when a chat template is first rendered (or at ``warmup``).
+Importing this package imports nothing heavy: torch comes with the first of the names below (``Engine`` ...).
+Tokenizer and chat template live in the torch-free ``preheat.text``, shared with the server and the router.
+transformers is imported only by the fallback for other architectures, jinja2 when a chat template is first rendered
+(or at ``warmup``).
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from preheat.engine.engine import Engine, GenerationStep
-    from preheat.engine.kv import KVLayout, PagedKVCache, Sequence
+    from preheat.engine.kv import PagedKVCache, Sequence
     from preheat.engine.sampling import SamplingParams
 
-__all__ = ["Engine", "GenerationStep", "KVLayout", "PagedKVCache", "SamplingParams", "Sequence"]
+__all__ = ["Engine", "GenerationStep", "PagedKVCache", "SamplingParams", "Sequence"]
 _HOMES = {
     "Engine": "preheat.engine.engine",
     "GenerationStep": "preheat.engine.engine",
-    "KVLayout": "preheat.engine.kv",
     "PagedKVCache": "preheat.engine.kv",
     "Sequence": "preheat.engine.kv",
     "SamplingParams": "preheat.engine.sampling",

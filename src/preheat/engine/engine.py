@@ -20,8 +20,10 @@ from preheat.engine.backend import Backend, NativeBackend, build_backend, resolv
 from preheat.engine.config import ModelConfig, read_model_config
 from preheat.engine.kv import PagedKVCache
 from preheat.engine.sampling import Sampler, SamplingParams, StopStrings
-from preheat.engine.tokenizer import TextTokenizer
 from preheat.errors import CheckpointError, KVError, RequestError
+from preheat.kv.spec import KVSpec
+from preheat.loader import load
+from preheat.text.tokenizer import TextTokenizer
 from preheat.timeline import Timeline
 
 if TYPE_CHECKING:  # the KV tiers import torch-free key code and, for L2, redis: only when a server turns them on
@@ -98,8 +100,6 @@ class Engine:
         defaults to the model's context, capped at 8192. ``load_mode`` is ``preheat.load``'s ``mode``. With a
         ``timeline``, records the stages ``weight_load`` (bytes, GB/s), ``model_build`` and ``tokenizer``.
         """
-        import preheat
-
         root = os.fspath(path)
         if not os.path.isdir(root):
             raise CheckpointError(f"{root}: not a model directory", path=root)
@@ -109,7 +109,7 @@ class Engine:
         max_len = resolve_max_len(config, max_model_len, root)
         timeline = timeline if timeline is not None else Timeline(time.time())
         with timeline.stage("weight_load", mode=load_mode or "auto", device=str(dev)) as stage:
-            weights = preheat.load(root, dev, mode=load_mode, dequantize=True)
+            weights = load(root, dev, mode=load_mode, dequantize=True)
             report = weights.report
             if report.mode == "mmap":
                 # A mapping reads nothing until touched: fault every page in now, so that this stage holds the
@@ -150,6 +150,16 @@ class Engine:
         if dev.type == "cuda" and converted == 0:  # no copy was made: the model's tensors are the loaded bytes
             engine.loaded_weights = weights
         return engine
+
+    def kv_spec(self) -> KVSpec | None:
+        """What the KV tiers need to know about this engine (``preheat.kv.build.build_tiers``); None on the
+        transformers fallback, which cannot export KV chunks."""
+        if self.kv_cache is None:
+            return None
+        rope = self.config.rope.to_dict()
+        if self.config.rope.rope_type == "dynamic":
+            rope["max_model_len"] = self.max_model_len  # dynamic NTK's frequencies depend on it (docs/engine.md)
+        return KVSpec(self.kv_cache.layout, identity=self.identity, rope=rope, pin=self.device.type == "cuda")
 
     def attach_kv_tiers(self, tiers: TieredKV | None) -> None:
         """Look prompts up in ``tiers`` (and store their new chunks there) from the next request on."""

@@ -22,46 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preheat.checkpoint import torch_dtypes
 from preheat.errors import KVError
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape of the cache: what a KV chunk's bytes mean. Part of the KV fingerprint (a chunk is only valid for
-    the same layout, model and RoPE settings)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """One block: ``(num_layers, 2, num_kv_heads, block_size, head_dim)``."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
-
-    def chunk_shape(self, n_tokens: int) -> tuple[int, ...]:
-        """Shape of an exported chunk of ``n_tokens`` (a multiple of ``block_size``)."""
-        return (n_tokens // self.block_size, *self.block_shape)
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready description (dtype as its safetensors name), for fingerprints and chunk file headers."""
-        return {
-            "order": "blocks,layers,kv,heads,tokens,head_dim",
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "block_size": self.block_size,
-            "dtype": torch_dtypes.from_torch(self.dtype),
-        }
+from preheat.kv.spec import KVLayout
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Build an engine's ``TieredKV`` from the server's KV settings (``--kv-l1``, ``--kv-l2``, ``--kv-dtype`` ...).
+"""Build the ``TieredKV`` for an engine's ``KVSpec`` from the server's KV settings (``--kv-l1``, ``--kv-l2``,
+``--kv-dtype`` ...). The spec is a value the engine builds (``Engine.kv_spec``): nothing here imports the engine.
 
 Failures here never stop a server: an L2 that cannot be reached is built anyway and marked down (with a warning and a
 metric) and retried later; a checkpoint without a ``preheat.json`` identity gets L1 only, because without an
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING
 
 from preheat.config import parse_size
 from preheat.errors import ConfigError
@@ -20,39 +20,29 @@ from preheat.kv.events import EventLog
 from preheat.kv.keys import fingerprint
 from preheat.kv.memory import MemoryTier
 from preheat.kv.settings import KVSettings, l1_bytes
+from preheat.kv.spec import KVSpec
 from preheat.kv.tier import EvictHook, Tier
 from preheat.kv.tiered import TieredKV
-
-if TYPE_CHECKING:
-    from preheat.engine import Engine
 
 log = logging.getLogger("preheat.kv")
 
 
-def engine_fingerprint(engine: Engine, settings: KVSettings, identity: str) -> str:
-    """The KV fingerprint of ``engine`` (docs/kv-keys.md)."""
-    assert engine.kv_cache is not None
-    rope = engine.config.rope.to_dict()
-    if engine.config.rope.rope_type == "dynamic":
-        rope["max_model_len"] = engine.max_model_len  # dynamic NTK's frequencies depend on it (docs/engine.md)
+def spec_fingerprint(spec: KVSpec, settings: KVSettings, identity: str) -> str:
+    """The KV fingerprint of an engine described by ``spec`` (docs/kv-keys.md)."""
     return fingerprint(
         identity=identity,
-        layout=engine.kv_cache.layout.to_dict(),
+        layout=spec.layout.to_dict(),
         chunk_tokens=settings.chunk_tokens,
-        rope=rope,
+        rope=spec.rope,
         kv_dtype=None if settings.kv_dtype == "auto" else settings.kv_dtype,
     )
 
 
-def build_tiers(engine: Engine, settings: KVSettings) -> TieredKV | None:
-    """The tiers for ``engine``, or None when KV tiers are off or the engine cannot export chunks (transformers
-    fallback: warned)."""
+def build_tiers(spec: KVSpec, settings: KVSettings) -> TieredKV | None:
+    """The tiers ``settings`` ask for, holding chunks of the engine ``spec`` describes; None when KV tiers are off."""
     if not settings.enabled:
         return None
-    if engine.kv_cache is None:
-        log.warning("KV tiers are off: this model runs on the transformers fallback, which cannot export KV chunks")
-        return None
-    identity = engine.identity
+    identity = spec.identity
     l2_url = settings.l2
     if identity is None:
         identity = "process-" + secrets.token_hex(16)  # L1 only: these keys are valid inside this process alone
@@ -69,8 +59,8 @@ def build_tiers(engine: Engine, settings: KVSettings) -> TieredKV | None:
         except ConfigError as exc:  # checked at start-up, so the file changed since: never fall back to unkeyed
             log.error("KV L2 is off: %s", exc)
             l2_url = None
-    fp = engine_fingerprint(engine, settings, identity)
-    layout = engine.kv_cache.layout
+    fp = spec_fingerprint(spec, settings, identity)
+    layout = spec.layout
     expect = chunkfile.Expect(
         fingerprint=fp,
         dtype=stored_dtype(settings.kv_dtype, layout.dtype),
@@ -91,7 +81,7 @@ def build_tiers(engine: Engine, settings: KVSettings) -> TieredKV | None:
         l1=l1,
         l2=l2,
         kv_dtype=settings.kv_dtype,
-        pin=engine.device.type == "cuda",
+        pin=spec.pin,
         keyed=l2 is not None and mac_key is not None,
     )
 

@@ -19,10 +19,11 @@ import urllib.request
 from urllib.parse import urlsplit
 
 from preheat.errors import PeerError
+from preheat.http.ranges import parse_length
 from preheat.peer.artifacts import MAX_BLOB_BYTES, ArtifactKey, Verified, verify
 from preheat.peer.server import ARTIFACTS_ROUTE
 from preheat.peer.signing import TrustedKeys
-from preheat.sources.ranges import parse_length
+from preheat.store import durable
 
 log = logging.getLogger("preheat.peer")
 _KEY = re.compile(r"[0-9a-f]{32}")  # fullmatch: an ArtifactKey.hex
@@ -118,10 +119,10 @@ class ArtifactStore:
         """Store a verified blob atomically (and, when it was built here, the marker that says so); its path."""
         os.makedirs(self.root, exist_ok=True)
         path = self.blob_path(verified.hex)
-        write_atomic(path, verified.blob)
+        durable.write_file(path, verified.blob)
         marker = self.marker_path(verified.hex)
         if verified.local:
-            write_atomic(marker, f"sha256:{verified.body_sha256}\n".encode())
+            durable.write_file(marker, f"sha256:{verified.body_sha256}\n".encode())
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
@@ -143,16 +144,6 @@ class ArtifactStore:
             names = (n.removesuffix(".blob") for n in os.listdir(self.root) if n.endswith(".blob"))
             return sorted(n for n in names if _KEY.fullmatch(n))
         return []
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` by rename: a reader sees the old bytes or the new ones, never part of them."""
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 # -- fetching from peers -------------------------------------------------------------------------------------------

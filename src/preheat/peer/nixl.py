@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import http.client
 import importlib
 import itertools
 import json
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import PeerError
+from preheat.http.client import Connection, HTTPClientError, Timeouts
 from preheat.sources.base import Origin, Source
 
 if TYPE_CHECKING:
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("preheat.peer")
 NIXL_ROUTE = "/peer/v1/nixl"
+# An advert is ~100 bytes per tensor plus the agent's metadata: far under this for any checkpoint; a longer answer is
+# refused unread.
+MAX_ADVERT_BYTES = 64 * 1024 * 1024
 _TIMEOUT_S = 30.0  # one READ of one piece (16 MiB by default); far above any healthy device-to-device transfer
 _names = itertools.count()
 
@@ -213,13 +216,11 @@ def fetch_advert(address: str, token: str | None, timeout: float = 2.0) -> Adver
     """The peer's advert, or None when it offers none (404, an error, a refused token: the pull's TCP path will
     report a token problem on its own requests)."""
     host, _, port = address.rpartition(":")
-    connection = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    connection = Connection(host.strip("[]"), int(port), Timeouts.within(timeout))
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        connection.request("GET", NIXL_ROUTE, headers=headers)
-        response = connection.getresponse()
-        body = response.read()
-    except (OSError, http.client.HTTPException) as exc:
+        response = connection.request("GET", NIXL_ROUTE, headers=headers, max_body=MAX_ADVERT_BYTES)
+    except HTTPClientError as exc:
         log.debug("nixl: no advert from %s: %s", address, exc)
         return None
     finally:
@@ -227,7 +228,7 @@ def fetch_advert(address: str, token: str | None, timeout: float = 2.0) -> Adver
     if response.status != 200:
         return None
     try:
-        return Advert.from_json(body, where=f"peer {address}")
+        return Advert.from_json(response.body, where=f"peer {address}")
     except NixlError as exc:
         log.warning("nixl: %s; using TCP", exc)
         return None

@@ -191,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _gpu_export(root: str, manifest: mf.Manifest, device: str) -> NixlExport | None:
     """The checkpoint loaded onto ``device`` and registered with NIXL (None, logged, when nixl is absent)."""
-    import preheat
+    from preheat.loader import load
     from preheat.peer.nixl import export_weights
 
-    weights = preheat.load(root, device)
+    weights = load(root, device)
     return export_weights(weights, manifest)

@@ -1,4 +1,5 @@
-"""The pure part of peer transfer: ``preheat://`` names, and the plan of pieces a striped pull fetches.
+"""The pure part of peer transfer: ``preheat://`` names, and the plan of pieces a striped pull fetches
+(``preheat.store.pieces`` holds the plan's types; ``preheat.store.fetch`` fetches it).
 
 A checkpoint's files are cut into pieces of about ``chunk_bytes``, preferably at tensor boundaries, so that most
 tensors lie inside one piece and can be verified against their manifest digest as soon as that piece lands; a tensor
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import ConfigError
+from preheat.store.pieces import Piece, PiecePlan, manifest_files
 
 SCHEME = "preheat://"
 IDENTITY = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
@@ -57,30 +59,6 @@ def parse_peer_uri(uri: str) -> PeerURI:
     return PeerURI(name)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Bytes ``[offset, offset + length)`` of checkpoint file ``file``; ``index`` is its position in the plan."""
-
-    index: int
-    file: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class PiecePlan:
-    """Every piece of a checkpoint, and which tensors each piece overlaps (and the reverse)."""
-
-    pieces: tuple[Piece, ...]
-    files: tuple[mf.FileRecord, ...]
-    tensor_pieces: dict[str, tuple[int, ...]]
-    piece_tensors: dict[int, tuple[mf.TensorRecord, ...]]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(p.length for p in self.pieces)
-
-
 def plan_pieces(manifest: mf.Manifest, chunk_bytes: int) -> PiecePlan:
     """Cut every file of ``manifest`` (weights and extra files) into pieces of at most ``chunk_bytes``, cutting at a
     tensor's start whenever the tensor would not fit in the current piece, so small tensors never straddle two."""
@@ -103,7 +81,7 @@ def plan_pieces(manifest: mf.Manifest, chunk_bytes: int) -> PiecePlan:
         for index in covering:
             piece_tensors.setdefault(index, []).append(record)
     return PiecePlan(
-        tuple(pieces), files, tensor_pieces, {k: tuple(v) for k, v in piece_tensors.items()}
+        tuple(pieces), tuple(manifest_files(manifest)), tensor_pieces, {k: tuple(v) for k, v in piece_tensors.items()}
     )
 
 

@@ -26,22 +26,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import CheckpointError, ConfigError, PeerError, RegistryError, SourceError, SourceNotFoundError
+from preheat.errors import CheckpointError, ConfigError, RegistryError, SourceError, SourceNotFoundError
 from preheat.peer import nixl
 from preheat.peer.plan import parse_peer_uri, plan_pieces
 from preheat.peer.registry import PeerEntry, open_registry, valid_address
 from preheat.peer.server import FILES_ROUTE
-from preheat.peer.striped import Progress, StripedFetch, StripeSource
-from preheat.sources.base import open_origin
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.net import NetSettings
+from preheat.sources.open import open_origin
 from preheat.store import locks
 from preheat.store.cache import ModelCache
-from preheat.store.pull import JOURNAL, PullResult, RemoteFile, _preallocate, _write_small, origin_key, pull
+from preheat.store.fetch import PieceSource, Progress
+from preheat.store.pull import PullResult, download, origin_key, pull
 
 log = logging.getLogger("preheat.peer")
 MiB = 1024 * 1024
-PEER_JOURNAL = ".peer-journal"  # one line per landed piece: file, offset, length (a plain pull's chunks differ)
 
 
 @dataclass(frozen=True)
@@ -196,7 +195,7 @@ def pull_from_peers(
         sources = [_peer_source(e.address, options) for e in peers[: options.max_peers]]
         if origin_uri is not None:
             sources.append(
-                StripeSource("origin", open_origin(origin_uri), streams=options.origin_streams, fallback=True)
+                PieceSource("origin", open_origin(origin_uri), streams=options.origin_streams, fallback=True)
             )
         streams = sum(s.streams for s in sources if not s.fallback) or options.origin_streams
         piece = options.chunk_bytes or piece_bytes(manifest, chunk_bytes, streams)
@@ -206,12 +205,12 @@ def pull_from_peers(
     return result
 
 
-def _peer_source(address: str, options: PeerOptions) -> StripeSource:
+def _peer_source(address: str, options: PeerOptions) -> PieceSource:
     """The stripe source for one peer: over NIXL when both ends can (labelled ``peer ADDRESS (nixl)``), else TCP."""
     http = peer_origin(address, options)
     origin = nixl.peer_source_origin(address, http, device=options.device, token=options.token)
     label = f"peer {address} (nixl)" if isinstance(origin, nixl.NixlOrigin) else f"peer {address}"
-    return StripeSource(label, origin, streams=options.streams)
+    return PieceSource(label, origin, streams=options.streams)
 
 
 def piece_bytes(manifest: mf.Manifest, chunk_bytes: int, streams: int) -> int:
@@ -270,37 +269,27 @@ def _download(
     uri: str,
     cache: ModelCache,
     manifest: mf.Manifest,
-    sources: list[StripeSource],
+    sources: list[PieceSource],
     *,
     chunk_bytes: int,
     progress: Progress | None,
 ) -> PullResult:
-    key = manifest.identity
-    partial = cache.partial_dir(key)
-    os.makedirs(partial, exist_ok=True)
-    files = [RemoteFile(f.name, f.size, f.digest) for f in (*manifest.files, *manifest.extra_files)]
-    plan = plan_pieces(manifest, chunk_bytes)
-    result = PullResult(key, cache.entry_dir(key), uri, hit=False, bytes_total=plan.total_bytes, files=len(files))
+    """The store's one download path, with pieces cut at tensors so each is checked as it lands."""
     try:
-        _preallocate(partial, files)
-        journal = os.path.join(partial, PEER_JOURNAL)
-        fetch = StripedFetch(plan, sources, partial, progress=progress, journal=journal)
-        try:
-            result.sources = fetch.run()
-        finally:
-            fetch.notes += [s.origin.note() for s in sources if isinstance(s.origin, nixl.NixlOrigin)]
-            for source in sources:
-                close = getattr(source.origin, "close", None)
-                if close is not None:
-                    close()
-        result.notes += fetch.notes
-        result.bytes_fetched = sum(result.sources.values())
-        result.bytes_resumed = fetch.resumed
-        _write_small(partial, mf.MANIFEST_NAME, manifest.to_json())
-        for name in (PEER_JOURNAL, JOURNAL):  # JOURNAL: left by an interrupted plain pull of the same key
-            if os.path.exists(os.path.join(partial, name)):
-                os.unlink(os.path.join(partial, name))
-    except OSError as exc:
-        raise PeerError(f"pull of {uri} failed writing to {partial}: {exc}") from None
-    result.path = cache.publish(key, uri)
-    return result
+        result = download(
+            cache,
+            manifest.identity,
+            uri,
+            plan_pieces(manifest, chunk_bytes),
+            sources,
+            manifest=manifest,
+            check_pieces=True,
+            progress=progress,
+        )
+        result.notes += [s.origin.note() for s in sources if isinstance(s.origin, nixl.NixlOrigin)]
+        return result
+    finally:
+        for source in sources:
+            close = getattr(source.origin, "close", None)
+            if close is not None:
+                close()

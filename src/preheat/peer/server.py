@@ -39,10 +39,10 @@ from urllib.parse import unquote, urlsplit
 
 from preheat.checkpoint import manifest as mf
 from preheat.errors import ConfigError
+from preheat.http.ranges import UnsatisfiableRangeError, content_range, parse_range
+from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 from preheat.peer.access import require_token
 from preheat.peer.nixl import NIXL_ROUTE, NixlExport
-from preheat.sources.httpserve import BackgroundServer, TrackedHandler, TrackedServer
-from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
 
 log = logging.getLogger("preheat.peer")
 FILES_ROUTE = "/peer/v1/files/"

@@ -55,7 +55,7 @@ def batch_encoder(root: str) -> Encoder:
     """Tokenize requests with the checkpoint's tokenizer, a batch at a time (the Rust tokenizer runs batches on all
     cores): text prompts with the tokenizer's special tokens, chats through the chat template."""
     from preheat.engine.config import ModelConfig, read_model_config
-    from preheat.engine.tokenizer import TextTokenizer
+    from preheat.text.tokenizer import TextTokenizer
 
     config = ModelConfig.from_dict(read_model_config(root), where=root)
     tokenizer = TextTokenizer.from_dir(root, config_eos_ids=config.eos_token_ids)

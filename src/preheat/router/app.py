@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
+from preheat.config import resolve_settings
 from preheat.errors import ConfigError, RouterError
+from preheat.http.server import sigterm_interrupts
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
@@ -66,16 +66,7 @@ class RouterSettings:
         >>> RouterSettings.resolve({"replicas": None}, {"PREHEAT_ROUTER_REPLICAS": "http://a:1,http://b:2"}).replicas
         ('http://a:1', 'http://b:2')
         """
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for field in fields(cls):
-            given = flags.get(field.name)
-            if given is not None and given != []:
-                values[field.name] = tuple(given) if field.name == "replicas" else given  # type: ignore[arg-type]
-                continue
-            raw = env.get(PREFIX + field.name.upper(), "").strip()
-            if raw:
-                values[field.name] = _parse(field.name, raw)
+        values = resolve_settings(cls, flags, env, prefix=PREFIX, parse=_parse)
         if not values.get("replicas"):
             raise ConfigError(f"no replicas: pass --replica URL (repeat it) or set {PREFIX}REPLICAS=URL,URL")
         settings = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
@@ -105,7 +96,7 @@ class RouterSettings:
             raise ConfigError("the same replica is given twice")
 
 
-def _parse(name: str, raw: str) -> object:
+def _parse(name: str, variable: str, raw: str) -> object:
     if name == "replicas":
         return tuple(u.strip() for u in raw.split(",") if u.strip())
     kind = next(f.type for f in fields(RouterSettings) if f.name == name)
@@ -115,7 +106,7 @@ def _parse(name: str, raw: str) -> object:
         if kind == "float":
             return float(raw)
     except ValueError:
-        raise ConfigError(f"{PREFIX}{name.upper()}={raw!r} is not a number") from None
+        raise ConfigError(f"{variable}={raw!r} is not a number") from None
     return raw
 
 
@@ -196,26 +187,19 @@ def run(flags: Mapping[str, object], announce: Callable[[str], None] | None = No
     say = announce or (lambda line: print(line, flush=True))
     settings = RouterSettings.resolve(flags)
     service = RouterService(settings)
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
     try:
-        service.start()
-        up = sum(r.healthy for r in service.router.replicas)
-        say(
-            f"preheat router: listening on {service.url} (policy {settings.policy}, "
-            f"{up}/{len(settings.replicas)} replicas healthy)"
-        )
-        if not settings.api_key and settings.host not in LOOPBACK:
-            say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")
-        service.serve()
+        with sigterm_interrupts():
+            service.start()
+            up = sum(r.healthy for r in service.router.replicas)
+            say(
+                f"preheat router: listening on {service.url} (policy {settings.policy}, "
+                f"{up}/{len(settings.replicas)} replicas healthy)"
+            )
+            if not settings.api_key and settings.host not in LOOPBACK:
+                say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")
+            service.serve()
     except KeyboardInterrupt:
         say("preheat router: shutting down")
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         service.close()
     return 0
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

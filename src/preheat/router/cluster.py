@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from preheat.errors import PreheatError
-from preheat.server.process import _pdeathsig
+from preheat.procs import pdeathsig
 
 ADDRESS_TIMEOUT = 120.0  # a child prints its address once its socket is bound (before any model loads)
 GRACE_SECONDS = 10.0
@@ -45,7 +45,7 @@ class Child:
             text=True,
             start_new_session=True,
             env=env,
-            preexec_fn=_pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+            preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
         )
         self._reader = threading.Thread(target=self._read, name=f"{name} output", daemon=True)
         self._reader.start()

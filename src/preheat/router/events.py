@@ -7,12 +7,12 @@ tier: it is asked again only every ``idle_interval`` seconds and scores as "hold
 
 from __future__ import annotations
 
-import http.client
 import logging
 from collections.abc import Sequence
 from urllib.parse import urlencode
 
 from preheat.errors import RouterError
+from preheat.http.client import AnswerTooLargeError, Connection, HTTPClientError, Timeouts
 from preheat.jsonsafe import loads_bounded
 from preheat.router.health import ReplicaLoop
 from preheat.router.index import KVIndex, parse_update
@@ -42,7 +42,7 @@ class KVEventPoller(ReplicaLoop):
         super().__init__(replicas, interval, timeout)
         self.index, self.idle_interval = index, idle_interval
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._conns: dict[str, http.client.HTTPConnection] = {}
+        self._conns: dict[str, Connection] = {}
         self._denied: set[str] = set()  # replicas that refused our key: said once, not every poll
 
     def tick(self, replica: Replica) -> float:
@@ -55,16 +55,15 @@ class KVEventPoller(ReplicaLoop):
         query = "" if cursor is None else "?" + urlencode({"epoch": cursor[0], "since": cursor[1]})
         conn = self._conns.get(replica.url)
         if conn is None:
-            conn = http.client.HTTPConnection(replica.address.host, replica.address.port, timeout=self.timeout)
+            conn = Connection(replica.address.host, replica.address.port, Timeouts.within(self.timeout))
             self._conns[replica.url] = conn
         try:
-            conn.request("GET", EVENTS_PATH + query, headers=self.headers)
-            response = conn.getresponse()
-            body = response.read(MAX_ANSWER_BYTES + 1)
-            if len(body) > MAX_ANSWER_BYTES:
-                conn.close()  # the rest of the answer is still unread on this connection
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()  # reconnects on the next poll; the health checker decides whether the replica is down
+            response = conn.request("GET", EVENTS_PATH + query, headers=self.headers, max_body=MAX_ANSWER_BYTES)
+        except AnswerTooLargeError as exc:
+            log.warning("%s%s: ignoring a malformed answer: %s", replica.url, EVENTS_PATH, exc)
+            self.index.forget(replica.url)  # start over from a snapshot
+            return True
+        except HTTPClientError as exc:  # reconnects on the next poll; the health checker decides if it is down
             log.debug("%s%s: %s", replica.url, EVENTS_PATH, exc)
             return True
         if response.status == 404:
@@ -77,7 +76,7 @@ class KVEventPoller(ReplicaLoop):
             log.debug("%s%s answered %s", replica.url, EVENTS_PATH, response.status)  # e.g. 503 while loading
             return True
         try:
-            payload = loads_bounded(body, max_bytes=MAX_ANSWER_BYTES, max_containers=MAX_ANSWER_CONTAINERS)
+            payload = loads_bounded(response.body, max_bytes=MAX_ANSWER_BYTES, max_containers=MAX_ANSWER_CONTAINERS)
             self.index.apply(replica.url, parse_update(payload, replica.url), finished=finished)
         except (ValueError, RouterError) as exc:  # ValueError: jsonsafe.JSONInputError (too large, deep, not JSON)
             log.warning("%s%s: ignoring a malformed answer: %s", replica.url, EVENTS_PATH, exc)

@@ -8,14 +8,15 @@ fail to reach a replica eject it too (``Router.forward``), without waiting for t
 
 from __future__ import annotations
 
-import http.client
 import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from preheat.http.client import ConnectError, HTTPClientError, Timeouts, request
 from preheat.router.upstream import Replica
 
 log = logging.getLogger("preheat.router")
+MAX_ANSWER = 64 * 1024  # a /health answer is a few hundred bytes
 
 
 class ReplicaLoop:
@@ -83,18 +84,15 @@ class HealthChecker(ReplicaLoop):
 
     def check(self, replica: Replica) -> None:
         """One check of ``replica``; ``on_change`` when it should enter or leave rotation."""
-        conn = http.client.HTTPConnection(replica.address.host, replica.address.port, timeout=self.timeout)
         try:
-            conn.request("GET", "/health")
-            response = conn.getresponse()
-            response.read()
-            ok, why, definitive = response.status == 200, f"/health answered {response.status}", False
-        except ConnectionRefusedError:
-            ok, why, definitive = False, "connection refused", True
-        except (OSError, http.client.HTTPException) as exc:
-            ok, why, definitive = False, f"{type(exc).__name__}: {exc}", False
-        finally:
-            conn.close()
+            status = request(
+                replica.url + "/health", timeouts=Timeouts.within(self.timeout), max_body=MAX_ANSWER
+            ).status
+            ok, why, definitive = status == 200, f"/health answered {status}", False
+        except ConnectError as exc:
+            ok, why, definitive = False, "connection refused" if exc.refused else str(exc), exc.refused
+        except HTTPClientError as exc:
+            ok, why, definitive = False, str(exc), False
         if ok:
             self._failed[replica.url] = 0
             if not replica.healthy:

@@ -1,13 +1,12 @@
-"""The router's ``/metrics``: Prometheus text, with the server's thread-safe primitives (docs/router.md lists them)."""
+"""The router's ``/metrics`` (docs/router.md lists the series), on ``preheat.http.metrics``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from preheat.server.metrics import Counter, Gauge, Histogram, _Metric, exposition
+from preheat.http.metrics import Counter, Gauge, Histogram, Samples, Series, render
 
 OVERHEAD_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
-Series = list[tuple[Mapping[str, str], float]]
 
 
 class RouterMetrics:
@@ -42,18 +41,18 @@ class RouterMetrics:
             "kv: l1, l2, recent, in_flight).",
             self._index,
         )
-        self._all: list[_Metric] = [
+        self._all: list[Series] = [
             self.routed, self.decisions, self.retries, self.ejections, self.errors, self.overhead, up, flight, index,
         ]  # fmt: skip
 
-    def _up(self) -> Series:
+    def _up(self) -> Samples:
         return [({"replica": url}, 1.0 if healthy else 0.0) for url, healthy, _ in self._replica_state()]
 
-    def _flight(self) -> Series:
+    def _flight(self) -> Samples:
         return [({"replica": url}, float(n)) for url, _, n in self._replica_state()]
 
-    def _index(self) -> Series:
+    def _index(self) -> Samples:
         return [({"replica": url, "index": index}, float(n)) for (url, index), n in self._index_sizes().items()]
 
     def render(self) -> str:
-        return exposition(self._all)
+        return render(self._all)

@@ -1,9 +1,10 @@
 """A request body, read the way the replica reads it: the session id, and the prompt's token ids.
 
-The token ids must be exactly the replica's, or no chunk key would match: the body is validated by the server's own
-pure ``openai.parse_request``, a chat is rendered by the model's chat template and encoded without the tokenizer's
-post-processor, a completions prompt is encoded with it (BOS), and token-id prompts are taken as they are: the same
-steps as ``preheat.server.generation._tokenize`` through ``Engine.encode_chat`` / ``encode_prompt``.
+The token ids must be exactly the replica's, or no chunk key would match: the body is validated by the replica's own
+pure ``preheat.text.request.parse_request``, a chat is rendered by the model's chat template and encoded without the
+tokenizer's post-processor, a completions prompt is encoded with it (BOS), and token-id prompts are taken as they
+are: the same ``preheat.text`` code and steps as ``preheat.server.generation._tokenize`` through
+``Engine.encode_chat`` / ``encode_prompt``. Nothing here imports torch, the engine or the server (a test checks it).
 
 A body the router cannot read is not refused here: it is routed by load and the replica answers its 400, so clients
 see one server's errors whether or not a router stands in front of it.
@@ -17,10 +18,10 @@ from typing import TYPE_CHECKING
 from preheat.errors import PreheatError, RouterError
 from preheat.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.policies import RouteRequest
-from preheat.server.openai import MAX_BODY_BYTES, MAX_CONTAINERS
+from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, APIError, parse_request
 
 if TYPE_CHECKING:
-    from preheat.engine.tokenizer import TextTokenizer
+    from preheat.text.tokenizer import TextTokenizer
 
 SESSION_HEADER = "X-Session-Id"
 ROUTE_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -38,7 +39,7 @@ class PromptReader:
         """A reader with ``model_dir``'s tokenizer (``RouterError`` when there is none)."""
         if model_dir is None:
             return cls(None)
-        from preheat.engine.tokenizer import TextTokenizer
+        from preheat.text.tokenizer import TextTokenizer  # tokenizers only for policies that need tokens
 
         try:
             return cls(TextTokenizer.from_dir(model_dir))
@@ -65,13 +66,11 @@ class PromptReader:
         return request
 
     def _token_ids(self, kind: str, body: bytes, raw: dict[str, object]) -> list[int] | None:
-        from preheat.server import openai
-
         model = raw.get("model")
         try:
             # The replica checks the model name; here any name is accepted, only the prompt matters.
-            parsed = openai.parse_request(body, kind, model if isinstance(model, str) else "")
-        except openai.APIError:
+            parsed = parse_request(body, kind, model if isinstance(model, str) else "")
+        except APIError:
             return None
         assert self.tokenizer is not None
         try:

@@ -14,24 +14,19 @@ was sent yet, else a final ``data: {"error": ...}`` event and ``[DONE]``, as the
 
 from __future__ import annotations
 
-import hmac
 import http.client
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
+from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
 from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
 from preheat.router.upstream import Replica, UpstreamError
-from preheat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from preheat.server.openai import MAX_BODY_BYTES
-from preheat.sources.httpserve import write_body
-from preheat.sources.ranges import parse_length
+from preheat.text.request import MAX_BODY_BYTES
 
 log = logging.getLogger("preheat.router")
 MAX_BODY = MAX_BODY_BYTES  # the replica's own limit: larger bodies are refused here, without a round trip
@@ -89,36 +84,23 @@ class Router:
         return next(r for r in pool if r.url == decision.replica), decision
 
 
-class RouterHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True  # a hung client must not keep the process alive at shutdown
-    request_queue_size = 128
+class RouterHTTPServer(TrackedServer):
+    """The shared server base (``preheat.http.server``) carrying the ``Router``."""
 
     def __init__(self, address: tuple[str, int], router: Router) -> None:
         self.router = router
         super().__init__(address, RouterHandler)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:  # Any: socketserver's untyped signature
-        log.debug("connection from %s ended with an error", client_address, exc_info=True)
 
+class RouterHandler(TrackedHandler):
+    """One client connection (HTTP/1.1 keep-alive, TCP_NODELAY: ``TrackedHandler``); every method is forwarded
+    except the router's own routes."""
 
-class RouterHandler(BaseHTTPRequestHandler):
-    """One client connection (HTTP/1.1 keep-alive); every method is forwarded except the router's own routes."""
-
-    protocol_version = "HTTP/1.1"
     server_version = "preheat-router"
     timeout = 300  # an idle client connection loses its thread after this long
     server: RouterHTTPServer
 
-    def setup(self) -> None:
-        super().setup()
-        # Headers and body leave in separate writes: without NODELAY, Nagle's algorithm could hold the second one
-        # back until the client's delayed ACK of the first (up to 40 ms on Linux).
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 - http.server dispatches on this name
         path = self.path.split("?", 1)[0]
         if path == "/health":
             self.health()
@@ -127,19 +109,16 @@ class RouterHandler(BaseHTTPRequestHandler):
         else:
             self.forward("GET")
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 - http.server dispatches on this name
         self.forward("POST")
 
-    def do_DELETE(self) -> None:
+    def do_DELETE(self) -> None:  # noqa: N802 - http.server dispatches on this name
         self.forward("DELETE")
 
-    def do_PUT(self) -> None:
+    def do_PUT(self) -> None:  # noqa: N802 - http.server dispatches on this name
         self.forward("PUT")
 
     # -- the router's own answers ---------------------------------------------------------------------------------
-    def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        write_body(self, status, body, content_type, headers)
-
     def send_error_json(
         self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None
     ) -> None:
@@ -155,13 +134,12 @@ class RouterHandler(BaseHTTPRequestHandler):
         key = self.server.router.api_key
         if not key:
             return True
-        given = self.headers.get("Authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), key.encode()):
+        if check_bearer(self.headers.get("Authorization"), key) == "ok":
             return True
-        if self.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in self.headers:
-            self.close_connection = True  # its body is left unread: the connection cannot carry another request
         message = "missing or wrong API key: send 'Authorization: Bearer <key>' (the router's --api-key)"
         headers = {"WWW-Authenticate": "Bearer"}
+        if self.has_body():
+            headers.update(CLOSE)  # its body is left unread: the connection cannot carry another request
         self.send_error_json(401, message, "authentication_error", "invalid_api_key", headers)
         return False
 
@@ -175,25 +153,11 @@ class RouterHandler(BaseHTTPRequestHandler):
     # -- forwarding -----------------------------------------------------------------------------------------------
     def read_body(self) -> bytes | None:
         """The request body (None after answering 411/413); a bodiless GET has b""."""
-        length = self.headers.get("Content-Length")
-        if length is None:
-            if self.command in ("POST", "PUT"):
-                self.close_connection = True
-                self.send_error_json(
-                    411, "a Content-Length header is required", "invalid_request_error", "length_required"
-                )
-                return None
-            return b""
-        size = parse_length(length)  # None for '²' or 5,000 digits too, which int() would choke on
-        if size is None:
-            self.close_connection = True
-            self.send_error_json(411, "a Content-Length header is required", "invalid_request_error", "length_required")
+        body = self.read_body_within(MAX_BODY, required=self.command in ("POST", "PUT"))
+        if isinstance(body, BodyRefusal):
+            self.send_error_json(body.status, body.message, "invalid_request_error", body.code, CLOSE)
             return None
-        if size > MAX_BODY:
-            self.close_connection = True
-            self.send_error_json(413, f"request body over {MAX_BODY} bytes", "invalid_request_error", "too_large")
-            return None
-        return self.rfile.read(size)
+        return body
 
     def forward(self, method: str) -> None:
         started = time.perf_counter()

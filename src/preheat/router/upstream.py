@@ -9,13 +9,13 @@ replica never saw the request.
 from __future__ import annotations
 
 import http.client
-import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from preheat.errors import RouterError
+from preheat.http.client import CONNECT_SECONDS, ConnectError, Timeouts, connect
 
 POOL_SIZE = 32  # idle connections kept per replica; more concurrent requests open (then close) extra ones
 SERVICE_EWMA = 0.2  # weight of the newest request in a replica's mean request duration
@@ -50,10 +50,10 @@ class Replica:
     this router now), ``finished`` (requests it answered through this router so far), ``service_seconds`` (moving
     mean of a request's duration there) and its connection pool."""
 
-    def __init__(self, url: str, *, timeout: float = 300.0, connect_timeout: float = 2.0) -> None:
+    def __init__(self, url: str, *, timeout: float = 300.0, connect_timeout: float = CONNECT_SECONDS) -> None:
         self.address = parse_url(url)
         self.url = self.address.url
-        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.timeouts = Timeouts(connect=connect_timeout, read=timeout)
         self.healthy = False  # until the first health check says otherwise
         self.in_flight = 0
         self.finished = 0
@@ -82,12 +82,9 @@ class Replica:
                 self.service_seconds = seconds if old is None else old + SERVICE_EWMA * (seconds - old)
 
     # -- connections ---------------------------------------------------------------------------------------------
-    def _acquire(self) -> tuple[http.client.HTTPConnection, bool]:
+    def _idle_connection(self) -> http.client.HTTPConnection | None:
         with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
-        conn = http.client.HTTPConnection(self.address.host, self.address.port, timeout=self.connect_timeout)
-        return conn, False
+            return self._idle.pop() if self._idle else None
 
     def release(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
         """Return ``conn`` to the pool once ``response`` was read to its end, unless either side asked to close or the
@@ -118,12 +115,14 @@ class Replica:
         anything. A stale pooled connection is retried once on a fresh one first.
         """
         for attempt in range(2):
-            conn, reused = self._acquire()
+            conn = self._idle_connection()
+            reused = conn is not None
+            if conn is None:
+                try:  # with the short connect timeout: a dead host fails fast
+                    conn = connect(self.address.host, self.address.port, self.timeouts, self.url)
+                except ConnectError as exc:  # nothing was sent: safe to retry on another replica
+                    raise UpstreamError(f"{self.url}{path}: {exc}", before_first_byte=True) from exc
             try:
-                if conn.sock is None:
-                    conn.connect()  # with the short connect timeout: a dead host fails fast
-                    _no_delay(conn)
-                conn.sock.settimeout(self.timeout)
                 conn.request(method, path, body=body, headers=dict(headers))
                 return conn, conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
@@ -138,8 +137,3 @@ class Replica:
 
     def __repr__(self) -> str:
         return f"Replica({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
-
-
-def _no_delay(conn: http.client.HTTPConnection) -> None:
-    """Send each write at once (see ``RouterHandler.setup``): the request path is latency, not bandwidth."""
-    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,7 +1,8 @@
 """``preheat serve``: bind first, answer ``/health`` at once, load the model behind it.
 
-The HTTP layer is the standard library's ``ThreadingHTTPServer`` (one thread per connection): importing a web
-framework would cost more than the whole server needs, and this file is on the cold-start path. The order of a start:
+The HTTP layer is ``preheat.http.server``'s, over the standard library's ``ThreadingHTTPServer`` (one thread per
+connection): importing a web framework would cost more than the whole server needs, and this file is on the
+cold-start path. The order of a start:
 
 1. ``imports`` (process start -> ``run``) and ``config`` (settings checked, socket bound) are recorded on the
    timeline; from here ``/health`` answers 503 and ``/v1/preheat/timeline`` shows the load as it happens;
@@ -13,26 +14,23 @@ Routes: docs/server.md. Only ``/v1/*`` needs the API key (``/health`` and ``/met
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import select
-import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from preheat.errors import PreheatError
-from preheat.server import openai
-from preheat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
+from preheat.server import openai, sse
 from preheat.server.metrics import ServerMetrics
 from preheat.server.settings import ServeSettings
-from preheat.sources.httpserve import write_body
-from preheat.sources.ranges import parse_length
+from preheat.text.request import MAX_BODY_BYTES, APIError
 from preheat.timeline import Timeline, process_start_time
 
 if TYPE_CHECKING:
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
     from preheat.server.worker import Worker
 
 log = logging.getLogger("preheat.server")
-MAX_BODY = openai.MAX_BODY_BYTES
+MAX_BODY = MAX_BODY_BYTES
 GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
@@ -76,32 +74,18 @@ class ServerState:
         return str(open_stages[-1]) if open_stages else "starting"
 
 
-class PreheatHTTPServer(ThreadingHTTPServer):
-    """A threading HTTP server that carries the shared ``ServerState``."""
-
-    daemon_threads = True  # a hung client must not keep the process alive at shutdown
-    request_queue_size = 128  # accept backlog: bursts of clients arrive together at a fresh replica
+class PreheatHTTPServer(TrackedServer):
+    """The shared server base (``preheat.http.server``) carrying the shared ``ServerState``."""
 
     def __init__(self, address: tuple[str, int], state: ServerState) -> None:
         self.state = state
         super().__init__(address, Handler)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:  # Any: socketserver's own untyped signature
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("client %s went away: %s", client_address, exc)
-            return
-        log.exception("unhandled error serving %s", client_address)
 
+class Handler(TrackedHandler):
+    """Routes one connection's requests (HTTP/1.1 keep-alive, TCP_NODELAY: ``TrackedHandler``)."""
 
-class Handler(BaseHTTPRequestHandler):
-    """Routes one connection's requests (HTTP/1.1 keep-alive)."""
-
-    protocol_version = "HTTP/1.1"
     server_version = "preheat"
-    # Headers and body leave in separate writes: with Nagle's algorithm on, the body waits for the client's delayed
-    # ACK of the headers (~40 ms on Linux) on every keep-alive answer, and on every streamed token.
-    disable_nagle_algorithm = True
     # Socket timeout for reads and writes: an idle keep-alive connection or a client that stops reading its stream
     # for this long loses its thread (and its generation) instead of holding them forever.
     timeout = 300
@@ -112,23 +96,19 @@ class Handler(BaseHTTPRequestHandler):
     def state(self) -> ServerState:
         return self.server.state
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
     def send_json(self, status: int, payload: object, headers: dict[str, str] | None = None) -> None:
         self.send_body(status, json.dumps(payload).encode(), "application/json", headers)
 
-    def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        write_body(self, status, body, content_type, headers)
-        self.count(status)
-
-    def send_error_json(self, error: openai.APIError, headers: dict[str, str] | None = None) -> None:
+    def send_error_json(self, error: APIError, headers: dict[str, str] | None = None) -> None:
         self.send_json(error.status, error.body(), headers)
 
-    def refuse_unread(self, error: openai.APIError, headers: dict[str, str] | None = None) -> None:
+    def refuse_unread(self, error: APIError, headers: dict[str, str] | None = None) -> None:
         """Answer ``error`` without reading the request's body, and close the connection: its unread bytes would
         otherwise be parsed as the next request of a keep-alive client (``Connection: close`` tells it so)."""
-        self.send_error_json(error, {**(headers or {}), "Connection": "close"})
+        self.send_error_json(error, {**(headers or {}), **CLOSE})
+
+    def answered(self, status: int) -> None:
+        self.count(status)
 
     def count(self, status: int) -> None:
         self.state.metrics.requests.inc(endpoint=self.route(), status=str(status))
@@ -142,11 +122,10 @@ class Handler(BaseHTTPRequestHandler):
         key = self.state.settings.api_key
         if not key or not self.path.startswith("/v1/"):
             return True
-        given = self.headers.get("Authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), key.encode()):
+        if check_bearer(self.headers.get("Authorization"), key) == "ok":
             return True
         self.refuse_unread(
-            openai.APIError(
+            APIError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
                 type="authentication_error",
@@ -158,17 +137,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_body(self) -> bytes | None:
         """The request body, or None after answering 411/413 (no length, or too large)."""
-        length = parse_length(self.headers.get("Content-Length"))  # None also for '²' or 5,000 digits
-        if length is None:
-            self.refuse_unread(openai.APIError(411, "a Content-Length header is required", code="length_required"))
+        body = self.read_body_within(MAX_BODY)
+        if isinstance(body, BodyRefusal):
+            self.refuse_unread(APIError(body.status, body.message, code=body.code))
             return None
-        if length > MAX_BODY:
-            self.refuse_unread(openai.APIError(413, f"request body over {MAX_BODY} bytes", code="too_large"))
-            return None
-        return self.rfile.read(length)
+        return body
 
     # -- routes --------------------------------------------------------------------------------------------------
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 - http.server dispatches on this name
         path = self.path.split("?", 1)[0]
         if not self.authorized():
             return
@@ -185,24 +161,24 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/v1/kv/events":
             self.kv_events()
         elif path in GENERATION_ROUTES:
-            self.send_error_json(openai.APIError(405, f"use POST for {path}", code="method_not_allowed"))
+            self.send_error_json(APIError(405, f"use POST for {path}", code="method_not_allowed"))
         else:
-            self.send_error_json(openai.APIError(404, f"no route {path}", code="not_found"))
+            self.send_error_json(APIError(404, f"no route {path}", code="not_found"))
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 - http.server dispatches on this name
         path = self.path.split("?", 1)[0]
         if not self.authorized():
             return
         kind = GENERATION_ROUTES.get(path)
         if kind is None:
-            self.refuse_unread(openai.APIError(404, f"no route {path}", code="not_found"))
+            self.refuse_unread(APIError(404, f"no route {path}", code="not_found"))
             return
         body = self.read_body()
         if body is None:
             return
         from preheat.server.generation import handle_generation
 
-        handle_generation(self, kind, body)
+        handle_generation(self, self.state, kind, body)
 
     def health(self) -> None:
         state = self.state
@@ -221,13 +197,36 @@ class Handler(BaseHTTPRequestHandler):
             message = "this replica has no KV tiers (start it with --kv-l1 and/or --kv-l2)"
             if not self.state.ready.is_set():
                 message = "the model is still loading"
-            self.send_error_json(openai.APIError(404 if self.state.ready.is_set() else 503, message, code="no_kv"))
+            self.send_error_json(APIError(404 if self.state.ready.is_set() else 503, message, code="no_kv"))
             return
         from preheat.server.kvtier import events_payload
 
         self.send_json(200, events_payload(tiers, self.path.partition("?")[2], self.state._load))
 
-    def peer_closed(self) -> bool:
+    # -- server.generation.Responder: where a generation's answer goes ------------------------------------------------
+    def start_events(self, headers: dict[str, str]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Transfer-Encoding", "chunked")  # one HTTP chunk per event: the connection stays reusable
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.count(200)
+
+    def send_event(self, data: bytes) -> None:
+        self.wfile.write(sse.chunk(data))
+        self.wfile.flush()
+
+    def end_events(self) -> None:
+        self.wfile.write(sse.LAST_CHUNK)
+        self.wfile.flush()
+
+    def abandon(self, answered: bool) -> None:
+        self.close_connection = True
+        if not answered:  # a stream that already counted its 200 is not counted twice
+            self.count(499)  # nginx's "client closed request": the request ended without an answer
+
+    def client_gone(self) -> bool:
         """Whether the client has closed its end: the socket is readable and reading would return EOF."""
         sock: socket.socket = self.connection
         try:
@@ -271,16 +270,12 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
     say(f"preheat serve: listening on http://{host}:{port} (loading {settings.model} in the background)")
     loader = threading.Thread(target=_load_in_background, args=(httpd, say), name="preheat-load", daemon=True)
     loader.start()
-    # SIGTERM (Kubernetes, the demo) shuts down like Ctrl-C; signal handlers can only be set from the main thread.
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
     try:
-        httpd.serve_forever(poll_interval=0.25)
+        with sigterm_interrupts():  # SIGTERM (Kubernetes, the demo) shuts down like Ctrl-C
+            httpd.serve_forever(poll_interval=0.25)
     except KeyboardInterrupt:
         say("preheat serve: shutting down")
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         httpd.server_close()
         if state.worker is not None:
             state.worker.stop()
@@ -298,10 +293,6 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
     return 0
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) -> None:
     from preheat.server.loading import load
     from preheat.server.worker import Worker
@@ -316,10 +307,10 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
         httpd.shutdown()
         return
     if loaded.engine.kv_tiers is not None:
-        from preheat.server.kvtier import metric_lines, summary
+        from preheat.server.kvtier import metric_families, summary
 
         tiers = loaded.engine.kv_tiers
-        state.metrics.extra.append(lambda: metric_lines(tiers))
+        state.metrics.extra.append(lambda: metric_families(tiers))
         say(f"preheat serve: {summary(tiers)}")
     worker = Worker(loaded.engine, state.metrics, max_queue=state.settings.max_queue)
     worker.start()

@@ -5,19 +5,21 @@ docs/kv-cache.md has the tiers; docs/kv-events.md the events protocol the router
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
-from preheat.server.metrics import format_value
+from preheat.http.metrics import Family
+from preheat.http.ranges import parse_length
 from preheat.server.settings import ServeSettings
-from preheat.sources.ranges import parse_length
 from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
     from preheat.kv.tiered import TieredKV
 
+log = logging.getLogger("preheat.kv")
 SNAPSHOT_LIMIT = 100_000  # keys per tier in a snapshot (docs/kv-events.md)
 
 
@@ -26,10 +28,14 @@ def attach(engine: Engine, settings: ServeSettings, timeline: Timeline) -> None:
     kv = settings.kv
     if not kv.enabled:
         return
+    spec = engine.kv_spec()
+    if spec is None:
+        log.warning("KV tiers are off: this model runs on the transformers fallback, which cannot export KV chunks")
+        return
     from preheat.kv.build import build_tiers
 
     with timeline.stage("kv_tiers") as stage:
-        tiers = build_tiers(engine, kv)
+        tiers = build_tiers(spec, kv)
         engine.attach_kv_tiers(tiers)
         if tiers is not None:
             stage.detail.update(
@@ -57,38 +63,46 @@ def summary(tiers: TieredKV) -> str:
     return f"KV tiers: {', '.join(parts) or 'none'}; chunks of {tiers.chunk_tokens} tokens, stored {tiers.kv_dtype}"
 
 
-def metric_lines(tiers: TieredKV | None) -> list[str]:
-    """Prometheus lines for every tier: hits, misses, bytes, read seconds, stores, evictions, corrupt chunks, MAC
+def metric_families(tiers: TieredKV | None) -> list[Family]:
+    """Prometheus series for every tier: hits, misses, bytes, read seconds, stores, evictions, corrupt chunks, MAC
     failures, errors, up/down; plus L2 writes dropped under pressure."""
     if tiers is None:
         return []
-    series = [
-        ("hits", "counter", "Chunk lookups answered by this tier."),
-        ("misses", "counter", "Chunk lookups this tier could not answer (absent, corrupt, or tier down)."),
-        ("bytes_read", "counter", "Bytes of chunks read from this tier."),
-        ("read_seconds", "counter", "Seconds spent reading hits from this tier."),
-        ("stores", "counter", "Chunks stored in this tier."),
-        ("bytes_written", "counter", "Bytes of chunks written to this tier."),
-        ("evictions", "counter", "Chunks removed to stay under capacity (L1) or quota (fs L2)."),
-        ("corrupt", "counter", "Chunks that failed their checks (the MAC included): treated as misses and removed."),
-        ("mac_failures", "counter", "Of the corrupt chunks, those refused by the keyed MAC (--kv-secret-file)."),
-        ("errors", "counter", "Failed reads and writes (I/O errors, unreachable server)."),
+    counters = [
+        ("hits", "Chunk lookups answered by this tier."),
+        ("misses", "Chunk lookups this tier could not answer (absent, corrupt, or tier down)."),
+        ("bytes_read", "Bytes of chunks read from this tier."),
+        ("read_seconds", "Seconds spent reading hits from this tier."),
+        ("stores", "Chunks stored in this tier."),
+        ("bytes_written", "Bytes of chunks written to this tier."),
+        ("evictions", "Chunks removed to stay under capacity (L1) or quota (fs L2)."),
+        ("corrupt", "Chunks that failed their checks (the MAC included): treated as misses and removed."),
+        ("mac_failures", "Of the corrupt chunks, those refused by the keyed MAC (--kv-secret-file)."),
+        ("errors", "Failed reads and writes (I/O errors, unreachable server)."),
     ]
     snapshots = {tier.name: tier.stats.snapshot() for tier in tiers.tiers}
-    lines: list[str] = []
-    for field, kind, help_text in series:
-        name = f"preheat_kv_{field}_total"
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{tier="{tier}"}} {format_value(snap[field])}' for tier, snap in snapshots.items()]
-    lines += [
-        "# HELP preheat_kv_tier_up 1 when the tier is usable, 0 while it is down (requests recompute).",
-        "# TYPE preheat_kv_tier_up gauge",
-        *(f'preheat_kv_tier_up{{tier="{t.name}"}} {int(t.up)}' for t in tiers.tiers),
-        "# HELP preheat_kv_l2_writes_dropped_total Chunks not written to L2 because its write queue was full.",
-        "# TYPE preheat_kv_l2_writes_dropped_total counter",
-        f"preheat_kv_l2_writes_dropped_total {tiers.dropped}",
+    families = [
+        Family(
+            f"preheat_kv_{field}_total",
+            help_text,
+            "counter",
+            [({"tier": tier}, float(snap[field])) for tier, snap in snapshots.items()],
+        )
+        for field, help_text in counters
     ]
-    return lines
+    up = [({"tier": t.name}, float(t.up)) for t in tiers.tiers]
+    return [
+        *families,
+        Family(
+            "preheat_kv_tier_up", "1 when the tier is usable, 0 while it is down (requests recompute).", "gauge", up
+        ),
+        Family(
+            "preheat_kv_l2_writes_dropped_total",
+            "Chunks not written to L2 because its write queue was full.",
+            "counter",
+            [({}, float(tiers.dropped))],
+        ),
+    ]
 
 
 def events_payload(tiers: TieredKV, query: str, load: Callable[[], tuple[int, int]]) -> dict[str, object]:

@@ -40,8 +40,14 @@ def fetch(settings: ServeSettings, timeline: Timeline) -> tuple[str, Lease | Non
     from preheat.store.pull import pull
 
     cache = ModelCache(settings.cache_dir)
+    options = peer_options(settings)  # None unless MODEL is a preheat:// name
     with timeline.stage("fetch", uri=settings.model) as stage:
-        result = pull(settings.model, cache, peers=peer_options(settings))
+        if options is None:
+            result = pull(settings.model, cache)
+        else:
+            from preheat.peer.pull import pull_from_peers  # only for preheat:// names: peers stay off the path
+
+            result = pull_from_peers(settings.model, cache, options)
         stage.nbytes = result.bytes_fetched
         stage.detail.update(
             cache="hit" if result.hit else "miss", key=result.key, path=result.path, total_bytes=result.bytes_total

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from preheat.errors import ConfigError, PeerError, PreheatError, RegistryError
+from preheat.http.metrics import Family, Samples
 from preheat.server.settings import ServeSettings
 from preheat.timeline import Timeline
 
@@ -184,28 +185,32 @@ def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -
         say(f"preheat serve: peer serving failed: {exc}")
         return
     _RUNNING[id(state)] = peering
-    state.metrics.extra.append(lambda: metric_lines(peering))
+    state.metrics.extra.append(lambda: metric_families(peering))
     where = f", announced in {settings.registry}" if settings.registry else ""
     say(f"preheat serve: peer serving {peering.server.identity} on {peering.address}{where}")
 
 
-def metric_lines(peering: Peering) -> list[str]:
-    """Prometheus lines for the peer server: bytes served, pulls being served, and whether the registry answers."""
-    lines = [
-        "# HELP preheat_peer_bytes_sent_total Checkpoint and artifact bytes sent to other replicas.",
-        "# TYPE preheat_peer_bytes_sent_total counter",
-        f"preheat_peer_bytes_sent_total {peering.server.bytes_sent}",
-        "# HELP preheat_peer_requests_active Peer requests being served now (the load announced to the registry).",
-        "# TYPE preheat_peer_requests_active gauge",
-        f"preheat_peer_requests_active {peering.server.load}",
+def metric_families(peering: Peering) -> list[Family]:
+    """Prometheus series for the peer server: bytes served, pulls being served, and whether the registry answers."""
+    families = [
+        Family(
+            "preheat_peer_bytes_sent_total",
+            "Checkpoint and artifact bytes sent to other replicas.",
+            "counter",
+            [({}, float(peering.server.bytes_sent))],
+        ),
+        Family(
+            "preheat_peer_requests_active",
+            "Peer requests being served now (the load announced to the registry).",
+            "gauge",
+            [({}, float(peering.server.load))],
+        ),
     ]
     if peering.heartbeat is not None:
-        lines += [
-            "# HELP preheat_peer_registry_up 1 while the last heartbeat reached the registry, else 0.",
-            "# TYPE preheat_peer_registry_up gauge",
-            f"preheat_peer_registry_up {int(not peering.heartbeat.failing)}",
-        ]
-    return lines
+        registry_up: Samples = [({}, float(not peering.heartbeat.failing))]
+        help_text = "1 while the last heartbeat reached the registry, else 0."
+        families.append(Family("preheat_peer_registry_up", help_text, "gauge", registry_up))
+    return families
 
 
 def stop_peer(state: ServerState) -> None:

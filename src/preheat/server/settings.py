@@ -8,43 +8,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from preheat.config import resolve_settings
 from preheat.errors import ConfigError
 from preheat.kv.settings import KVSettings
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 REMOTE_SCHEMES = ("http://", "https://", "s3://", "preheat://")
-# The environment variable of each setting; PREHEAT_CACHE_DIR is shared with `preheat pull` and the cache.
-ENV_VARS = {
-    "model": "PREHEAT_MODEL",
-    "host": "PREHEAT_HOST",
-    "port": "PREHEAT_PORT",
-    "device": "PREHEAT_DEVICE",
-    "dtype": "PREHEAT_DTYPE",
-    "max_model_len": "PREHEAT_MAX_MODEL_LEN",
-    "served_model_name": "PREHEAT_SERVED_MODEL_NAME",
-    "max_queue": "PREHEAT_MAX_QUEUE",
-    "api_key": "PREHEAT_API_KEY",
-    "cache_dir": "PREHEAT_CACHE_DIR",
-    "kv_l1": "PREHEAT_KV_L1",
-    "kv_l2": "PREHEAT_KV_L2",
-    "kv_l2_max_bytes": "PREHEAT_KV_L2_MAX_BYTES",
-    "kv_l2_ttl": "PREHEAT_KV_L2_TTL",
-    "kv_dtype": "PREHEAT_KV_DTYPE",
-    "kv_chunk_tokens": "PREHEAT_KV_CHUNK_TOKENS",
-    "kv_secret_file": "PREHEAT_KV_SECRET_FILE",
-    "peer": "PREHEAT_PEER",
-    "peer_port": "PREHEAT_PEER_PORT",
-    "peer_host": "PREHEAT_PEER_HOST",
-    "peer_token": "PREHEAT_PEER_TOKEN",
-    "peer_max_mbps": "PREHEAT_PEER_MAX_MBPS",
-    "registry": "PREHEAT_REGISTRY",
-    "origin": "PREHEAT_ORIGIN",
-    "compile": "PREHEAT_COMPILE",
-    "trust_key": "PREHEAT_TRUST_KEY",
-}
 
 
 @dataclass(frozen=True)
@@ -84,24 +56,14 @@ class ServeSettings:
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
-        """Settings from ``flags`` (a missing or ``None`` value = not given), else ``env`` (default
-        ``os.environ``), else the defaults; then ``check()``.
+        """Settings from ``flags`` (missing, ``None`` or ``[]`` = not given), else ``PREHEAT_<NAME>`` in ``env``
+        (default ``os.environ``; ``PREHEAT_CACHE_DIR`` is shared with ``preheat pull`` and the cache), else the
+        defaults; then ``check()``.
 
         >>> ServeSettings.resolve({"model": "/tmp", "port": None}, {"PREHEAT_PORT": "9000"}).port
         9000
         """
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for field in fields(cls):
-            given = flags.get(field.name)
-            if isinstance(given, list):  # a repeatable flag (--trust-key); settings stay hashable
-                given = tuple(given)
-            if given is not None:
-                values[field.name] = given
-                continue
-            raw = env.get(ENV_VARS[field.name], "")
-            if raw.strip():
-                values[field.name] = _parse(field.name, ENV_VARS[field.name], raw.strip())
+        values = resolve_settings(cls, flags, env, prefix="PREHEAT_", parse=_parse)
         if "model" not in values:
             raise ConfigError(
                 "no model: pass MODEL (a checkpoint directory or an http(s)://, s3:// URI) or set PREHEAT_MODEL"

@@ -1,8 +1,10 @@
 """Where checkpoint bytes come from: a local/NFS/Lustre path, HTTP(S), S3, or (later) a warm peer.
 
 Every kind implements the two small protocols in ``preheat.sources.base``; the loader and the cache never care which.
+``preheat.sources.open.open_origin`` is the one place that picks the kind for a location.
 """
 
-from preheat.sources.base import Origin, Source, is_uri, open_origin
+from preheat.sources.base import Origin, Source, is_uri
+from preheat.sources.open import open_origin
 
 __all__ = ["Origin", "Source", "is_uri", "open_origin"]

@@ -141,23 +141,3 @@ def check_name(name: str) -> str:
     if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
         raise ConfigError(f"refusing file name {name!r}: only plain relative names inside the checkpoint are allowed")
     return name
-
-
-def open_origin(location: str) -> Origin:
-    """The origin for a local directory, an ``http(s)://`` prefix or an ``s3://bucket/prefix``."""
-    if location.startswith("preheat://"):  # a name peers resolve, not a place: it is pulled, then loaded locally
-        raise ConfigError(
-            f"{location}: preheat:// names are pulled from peers into the node cache first: run "
-            "'preheat pull preheat://NAME --registry URL' (or preheat.store.pull.pull) and load the entry it prints"
-        )
-    if location.startswith(("http://", "https://")):
-        from preheat.sources.http import HTTPOrigin
-
-        return HTTPOrigin(location)
-    if location.startswith("s3://"):
-        from preheat.sources.s3 import S3Origin
-
-        return S3Origin(location)
-    from preheat.sources.local import LocalOrigin
-
-    return LocalOrigin(location)

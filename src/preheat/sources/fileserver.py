@@ -42,8 +42,8 @@ from urllib.parse import unquote, urlsplit
 
 from preheat.config import parse_size
 from preheat.errors import ConfigError
-from preheat.sources.httpserve import BackgroundServer, TrackedHandler, TrackedServer
-from preheat.sources.ranges import UnsatisfiableRangeError, content_range, parse_range
+from preheat.http.ranges import UnsatisfiableRangeError, content_range, parse_range
+from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 
 log = logging.getLogger("preheat.fileserver")
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from preheat.errors import ConfigError, SourceChangedError, SourceError, SourceNotFoundError
+from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources.base import Validator, check_name, strong_etag, too_large
 from preheat.sources.httpclient import HTTPClient, Response, describe
 from preheat.sources.net import NetSettings, TransientError, retrying
-from preheat.sources.ranges import parse_content_range, range_header
 from preheat.sources.remote import Cursor, RemoteFile
 from preheat.sources.stats import TOTALS, TransferStats
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
 from preheat.errors import SourceAccessError, SourceError, SourceNotFoundError
+from preheat.http.ranges import parse_length
 from preheat.sources.net import NetSettings, TransientError
-from preheat.sources.ranges import parse_length
 from preheat.sources.stats import TransferStats
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})

@@ -11,8 +11,10 @@ can be done here", as databases do, rather than as a failed publish.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
@@ -39,18 +41,25 @@ def fsync_tree(root: str) -> None:
 
 
 def write_file(path: str, data: bytes) -> None:
-    """Write ``path`` whole through a temporary file: fsynced, then renamed over ``path``, then the directory fsynced.
+    """Replace ``path`` with ``data`` atomically and durably: a temporary file of its own (unique to this process and
+    call, so two writers never share one), fsynced, renamed over ``path``, then the directory fsynced.
 
-    A reader (or a power loss) sees the old content or the new one, never a torn file.
+    A reader (or a power loss) sees the old content or the new one, never a torn file. The temporary file ends in
+    ``.tmp`` and is removed when anything fails before the rename.
     """
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     fsync_path(os.path.dirname(path) or ".")

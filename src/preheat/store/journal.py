@@ -1,23 +1,28 @@
-"""The pull journal: which chunks of which version of each file are already on disk in ``partial/<key>/``.
+"""The pull journal: which byte ranges of which version of each file are already on disk in ``partial/<key>/``.
 
-One JSON object per line (``partial/<key>/.journal``)::
+The one journal of every downloader (plain pulls, peer pulls, write-through; spec: docs/cache.md). One JSON object
+per line (``partial/<key>/.journal``)::
 
     {"file": "model-00001-of-00002.safetensors", "pin": {"size": 5242880, "etag": "\\"5e1f-...\\"", "modified": "..."}}
-    {"file": "model-00001-of-00002.safetensors", "chunk": 0, "chunk_bytes": 16777216}
+    {"file": "model-00001-of-00002.safetensors", "offset": 0, "length": 16777216}
 
 A ``pin`` names the version of the file the chunks belong to: its manifest digest when the origin has a manifest,
 otherwise the origin's validator (strong ETag, Last-Modified and size for HTTP and S3; size, mtime and inode for a
-local path). A chunk counts only under a pin equal to the one the origin names now (``reconcile``): a file that
-changed, or whose origin no longer names a version, starts over, so a resumed pull never mixes two versions.
+local path). A range counts only under a pin equal to the one the origin names now (``reconcile``): a file that
+changed, or whose origin no longer names a version, starts over, so a resumed pull never mixes two versions. Ranges
+are not tied to one way of cutting files: a piece counts as on disk when journaled ranges cover it (``Coverage``), so
+a pull resumes what another pull of the same entry (other piece sizes, peers instead of the origin) left.
 
-Writing order (``Appender``): a chunk's line is appended only after its bytes were ``fdatasync``ed, so a line that
+Writing order (``Appender``): a range's line is appended only after its bytes were ``fdatasync``ed, so a line that
 survived a power loss never vouches for bytes that did not; lines are not fsynced one by one (a lost line only costs
-refetching its chunk). The pins are written first, by an atomic, fsynced rewrite (``rewrite``). A torn last line, a
-line of another format or a chunk without a pin is ignored: it only means a refetch.
+refetching its range). The pins are written first, by an atomic, fsynced rewrite (``rewrite``). A torn last line, a
+line of another format or a range without a pin is ignored: it only means a refetch. (The chunk lines of this
+format's first version, ``{"file", "chunk", "chunk_bytes"}``, are read as the range they name.)
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,12 +31,12 @@ from dataclasses import dataclass, field
 from preheat.store import durable
 
 Pin = Mapping[str, object]
-Chunk = tuple[str, int, int]  # file, index, chunk_bytes
+Chunk = tuple[str, int, int]  # file, offset, length: bytes on disk
 
 
 @dataclass
 class JournalState:
-    """The pins by file and the finished chunks."""
+    """The pins by file and the ranges on disk."""
 
     pins: dict[str, Pin] = field(default_factory=dict)
     chunks: set[Chunk] = field(default_factory=set)
@@ -50,8 +55,10 @@ def parse(lines: Iterable[str]) -> JournalState:
         name = doc["file"]
         if isinstance(doc.get("pin"), dict):
             state.pins[name] = doc["pin"]
-        elif _count(doc.get("chunk")) and _count(doc.get("chunk_bytes")) and doc["chunk_bytes"] > 0:
-            state.chunks.add((name, doc["chunk"], doc["chunk_bytes"]))
+        elif _count(doc.get("offset")) and _count(doc.get("length")) and doc["length"] > 0:
+            state.chunks.add((name, doc["offset"], doc["length"]))
+        elif _count(doc.get("chunk")) and _count(doc.get("chunk_bytes")) and doc["chunk_bytes"] > 0:  # first version
+            state.chunks.add((name, doc["chunk"] * doc["chunk_bytes"], doc["chunk_bytes"]))
     return state
 
 
@@ -62,14 +69,15 @@ def render(state: JournalState) -> str:
     return "".join(f"{line}\n" for line in lines)
 
 
-def chunk_line(name: str, index: int, chunk_bytes: int) -> str:
-    return json.dumps({"file": name, "chunk": index, "chunk_bytes": chunk_bytes}) + "\n"
+def chunk_line(name: str, offset: int, length: int) -> str:
+    """The line saying bytes ``[offset, offset + length)`` of ``name`` are on disk."""
+    return json.dumps({"file": name, "offset": offset, "length": length}) + "\n"
 
 
 def reconcile(state: JournalState, pins: Mapping[str, Pin | None]) -> tuple[JournalState, dict[str, str]]:
-    """Keep the chunks whose file's pin is the one the origin names now (``pins``: None when it names none).
+    """Keep the ranges whose file's pin is the one the origin names now (``pins``: None when it names none).
 
-    Returns the state to resume from (pinned with ``pins``) and, for each file whose earlier chunks are dropped, why
+    Returns the state to resume from (pinned with ``pins``) and, for each file whose earlier ranges are dropped, why
     (pure).
     """
     kept = JournalState(pins={name: pin for name, pin in pins.items() if pin is not None})
@@ -104,7 +112,7 @@ def rewrite(path: str, state: JournalState) -> None:
 
 
 def forget(path: str, names: Sequence[str]) -> None:
-    """Drop the chunks of ``names`` (kept pinned) from the journal at ``path``, if there is one."""
+    """Drop the ranges of ``names`` (kept pinned) from the journal at ``path``, if there is one."""
     if not os.path.exists(path):
         return
     state = read(path)
@@ -112,15 +120,38 @@ def forget(path: str, names: Sequence[str]) -> None:
     rewrite(path, state)
 
 
+class Coverage:
+    """Which bytes of each file journaled ranges cover, merged, to ask whether a piece is already on disk (pure)."""
+
+    def __init__(self, chunks: Iterable[Chunk]) -> None:
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for name, offset, length in sorted(chunks):
+            merged = spans.setdefault(name, [])
+            if merged and offset <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], offset + length))
+            else:
+                merged.append((offset, offset + length))
+        self._spans = spans
+        self._starts = {name: [a for a, _ in merged] for name, merged in spans.items()}
+
+    def covers(self, name: str, offset: int, length: int) -> bool:
+        """Whether bytes ``[offset, offset + length)`` of ``name`` all lie in journaled ranges."""
+        starts = self._starts.get(name)
+        if not starts:
+            return False
+        i = bisect.bisect_right(starts, offset) - 1
+        return i >= 0 and self._spans[name][i][1] >= offset + length
+
+
 class Appender:
-    """Appends chunk lines: ``O_APPEND`` and one ``write`` per line, so a line lands whole after the others."""
+    """Appends range lines: ``O_APPEND`` and one ``write`` per line, so a line lands whole after the others."""
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
 
-    def chunk(self, name: str, index: int, chunk_bytes: int) -> None:
-        """Record a chunk whose bytes the caller has already made durable."""
-        os.write(self._fd, chunk_line(name, index, chunk_bytes).encode())
+    def chunk(self, name: str, offset: int, length: int) -> None:
+        """Record bytes ``[offset, offset + length)`` of ``name``, which the caller has already made durable."""
+        os.write(self._fd, chunk_line(name, offset, length).encode())
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -4,14 +4,23 @@
    layout, is keyed by its URI). A published entry is a hit: nothing is downloaded.
 2. Take ``locks/<key>.pull``. Another process pulling the same key holds it, so we wait, then find its entry
    published and share it: the model is downloaded once per node.
-3. Pin each file's version in the journal (its manifest digest; without a manifest the origin's ETag/Last-Modified
-   and size) and drop the progress of every file whose version changed since an interrupted pull (store/journal.py).
-4. Preallocate every file in ``partial/<key>/`` (a full disk fails here, before any download) and fetch the chunks
-   the journal does not list yet, in parallel, each written with ``pwrite``, made durable, then recorded in the
-   journal. Reads are held to the pinned version; a file that changes mid-pull starts that file over.
-5. Verify every file against the manifest's digests; a mismatch names the first bad tensor, discards that file, and
+3. ``download`` (shared by every downloader: this one, peer pulls in ``preheat.peer.pull`` and write-through in
+   ``preheat.store.writethrough``): pin each file's version in the journal (its manifest digest; without a manifest
+   the origin's ETag/Last-Modified and size) and drop the progress of every file whose version changed since an
+   interrupted pull (``preheat.store.journal``); preallocate every file in ``partial/<key>/`` (a full disk fails
+   here, before any download); fetch the pieces the journal does not cover with ``preheat.store.fetch`` (each
+   written with ``pwrite``, made durable, then journaled). Reads are held to the pinned version; a file that changes
+   mid-pull starts that file over.
+4. Verify every file against the manifest's digests; a mismatch names the first bad tensor, discards that file, and
    publishes nothing. Without a manifest, each safetensors header is validated and a manifest is written for the entry.
-6. fsync the entry, ``rename`` the directory into ``models/<key>``, fsync the directories (``ModelCache.publish``).
+5. fsync the entry, ``rename`` the directory into ``models/<key>``, fsync the directories (``ModelCache.publish``).
+
+Every write failure of every downloader maps to one ``CacheError`` (``cache_write_error``): a full disk says how much
+was needed and what to run.
+
+``preheat://`` names are not this module's: they are pulled from peers by ``preheat.peer.pull.pull_from_peers``,
+which the callers that know about peers (``preheat pull``, ``preheat cache warm``, ``preheat serve``) choose. The
+store sits below the peers and never imports them.
 """
 
 from __future__ import annotations
@@ -21,30 +30,27 @@ import errno
 import logging
 import os
 import shutil
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import xxhash
 
 from preheat.checkpoint import manifest as mf
 from preheat.checkpoint.layout import INDEX_NAME, SINGLE_NAME, open_checkpoint, resolve_remote_names
-from preheat.errors import CacheError, CheckpointError, PreheatError, SourceChangedError
-from preheat.io.reads import read_at_least
-from preheat.sources.base import Origin, Source, Validator, Versioned, open_origin
+from preheat.errors import CacheError, CheckpointError, ConfigError, PreheatError, SourceChangedError
+from preheat.sources.base import Origin, Versioned
+from preheat.sources.open import open_origin
 from preheat.store import durable, journal, locks
 from preheat.store.cache import ModelCache
-
-if TYPE_CHECKING:
-    from preheat.peer.pull import PeerOptions
+from preheat.store.fetch import PieceFetch, PieceSource, Progress
+from preheat.store.pieces import PiecePlan, RemoteFile, plan_chunks
 
 log = logging.getLogger("preheat.cache")
 
 MiB = 1024 * 1024
 JOURNAL = ".journal"
+OLD_JOURNALS = (".peer-journal",)  # earlier peer pulls' tab-separated journal: never published inside an entry
 CHANGE_RESTARTS = 3  # a file that changes mid-pull starts over; an origin that keeps changing fails after this many
 # Small files a Hugging Face layout may carry beside its weights; fetched whole when present.
 HF_EXTRA_FILES = (
@@ -58,26 +64,7 @@ HF_EXTRA_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-Progress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    """A file to fetch: its relative name, size, expected digest (None when the origin has no manifest) and, without a
-    manifest, the version of it the origin named when the pull planned it."""
-
-    name: str
-    size: int
-    digest: str | None
-    validator: Validator | None = None
-
-    def pin(self) -> journal.Pin | None:
-        """What the journal pins this file's chunks to; None when nothing can tell its versions apart."""
-        if self.digest is not None:
-            return {"digest": self.digest, "size": self.size}
-        if self.validator is None or self.validator.weak:
-            return None
-        return self.validator.to_json()
+__all__ = ["JOURNAL", "Progress", "PullResult", "RemoteFile", "download", "origin_key", "pull", "uri_key"]
 
 
 @dataclass
@@ -138,17 +125,17 @@ def pull(
     threads: int = 16,
     chunk_bytes: int = 16 * MiB,
     progress: Progress | None = None,
-    peers: PeerOptions | None = None,
 ) -> PullResult:
-    """Make ``uri`` (``http(s)://``, ``s3://``, ``preheat://`` or a local directory) a verified entry of ``cache``.
+    """Make ``uri`` (``http(s)://``, ``s3://`` or a local directory) a verified entry of ``cache``.
 
-    ``preheat://NAME`` is pulled from warm peers (docs/peer.md); ``peers`` is a ``preheat.peer.pull.PeerOptions``
-    (default: from ``PREHEAT_REGISTRY``, ``PREHEAT_ORIGIN``, ``PREHEAT_PEER_TOKEN``).
+    >>> pull("https://models.internal/llama-3-8b").path  # doctest: +SKIP
+    '/root/.cache/preheat/models/xxh3-128-4f1c...'
     """
     if uri.startswith("preheat://"):
-        from preheat.peer.pull import pull_from_peers
-
-        return pull_from_peers(uri, cache, peers, chunk_bytes=chunk_bytes, progress=progress)
+        raise ConfigError(
+            f"{uri}: preheat:// names are pulled from peers: use preheat.peer.pull.pull_from_peers "
+            "(or 'preheat pull', which does)"
+        )
     cache = cache or ModelCache()
     cache.ensure_dirs()
     started = time.perf_counter()
@@ -169,7 +156,7 @@ def pull(
         attempt = 1
         while True:
             try:
-                result = _download(
+                result = _pull_once(
                     origin, cache, key, manifest, threads=threads, chunk_bytes=chunk_bytes, progress=progress
                 )
                 break
@@ -185,8 +172,8 @@ def pull(
     return result
 
 
-def _plan_files(origin: Origin, manifest: mf.Manifest | None) -> tuple[list[RemoteFile], list[str]]:
-    """Large files fetched in resumable chunks, and small extra files fetched whole."""
+def plan_files(origin: Origin, manifest: mf.Manifest | None) -> tuple[list[RemoteFile], list[str]]:
+    """Large files fetched in resumable pieces, and small extra files fetched whole."""
     if manifest is not None:
         large = [RemoteFile(f.name, f.size, f.digest) for f in manifest.files]
         large += [RemoteFile(f.name, f.size, f.digest) for f in manifest.extra_files]
@@ -206,7 +193,7 @@ def _plan_files(origin: Origin, manifest: mf.Manifest | None) -> tuple[list[Remo
     return large, small
 
 
-def _download(
+def _pull_once(
     origin: Origin,
     cache: ModelCache,
     key: str,
@@ -216,59 +203,107 @@ def _download(
     chunk_bytes: int,
     progress: Progress | None,
 ) -> PullResult:
-    partial = cache.partial_dir(key)
-    large, small = _plan_files(origin, manifest)
-    total = sum(f.size for f in large)
-    result = PullResult(key, cache.entry_dir(key), origin.uri, hit=False, bytes_total=total, files=len(large))
-    os.makedirs(partial, exist_ok=True)
-    journal_path = os.path.join(partial, JOURNAL)
-    try:
-        done = _resume(partial, journal_path, large, result)
-        _preallocate(partial, large)
-        chunks = [
-            (f, index, offset, min(chunk_bytes, f.size - offset))
-            for f in large
-            for index, offset in enumerate(range(0, f.size, chunk_bytes))
-            if (f.name, index, chunk_bytes) not in done
-        ]
-        result.bytes_resumed = total - sum(c[3] for c in chunks)
-        if result.bytes_resumed:
-            result.notes.append(f"resumed: {result.bytes_resumed} bytes were already here")
-        for f in large:
-            if f.pin() is None:
-                result.notes.append(
-                    f"{origin.join(f.name)}: the origin names no version (no ETag or Last-Modified); "
-                    "an interrupted pull of it starts over"
-                )
-        fetcher = _ChunkFetcher(origin, partial, journal_path, chunk_bytes)
-        result.bytes_fetched = _fetch_chunks(
-            fetcher, chunks, threads=threads, progress=progress, already=result.bytes_resumed, total=total
-        )
-        for name in small:
-            _write_small(partial, name, origin.read_bytes(name))
-        _verify(partial, large, manifest, journal_path)
-        os.unlink(journal_path)
-        if manifest is None:
-            _describe(partial)
-        else:
-            _write_small(partial, mf.MANIFEST_NAME, manifest.to_json())
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            shutil.rmtree(partial, ignore_errors=True)
-            raise CacheError(
-                f"disk full while pulling {origin.uri} into {cache.root}: it needs {total} bytes; "
-                "free space or run 'preheat cache gc --max-size ...'"
-            ) from None
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise CacheError(f"cache directory {cache.root} is not writable: {exc.strerror}") from None
-        raise CacheError(f"pull of {origin.uri} failed writing to {partial}: {exc}") from None
-    result.path = cache.publish(key, origin.uri)
-    result.sources = {"origin": result.bytes_fetched} if result.bytes_fetched else {}
+    large, small = plan_files(origin, manifest)
+    notes = [
+        f"{origin.join(f.name)}: the origin names no version (no ETag or Last-Modified); "
+        "an interrupted pull of it starts over"
+        for f in large
+        if f.pin() is None
+    ]
+    source = PieceSource("origin", origin, streams=max(1, threads), fallback=True)
+    result = download(
+        cache,
+        key,
+        origin.uri,
+        plan_chunks(large, chunk_bytes),
+        [source],
+        manifest=manifest,
+        small=small,
+        small_from=origin,
+        progress=progress,
+    )
+    result.notes += notes
     return result
 
 
-def _resume(partial: str, journal_path: str, files: list[RemoteFile], result: PullResult) -> set[journal.Chunk]:
-    """Chunks an interrupted pull already has of the versions the origin names now; the journal is rewritten pinned
+def download(
+    cache: ModelCache,
+    key: str,
+    uri: str,
+    plan: PiecePlan,
+    sources: Sequence[PieceSource],
+    *,
+    manifest: mf.Manifest | None,
+    small: Sequence[str] = (),
+    small_from: Origin | None = None,
+    check_pieces: bool = False,
+    progress: Progress | None = None,
+) -> PullResult:
+    """Fetch ``plan`` from ``sources`` into ``partial/<key>``, verify it, publish it as ``key`` (the caller holds
+    ``locks/<key>.pull``). The one download path of every puller.
+
+    Resumes from the journal (pieces it covers under the versions the plan's files name now are kept); fetches
+    the ``small`` files whole from ``small_from``; verifies every file with a digest (``check_pieces``:
+    tensors as they land and whole files with requeues to other sources, for plans cut at tensors; otherwise whole
+    files at the end, discarding bad ones); without a manifest, validates the headers and writes one. Write failures
+    are ``cache_write_error``s.
+    """
+    partial = cache.partial_dir(key)
+    journal_path = os.path.join(partial, JOURNAL)
+    result = PullResult(key, cache.entry_dir(key), uri, hit=False, bytes_total=plan.total_bytes, files=len(plan.files))
+    try:
+        os.makedirs(partial, exist_ok=True)
+        landed = _resume(partial, journal_path, plan.files, result)
+        preallocate(partial, plan.files)
+        fetch = PieceFetch(
+            plan,
+            list(sources),
+            partial,
+            progress=progress,
+            journal_path=journal_path,
+            landed=landed,
+            check_files=check_pieces,
+        )
+        try:
+            result.sources = fetch.run()
+        finally:
+            result.notes += fetch.notes
+        result.bytes_resumed = fetch.resumed
+        result.bytes_fetched = sum(result.sources.values())
+        for name in small:
+            assert small_from is not None, "small files need the origin to read them from"
+            write_small(partial, name, small_from.read_bytes(name))
+        if not check_pieces:
+            verify_files(partial, plan.files, manifest, journal_path)
+        for name in (JOURNAL, *OLD_JOURNALS):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(partial, name))
+        if manifest is None:
+            describe(partial)
+        else:
+            write_small(partial, mf.MANIFEST_NAME, manifest.to_json())
+    except OSError as exc:
+        raise cache_write_error(exc, uri, cache, partial, plan.total_bytes) from None
+    result.path = cache.publish(key, uri)
+    return result
+
+
+def cache_write_error(exc: OSError, uri: str, cache: ModelCache, partial: str, needed: int) -> CacheError:
+    """The one ``CacheError`` for a failed write into ``partial`` of the cache (a full disk also removes the partial
+    files, which could not be resumed into anyway)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        shutil.rmtree(partial, ignore_errors=True)
+        return CacheError(
+            f"disk full while pulling {uri} into {cache.root}: it needs {needed} bytes; "
+            "free space or run 'preheat cache gc --max-size ...'"
+        )
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return CacheError(f"cache directory {cache.root} is not writable: {exc.strerror}")
+    return CacheError(f"pull of {uri} failed writing to {partial}: {exc}")
+
+
+def _resume(partial: str, journal_path: str, files: Sequence[RemoteFile], result: PullResult) -> journal.Coverage:
+    """What an interrupted pull already has of the versions the origin names now; the journal is rewritten pinned
     to those versions, and every other file's partial bytes are discarded."""
     state, dropped = journal.reconcile(journal.read(journal_path), {f.name: f.pin() for f in files})
     journal.rewrite(journal_path, state)
@@ -277,10 +312,11 @@ def _resume(partial: str, journal_path: str, files: list[RemoteFile], result: Pu
         result.notes.append(f"discarded the partial {name}: {why}")
         with contextlib.suppress(FileNotFoundError):
             os.truncate(os.path.join(partial, name), 0)
-    return state.chunks
+    return journal.Coverage(state.chunks)
 
 
-def _preallocate(partial: str, files: list[RemoteFile]) -> None:
+def preallocate(partial: str, files: Sequence[RemoteFile]) -> None:
+    """Create every file at its size, its blocks claimed (``posix_fallocate``): a full disk fails before a download."""
     for f in files:
         path = os.path.join(partial, f.name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -289,108 +325,21 @@ def _preallocate(partial: str, files: list[RemoteFile]) -> None:
             if os.fstat(fd).st_size != f.size:
                 os.ftruncate(fd, f.size)
             if f.size and hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, f.size)  # claim the blocks now: a full disk fails before any download
+                os.posix_fallocate(fd, 0, f.size)
         finally:
             os.close(fd)
 
 
-class _ChunkFetcher:
-    """Fetches chunks in parallel: each thread keeps one source (one connection) per file, writes with pwrite, and
-    records each finished chunk in the journal, so an interrupted pull knows exactly what it already has."""
-
-    def __init__(self, origin: Origin, partial: str, journal_path: str, chunk_bytes: int) -> None:
-        self.origin, self.partial, self.chunk_bytes = origin, partial, chunk_bytes
-        self.journal = journal.Appender(journal_path)
-        self.lock = threading.Lock()
-        self.local = threading.local()
-        self.sources: list[Source] = []
-        self.fds: dict[str, int] = {}
-        self.fetched = 0
-
-    def fd(self, name: str) -> int:
-        with self.lock:
-            if name not in self.fds:
-                self.fds[name] = os.open(os.path.join(self.partial, name), os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-            return self.fds[name]
-
-    def source(self, f: RemoteFile) -> Source:
-        """This thread's source for ``f``, held to the version the pull pinned (``SourceChangedError`` otherwise)."""
-        mine: dict[str, Source] | None = getattr(self.local, "sources", None)
-        if mine is None:
-            mine = self.local.sources = {}
-        if f.name not in mine:
-            source = self.origin.open(f.name)
-            with self.lock:
-                self.sources.append(source)
-            if f.validator is not None and isinstance(source, Versioned):
-                source.require(f.validator)
-            mine[f.name] = source
-        return mine[f.name]
-
-    def fetch(self, f: RemoteFile, index: int, offset: int, length: int) -> int:
-        view = memoryview(bytearray(length))
-        read_at_least(self.source(f), view, offset, length, path=self.origin.join(f.name))
-        fd = self.fd(f.name)
-        written = 0
-        while written < length:
-            written += os.pwrite(fd, view[written:], offset + written)
-        os.fdatasync(fd)  # the journal line below must never survive a power loss that the bytes did not
-        with self.lock:
-            self.journal.chunk(f.name, index, self.chunk_bytes)
-            self.fetched += length
-        return length
-
-    def close(self) -> None:
-        self.journal.close()
-        for fd in self.fds.values():
-            os.close(fd)
-        for source in self.sources:
-            source.close()
-
-
-def _fetch_chunks(
-    fetcher: _ChunkFetcher,
-    chunks: list[tuple[RemoteFile, int, int, int]],
-    *,
-    threads: int,
-    progress: Progress | None,
-    already: int,
-    total: int,
-) -> int:
-    landed = already
-
-    def one(chunk: tuple[RemoteFile, int, int, int]) -> int:
-        nonlocal landed
-        n = fetcher.fetch(*chunk)
-        if progress is not None:
-            with fetcher.lock:
-                landed += n
-                current = landed
-            progress(current, total)
-        return n
-
-    try:
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="preheat-pull") as pool:
-            futures: list[Future[int]] = [pool.submit(one, c) for c in chunks]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-    finally:
-        fetcher.close()
-    return fetcher.fetched
-
-
-def _write_small(partial: str, name: str, data: bytes) -> None:
+def write_small(partial: str, name: str, data: bytes) -> None:
+    """Write a small file (config, tokenizer, manifest) of the entry whole, atomically and durably."""
     path = os.path.join(partial, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     durable.write_file(path, data)
 
 
-def _verify(partial: str, files: list[RemoteFile], manifest: mf.Manifest | None, journal_path: str) -> None:
+def verify_files(
+    partial: str, files: Sequence[RemoteFile], manifest: mf.Manifest | None, journal_path: str | None
+) -> None:
     """Check every downloaded file's digest. Every bad file is discarded (so a retry refetches exactly those), then
     the first one is reported, naming its first bad tensor."""
     bad: list[tuple[RemoteFile, str, str | None]] = []
@@ -404,7 +353,8 @@ def _verify(partial: str, files: list[RemoteFile], manifest: mf.Manifest | None,
     for f, _, _ in bad:
         os.unlink(os.path.join(partial, f.name))
     if bad:
-        journal.forget(journal_path, [f.name for f, _, _ in bad])
+        if journal_path is not None:
+            journal.forget(journal_path, [f.name for f, _, _ in bad])
         f, actual, culprit = bad[0]
         what = f"tensor {culprit!r} in {f.name}" if culprit else f"file {f.name}"
         others = f" ({len(bad) - 1} more bad file(s) discarded too)" if len(bad) > 1 else ""
@@ -430,10 +380,10 @@ def _first_bad_tensor(partial: str, name: str, manifest: mf.Manifest | None) -> 
     return None
 
 
-def _describe(partial: str) -> None:
+def describe(partial: str) -> None:
     """An origin without a manifest: validate every header, then write a manifest so the entry can be verified."""
     try:
         open_checkpoint(partial)
     except PreheatError as exc:
         raise CheckpointError(f"pulled files are not a valid checkpoint: {exc}", path=partial) from None
-    _write_small(partial, mf.MANIFEST_NAME, mf.build_manifest(partial).to_json())
+    write_small(partial, mf.MANIFEST_NAME, mf.build_manifest(partial).to_json())

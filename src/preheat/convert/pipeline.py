@@ -27,7 +27,6 @@ import torch
 
 from preheat.checkpoint import dtypes, torch_dtypes
 from preheat.checkpoint.digest import digest_bytes
-from preheat.checkpoint.inputs import Progress, SourceModel, read_source
 from preheat.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -49,6 +48,7 @@ from preheat.checkpoint.quant import (
 from preheat.checkpoint.safetensors import TensorEntry
 from preheat.checkpoint.tp import rank_slice, split_dim
 from preheat.checkpoint.writer import save_file
+from preheat.convert.inputs import Progress, SourceModel, read_source
 from preheat.errors import CheckpointError, ConfigError
 
 DTYPES = ("keep", "bf16", "fp16", "fp8", "int8")

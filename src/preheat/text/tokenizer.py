@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer
 
 from preheat.checkpoint.jsonfile import read_json_object
-from preheat.engine.chat import ChatTemplate, find_template
 from preheat.errors import CheckpointError, RequestError
+from preheat.text.chat import ChatTemplate, find_template
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Tokens of the prompt's tail decoded together with new ones, so a first generated token keeps the leading space a

@@ -1,8 +1,9 @@
-"""What preheat's small byte servers share (``FileServer``, the peer server): keep-alive HTTP/1.1 handlers that the
-server can cut off at shutdown, bearer tokens compared in constant time, and plain-text answers.
+"""The server base every preheat server stands on (``preheat serve``, the router, the peer server, ``FileServer``):
+keep-alive HTTP/1.1 handlers that the server can cut off at shutdown, bearer tokens compared in constant time,
+request bodies read within a limit under a strict ``Content-Length``, plain answers, and SIGTERM as Ctrl-C.
 
-The standard library's ``ThreadingHTTPServer`` does the rest; this only adds the few lines both servers need the same
-way, so a fix to one (a header, a race at shutdown) is a fix to both.
+The standard library's ``ThreadingHTTPServer`` does the rest; this only adds the few lines every server needs the same
+way, so a fix to one (a header, a race at shutdown, Nagle) is a fix to all.
 """
 
 from __future__ import annotations
@@ -10,23 +11,30 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-log = logging.getLogger("preheat.httpserve")
+from preheat.http.ranges import parse_length
+
+log = logging.getLogger("preheat.http")
 _Runner = TypeVar("_Runner", bound="BackgroundServer")
+BearerCheck = Literal["ok", "missing", "wrong"]
 
 
 class TrackedServer(ThreadingHTTPServer):
     """A threading server that knows its open connections (``cut_connections`` ends them all) and treats clients
     that hang up mid-request as routine rather than tracebacks."""
 
-    daemon_threads = True
+    daemon_threads = True  # a hung client must not keep the process alive at shutdown
     block_on_close = False
+    request_queue_size = 128  # accept backlog: bursts of clients arrive together at a fresh replica or peer
 
     def __init__(self, address: tuple[str, int], handler: type[TrackedHandler]) -> None:
         if ":" in address[0]:
@@ -36,12 +44,12 @@ class TrackedServer(ThreadingHTTPServer):
         self.active_lock = threading.Lock()
 
     def handle_error(self, request: object, client_address: object) -> None:
-        # A reader abandoning a stream, a killed pull, a puller giving up on a stalled peer: all routine.
+        # A reader abandoning a stream, a killed pull, a client giving up on a slow answer: all routine.
         exc = sys.exc_info()[1]
         if isinstance(exc, OSError):
             log.debug("%s: connection ended: %s", client_address, exc)
             return
-        super().handle_error(request, client_address)  # type: ignore[arg-type]
+        log.exception("unhandled error serving %s", client_address)
 
     def cut_connections(self) -> None:
         """Shut down every open connection (their handler threads then end on their next read or write)."""
@@ -63,6 +71,32 @@ def write_body(
         handler.send_header(name, value)
     handler.end_headers()
     handler.wfile.write(body)
+
+
+def check_bearer(authorization: str | None, token: str) -> BearerCheck:
+    """Whether an ``Authorization`` header bears ``token`` (compared in constant time): "ok", "missing" (no bearer
+    credential at all) or "wrong".
+
+    >>> check_bearer("Bearer s3cret", "s3cret"), check_bearer(None, "s3cret"), check_bearer("Bearer x", "s3cret")
+    ('ok', 'missing', 'wrong')
+    """
+    given = authorization or ""
+    if not given.startswith("Bearer "):
+        return "missing"
+    return "ok" if hmac.compare_digest(given[len("Bearer ") :].strip().encode(), token.encode()) else "wrong"
+
+
+@dataclass(frozen=True)
+class BodyRefusal:
+    """Why a request's body was not read: 411 (no usable ``Content-Length``) or 413 (over the limit). The body is
+    left unread, so the answer must close the connection (``CLOSE``)."""
+
+    status: int
+    message: str
+    code: str
+
+
+CLOSE = {"Connection": "close"}  # sent with any answer given before the request's body was read
 
 
 class BackgroundServer:
@@ -126,8 +160,8 @@ class TrackedHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"  # keep-alive: clients reuse one connection per thread
     timeout = 60  # an idle keep-alive connection is closed after a minute
-    # Headers and body go out in separate writes; with Nagle on, the body would wait for the client's delayed ACK
-    # (40 ms per small request).
+    # Headers and body leave in separate writes: with Nagle's algorithm on, the body waits for the client's delayed
+    # ACK of the headers (~40 ms on Linux) on every keep-alive answer, and on every streamed chunk.
     disable_nagle_algorithm = True
     server: TrackedServer
 
@@ -162,16 +196,56 @@ class TrackedHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD" and data:
             self.wfile.write(data)
 
+    def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        """A complete answer (``write_body``), then ``answered(status)``."""
+        write_body(self, status, body, content_type, headers)
+        self.answered(status)
+
     def bearer_ok(self, token: str | None, what: str = "token") -> bool:
         """True when ``token`` is None or the request carries ``Authorization: Bearer <token>``; otherwise answer
         401 (none sent) or 403 (a wrong one) and return False. Compared in constant time."""
         if token is None:
             return True
-        given = self.headers.get("Authorization", "")
-        if not given.startswith("Bearer "):
+        check = check_bearer(self.headers.get("Authorization"), token)
+        if check == "missing":
             self.plain(401, f"a bearer {what} is required\n", {"WWW-Authenticate": 'Bearer realm="preheat"'})
-            return False
-        if not hmac.compare_digest(given[len("Bearer ") :].strip().encode(), token.encode()):
+        elif check == "wrong":
             self.plain(403, f"wrong {what}\n")
-            return False
-        return True
+        return check == "ok"
+
+    def has_body(self) -> bool:
+        """Whether the request announces a body (a non-zero ``Content-Length``, or any ``Transfer-Encoding``)."""
+        return self.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in self.headers
+
+    def read_body_within(self, limit: int, *, required: bool = True) -> bytes | BodyRefusal:
+        """The request's body under a strict ``Content-Length`` (ASCII digits, bounded) of at most ``limit`` bytes;
+        b"" when there is no ``Content-Length`` and ``required`` is False. A ``BodyRefusal`` leaves the body unread
+        and marks the connection for closing: answer it with ``CLOSE`` among the headers."""
+        raw = self.headers.get("Content-Length")
+        if raw is None and not required:
+            return b""
+        length = parse_length(raw)  # None also for '²' or 5,000 digits, which int() would choke on
+        if length is not None and length <= limit:
+            return self.rfile.read(length)
+        self.close_connection = True  # the body stays unread: its bytes must not be parsed as the next request
+        if length is None:
+            return BodyRefusal(411, "a Content-Length header is required", "length_required")
+        return BodyRefusal(413, f"request body over {limit} bytes", "too_large")
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM (Kubernetes, ``preheat up``, the demo) raises ``KeyboardInterrupt`` like Ctrl-C, so
+    one shutdown path serves both; the previous handler is back on leaving. Signal handlers can only be set from the
+    main thread: elsewhere (a server run from a test's thread) this does nothing."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

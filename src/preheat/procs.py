@@ -1,8 +1,10 @@
-"""``preheat serve`` as a child process: started on a free port, waited for, and always stopped.
+"""Child processes that never outlive their parent: ``pdeathsig`` for any child, and ``ServerProcess``, a
+``preheat serve`` started on a free port, waited for, and always stopped.
 
-Used by ``preheat demo``, ``bench/coldstart.py`` and the tests. The child never outlives its parent: ``stop()`` runs
-from ``__exit__`` (Ctrl-C included), and on Linux the kernel also sends it SIGTERM if the parent dies outright
-(``PR_SET_PDEATHSIG``).
+Used by ``preheat demo``, ``preheat up`` (``router/cluster.py``), the benchmarks and the tests; it sits in the
+foundation so that the router and the server, which are siblings, can both use it. It starts ``preheat serve`` as a
+command and imports nothing of the server. The child never outlives its parent: ``stop()`` runs from ``__exit__``
+(Ctrl-C included), and on Linux the kernel also sends it SIGTERM if the parent dies outright (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ HEALTH_TIMEOUT = 600.0
 PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig() -> Callable[[], None] | None:
+def pdeathsig() -> Callable[[], None] | None:
     """A function to run in the child between fork and exec that asks Linux for SIGTERM when the parent dies.
 
     Everything is looked up here, in the parent: after a fork in a threaded parent (pytest, the benchmark) the child
@@ -62,7 +64,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             text=True,
             env=None if env is None else dict(env),
-            preexec_fn=_pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+            preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
         )
         self._drainer: threading.Thread | None = None
         try:

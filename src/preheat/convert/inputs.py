@@ -12,6 +12,7 @@ import torch
 from preheat.checkpoint.jsonfile import read_config
 from preheat.checkpoint.layout import read_manifest
 from preheat.errors import ConfigError
+from preheat.loader import load
 
 Progress = Callable[[str, int, int], None]  # (stage: "read" | "write" | "verify", done bytes, total bytes)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -52,8 +53,6 @@ def read_source(source: str, *, progress: Progress | None = None) -> SourceModel
         if progress is not None:
             progress("read", 1, 1)
         return SourceModel(untie(gguf.tensors, gguf.config), gguf.config, gguf.files, "gguf")
-    from preheat.loader import load
-
     folder = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
     manifest = read_manifest(source) if os.path.isdir(source) else None
     if manifest is not None and manifest.tp_world_size > 1:

@@ -1,21 +1,28 @@
-"""A striped pull: the pieces of a plan fetched from several sources at once into preallocated files.
+"""The one fetcher: the pieces of a plan fetched from one or more sources at once into preallocated files.
 
-Every source (each peer, and the origin) runs ``streams`` threads that take the next piece nobody holds, read it with
-one ranged request and write it with ``pwrite``. When the last piece a tensor overlaps lands, the tensor is read back
-and checked against its manifest digest, so a bad byte is caught within a piece's time, not at the end.
+Every downloader uses it: a plain pull (the origin as its only source), a striped pull from peers (each peer a
+source, the origin the fallback) and a load's write-through (the load's buffers a source, the origin the fallback for
+the bytes they do not hold). Each source runs ``streams`` threads that take the next piece nobody holds, read it with
+one ranged request, write it with ``pwrite``, ``fdatasync`` it and only then journal it (``preheat.store.journal``),
+so a killed pull resumes from what is on disk and nothing else. When the last piece a tensor overlaps lands, the
+tensor is read back and checked against its manifest digest (plans with tensors: ``preheat.peer.plan``), so a bad
+byte is caught within a piece's time, not at the end.
 
 What goes wrong, and what happens:
 
-- a source that fails a read (connection refused or reset: a dead peer; no byte for ``stall_timeout`` seconds: a
-  frozen one; 401/403: a wrong token) is dropped, and the piece goes back to the queue for the others;
+- a source that fails a read (connection refused or reset: a dead peer; no byte for its stall timeout: a frozen one;
+  401/403: a wrong token) is dropped, and the piece goes back to the queue for the others;
 - a tensor that fails its digest: its pieces go back to the queue, each barred from the source that sent it; a source
   that alone sent the tensor (or is caught twice) is dropped;
-- the origin is the fallback: it takes only pieces no live peer may take, so with healthy peers it sends nothing and
-  with none it sends everything;
-- a piece no live source may take ends the pull with ``SourceError`` (or ``CheckpointError`` when it was bad bytes).
+- a ``fallback`` source (the origin) takes only pieces no live other source may take, so with healthy peers it sends
+  nothing and with none it sends everything; its own failure ends the pull with its error (it is the trust root:
+  ``SourceChangedError`` from a file replaced mid-pull reaches the caller, which starts that file over);
+- a piece no live source may take ends the pull with ``SourceError`` (or ``CheckpointError`` when it was bad bytes);
+- a write that fails (a full disk) ends the pull with the ``OSError``, which the caller maps to ``CacheError``; so
+  does an exception from the progress callback (the caller stopping the pull).
 
-After the pieces, each file's whole digest is checked (it also covers bytes outside tensors, like the safetensors
-header); a mismatch requeues that file's non-tensor pieces elsewhere, a few rounds at most.
+With ``check_files``, each file's whole digest is checked after the pieces (it also covers bytes outside tensors,
+like the safetensors header); a mismatch requeues that file's non-tensor pieces elsewhere, a few rounds at most.
 """
 
 from __future__ import annotations
@@ -33,70 +40,80 @@ from preheat.checkpoint import digest
 from preheat.checkpoint import manifest as mf
 from preheat.errors import CheckpointError, PreheatError, SourceError
 from preheat.io.reads import read_at_least
-from preheat.peer.plan import Piece, PiecePlan
-from preheat.sources.base import Origin, Source
+from preheat.sources.base import Origin, Source, Versioned
+from preheat.store import journal
+from preheat.store.pieces import Piece, PiecePlan
 
-log = logging.getLogger("preheat.peer")
+log = logging.getLogger("preheat.cache")
 Progress = Callable[[int, int], None]
 _ROUNDS = 3  # whole-file re-checks before giving up on a file whose non-tensor bytes keep coming back wrong
 _STRIKES = 2  # bad tensors a source may share the blame for before it is dropped
 
 
 @dataclass(eq=False)
-class StripeSource:
+class PieceSource:
     """One place pieces come from. ``label`` names it in results and on the timeline (``peer host:port``,
-    ``origin``); ``fallback`` sources only take pieces no live non-fallback source may take."""
+    ``origin``); ``fallback`` sources only take pieces no live non-fallback source may take; ``holds`` (None: every
+    piece) says which pieces this source has at all."""
 
     label: str
     origin: Origin
     streams: int = 4
     fallback: bool = False
+    holds: Callable[[Piece], bool] | None = None
     alive: bool = True
     why: str | None = None
     bytes: int = 0
     strikes: int = 0
-    _files: dict[tuple[int, str], Source] = field(default_factory=dict)
+    handles: dict[tuple[int, str], Source] = field(default_factory=dict)
 
 
-class StripedFetch:
+class PieceFetch:
     """Fetch every piece of ``plan`` into the preallocated files under ``root`` from ``sources``; ``run()`` returns
-    the bytes each source delivered (``{label: bytes}``), counting only bytes that were kept."""
+    the bytes each source delivered (``{label: bytes}``), counting only bytes that were kept.
+
+    ``journal_path``: append each landed piece there (after its ``fdatasync``); ``landed``: what the journal already
+    vouches for (pieces it covers are not fetched again, and count as ``resumed``)."""
 
     def __init__(
         self,
         plan: PiecePlan,
-        sources: list[StripeSource],
+        sources: list[PieceSource],
         root: str,
         *,
         progress: Progress | None = None,
-        journal: str | None = None,
+        journal_path: str | None = None,
+        landed: journal.Coverage | None = None,
+        check_files: bool = False,
     ) -> None:
         if not sources:
-            raise SourceError("a striped pull needs at least one source")
+            raise SourceError("a pull needs at least one source")
         self.plan, self.sources, self.root, self.progress = plan, sources, root, progress
+        self.check_files = check_files
+        self.files = {f.name: f for f in plan.files}
         self.cond = threading.Condition()
         self.pending: deque[int] = deque(p.index for p in plan.pieces)
         self.barred: dict[int, set[str]] = {}
-        self.served_by: dict[int, StripeSource] = {}
+        self.served_by: dict[int, PieceSource] = {}
         self.done: set[int] = set()
         self.in_flight = 0
         self.remaining = {name: len(pieces) for name, pieces in plan.tensor_pieces.items()}
-        self.failure: PreheatError | None = None
+        self.failure: BaseException | None = None
         self.landed = 0
         self.notes: list[str] = []
         self._fds: dict[str, int] = {}
         self.resumed = 0
-        self._journal = None if journal is None else open(journal, "a+", encoding="utf-8")  # noqa: SIM115 - run()
-        if self._journal is not None:
-            self._resume()
+        if landed is not None:
+            self._resume(landed)
+        self._journal = None if journal_path is None else journal.Appender(journal_path)
 
     # -- public ---------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, int]:
         try:
             self._check_resumed()
-            for _ in range(_ROUNDS):
+            for _ in range(_ROUNDS if self.check_files else 1):
                 self._round()
-                bad = self._bad_files()
+                bad = self._bad_files() if self.check_files else []
                 if not bad:
                     return {s.label: s.bytes for s in self.sources if s.bytes}
                 self._requeue_gaps(bad)
@@ -110,27 +127,45 @@ class StripedFetch:
             for fd in self._fds.values():
                 os.close(fd)
             for source in self.sources:
-                for handle in source._files.values():
+                for handle in source.handles.values():
                     handle.close()
 
     # -- one round: every queued piece lands and verifies (or the pull fails) -------------------------------------
     def _round(self) -> None:
         threads = [
-            threading.Thread(target=self._worker, args=(source,), name=f"preheat-stripe-{source.label}", daemon=True)
+            threading.Thread(target=self._worker, args=(source,), name=f"preheat-fetch-{source.label}", daemon=True)
             for source in self.sources
             if source.alive
             for _ in range(max(1, source.streams))
         ]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.join()
+        except BaseException as exc:  # Ctrl-C: stop the workers before the descriptors they write to are closed
+            self._fail(exc)
+            for thread in threads:
+                thread.join()
+            raise
         if self.failure is not None:
             raise self.failure
         if len(self.done) != len(self.plan.pieces):  # every worker left (all sources dropped) with work queued
             raise self._stuck()
 
-    def _worker(self, source: StripeSource) -> None:
+    def _fail(self, exc: BaseException) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = exc
+            self.cond.notify_all()
+
+    def _worker(self, source: PieceSource) -> None:
+        try:
+            self._work(source)
+        except BaseException as exc:  # a local write failed, or the progress callback stopped the pull: all stop
+            self._fail(exc)
+
+    def _work(self, source: PieceSource) -> None:
         while True:
             with self.cond:
                 piece = self._next(source)
@@ -138,15 +173,16 @@ class StripedFetch:
                     return
                 self.in_flight += 1
             try:
-                fd, complete = self._fetch(source, piece)
-            except (PreheatError, OSError) as exc:  # a short body (EOF) is a CheckpointError: the peer is lost too
+                view = self._read(source, piece)
+            except (PreheatError, OSError) as exc:  # a short body (EOF) is a CheckpointError: the source is lost too
                 self._lost(source, piece, exc)
                 return
+            fd, complete = self._land(source, piece, view)
             for record in complete:
                 if _tensor_digest(fd, record) != record.digest:
                     self._blame(record)
 
-    def _next(self, source: StripeSource) -> Piece | None:
+    def _next(self, source: PieceSource) -> Piece | None:
         """The next piece ``source`` may take, waiting while others are in flight; None when this worker is done."""
         while True:
             if self.failure is not None or not source.alive or len(self.done) == len(self.plan.pieces):
@@ -163,11 +199,12 @@ class StripedFetch:
                 return None
             self.cond.wait(0.1)
 
-    def _takers(self, index: int) -> list[StripeSource]:
+    def _takers(self, index: int) -> list[PieceSource]:
         barred = self.barred.get(index, set())
-        return [s for s in self.sources if s.alive and s.label not in barred]
+        piece = self.plan.pieces[index]
+        return [s for s in self.sources if s.alive and s.label not in barred and (s.holds is None or s.holds(piece))]
 
-    def _may_take(self, source: StripeSource, index: int) -> bool:
+    def _may_take(self, source: PieceSource, index: int) -> bool:
         takers = self._takers(index)
         if source not in takers:
             return False
@@ -191,11 +228,18 @@ class StripedFetch:
         )
 
     # -- fetching --------------------------------------------------------------------------------------------------
-    def _handle(self, source: StripeSource, name: str) -> Source:
-        key = (threading.get_ident(), name)  # one source (one connection) per thread and file
-        handle = source._files.get(key)
+    def _handle(self, source: PieceSource, name: str) -> Source:
+        """This thread's handle on ``name`` at ``source`` (one connection per thread and file), held to the version
+        the pull pinned when the plan names one (``SourceChangedError`` otherwise)."""
+        key = (threading.get_ident(), name)
+        handle = source.handles.get(key)
         if handle is None:
-            handle = source._files[key] = source.origin.open(name)
+            handle = source.origin.open(name)
+            with self.cond:
+                source.handles[key] = handle
+            validator = self.files[name].validator if name in self.files else None
+            if validator is not None and isinstance(handle, Versioned):
+                handle.require(validator)
         return handle
 
     def _fd(self, name: str) -> int:
@@ -204,14 +248,20 @@ class StripedFetch:
                 self._fds[name] = os.open(os.path.join(self.root, name), os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             return self._fds[name]
 
-    def _fetch(self, source: StripeSource, piece: Piece) -> tuple[int, list[mf.TensorRecord]]:
-        """Read ``piece`` from ``source`` and write it; return the file's descriptor and the tensors now complete."""
+    def _read(self, source: PieceSource, piece: Piece) -> memoryview:
         view = memoryview(bytearray(piece.length))
-        read_at_least(self._handle(source, piece.file), view, piece.offset, piece.length, path=source.label)
+        handle = self._handle(source, piece.file)
+        where = source.origin.join(piece.file) if source.fallback else source.label
+        read_at_least(handle, view, piece.offset, piece.length, path=where)
+        return view
+
+    def _land(self, source: PieceSource, piece: Piece, view: memoryview) -> tuple[int, list[mf.TensorRecord]]:
+        """Write ``piece``, make it durable, journal it; return the file's descriptor and the tensors now complete."""
         fd = self._fd(piece.file)
         written = 0
         while written < piece.length:
             written += os.pwrite(fd, view[written:], piece.offset + written)
+        os.fdatasync(fd)  # the journal line below must never survive a power loss that the bytes did not
         complete: list[mf.TensorRecord] = []
         with self.cond:
             self.in_flight -= 1
@@ -220,8 +270,7 @@ class StripedFetch:
             source.bytes += piece.length
             self.landed += piece.length
             if self._journal is not None:  # a killed pull resumes from here; every tensor is re-checked then
-                self._journal.write(f"{piece.file}\t{piece.offset}\t{piece.length}\n")
-                self._journal.flush()
+                self._journal.chunk(piece.file, piece.offset, piece.length)
             landed = self.landed
             for record in self.plan.piece_tensors.get(piece.index, ()):
                 self.remaining[record.name] -= 1
@@ -232,7 +281,7 @@ class StripedFetch:
             self.progress(landed, self.plan.total_bytes)
         return fd, complete
 
-    def _lost(self, source: StripeSource, piece: Piece, exc: BaseException) -> None:
+    def _lost(self, source: PieceSource, piece: Piece, exc: BaseException) -> None:
         with self.cond:
             self.in_flight -= 1
             self.pending.appendleft(piece.index)  # first in line: it is the one the load is waiting for
@@ -242,7 +291,7 @@ class StripedFetch:
                 self._drop(source, f"{type(exc).__name__}: {exc}")
             self.cond.notify_all()
 
-    def _drop(self, source: StripeSource, why: str) -> None:
+    def _drop(self, source: PieceSource, why: str) -> None:
         if source.alive:
             source.alive, source.why = False, why
             log.warning("pull: dropping %s, its pieces go to the others: %s", source.label, why)
@@ -254,15 +303,7 @@ class StripedFetch:
             pieces = [i for i in self.plan.tensor_pieces[record.name] if i in self.done]
             senders = {self.served_by[i] for i in pieces if i in self.served_by}  # resumed pieces have no sender
             for index in pieces:
-                sender = self.served_by.pop(index, None)
-                self.done.discard(index)
-                self.landed -= self.plan.pieces[index].length  # progress goes back: these bytes come again
-                if sender is not None:
-                    sender.bytes -= self.plan.pieces[index].length
-                    self.barred.setdefault(index, set()).add(sender.label)
-                self.pending.append(index)
-                for other in self.plan.piece_tensors.get(index, ()):
-                    self.remaining[other.name] += 1
+                self._requeue(index)
             why = f"sent bytes that fail tensor {record.name!r}'s digest"
             for sender in senders:
                 sender.strikes += 1
@@ -272,25 +313,30 @@ class StripedFetch:
                     self._drop(sender, why)
             self.cond.notify_all()
 
+    def _requeue(self, index: int) -> None:
+        """Put landed piece ``index`` back in the queue, barred from the source that sent it (under ``cond``)."""
+        sender = self.served_by.pop(index, None)
+        self.done.discard(index)
+        self.landed -= self.plan.pieces[index].length  # progress goes back: these bytes come again
+        if sender is not None:
+            sender.bytes -= self.plan.pieces[index].length
+            self.barred.setdefault(index, set()).add(sender.label)
+        self.pending.append(index)
+        for record in self.plan.piece_tensors.get(index, ()):  # re-checked when the piece lands again
+            self.remaining[record.name] += 1
+
     # -- resuming ------------------------------------------------------------------------------------------------------
-    def _resume(self) -> None:
-        """Mark the pieces an interrupted pull of the same plan journaled as landed (checked by ``_check_resumed``)."""
-        assert self._journal is not None
-        self._journal.seek(0)
-        wanted = {(p.file, p.offset, p.length): p.index for p in self.plan.pieces}
-        for line in self._journal:
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
-                continue  # a line torn by the kill
-            index = wanted.get((parts[0], int(parts[1]), int(parts[2])))
-            if index is None or index in self.done:
+    def _resume(self, landed: journal.Coverage) -> None:
+        """Mark the pieces the journal covers as landed (their tensors are checked by ``_check_resumed``)."""
+        for piece in self.plan.pieces:
+            if not landed.covers(piece.file, piece.offset, piece.length):
                 continue
-            self.done.add(index)
-            self.pending.remove(index)
-            self.resumed += self.plan.pieces[index].length
-            for record in self.plan.piece_tensors.get(index, ()):
+            self.done.add(piece.index)
+            self.pending.remove(piece.index)
+            self.resumed += piece.length
+            for record in self.plan.piece_tensors.get(piece.index, ()):
                 self.remaining[record.name] -= 1
-        self.landed = self.resumed  # progress counts what is already here, as a plain pull's does
+        self.landed = self.resumed  # progress counts what is already here
         if self.resumed:
             self.notes.append(f"resumed: {self.resumed} bytes were already here")
 
@@ -307,7 +353,7 @@ class StripedFetch:
     def _bad_files(self) -> list[str]:
         bad = []
         for f in self.plan.files:
-            if digest.file_digest(os.path.join(self.root, f.name)) != f.digest:
+            if f.digest is not None and digest.file_digest(os.path.join(self.root, f.name)) != f.digest:
                 bad.append(f.name)
         return bad
 
@@ -322,17 +368,8 @@ class StripedFetch:
             )
         with self.cond:
             for piece in self.plan.pieces:
-                if piece.file not in names or covered.get(piece.index, 0) >= piece.length:
-                    continue
-                sender = self.served_by.pop(piece.index, None)
-                self.done.discard(piece.index)
-                self.landed -= piece.length
-                if sender is not None:
-                    sender.bytes -= piece.length
-                    self.barred.setdefault(piece.index, set()).add(sender.label)
-                self.pending.append(piece.index)
-                for record in self.plan.piece_tensors.get(piece.index, ()):  # re-checked when the piece lands again
-                    self.remaining[record.name] += 1
+                if piece.file in names and covered.get(piece.index, 0) < piece.length:
+                    self._requeue(piece.index)
 
 
 def _tensor_digest(fd: int, record: mf.TensorRecord) -> str:
