@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, w
 from preheat.config import parse_size
 from preheat.procs import ServerProcess
 from preheat.sources.fileserver import FileServer
+from preheat.timeline import Stage
 
 
 @dataclass
@@ -80,36 +82,57 @@ def evict(root: Path) -> None:
                 os.close(fd)
 
 
-def timeline(process: ServerProcess) -> dict[str, dict[str, object]]:
+def timeline(process: ServerProcess) -> dict[str, Stage]:
     with urllib.request.urlopen(process.url + "/v1/preheat/timeline", timeout=10) as response:
         data = json.loads(response.read())
-    return {s["name"]: s for s in data["stages"]}
+    return {stage.name: stage for stage in map(Stage.from_dict, data["stages"])}
 
 
-def measure(name: str, model: str, *extra: str, env: dict[str, str] | None = None, stage: str = "fetch",
-            during: object = None) -> Run:
+def duration(stage: Stage) -> float:
+    if stage.end is None:
+        raise RuntimeError(f"stage {stage.name} never ended")
+    return stage.end - stage.start
+
+
+def measure(
+    name: str,
+    model: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    stage: str = "fetch",
+    during: Callable[[], None] | None = None,
+) -> Run:
     cache = tempfile.mkdtemp(prefix="p2p-cache-")
     try:
         with ServerProcess(model, "--cache-dir", cache, *extra, env=env) as process:
             if during is not None:
-                during()  # type: ignore[operator]
+                during()
             process.wait_ready()
             stages = timeline(process)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    run = Run(name, ready=float(stages["ready"]["start"]))  # type: ignore[arg-type]
+    run = Run(name, ready=stages["ready"].start)
     if stage in stages:
         s = stages[stage]
-        run.stage = float(s["end"]) - float(s["start"])  # type: ignore[arg-type]
-        run.nbytes = int(s.get("bytes") or 0)  # type: ignore[call-overload]
-        run.sources = dict(s["detail"].get("sources", {}))  # type: ignore[union-attr]
-        run.note = str(s["detail"].get("artifacts", ""))  # type: ignore[union-attr]
+        run.stage = duration(s)
+        run.nbytes = s.nbytes or 0
+        run.sources = dict(s.detail.get("sources", {}))
+        run.note = str(s.detail.get("artifacts", ""))
     return run
 
 
 def peer(model: Path, registry: str, mbps: float, *extra: str) -> ServerProcess:
-    process = ServerProcess(str(model), "--served-model-name", "bench", "--peer", "--registry", registry,
-                            "--peer-max-mbps", str(mbps), *extra)
+    process = ServerProcess(
+        str(model),
+        "--served-model-name",
+        "bench",
+        "--peer",
+        "--registry",
+        registry,
+        "--peer-max-mbps",
+        str(mbps),
+        *extra,
+    )
     process.wait_ready()
     deadline = time.monotonic() + 30
     while not any("peer serving" in line for line in process.lines):
@@ -159,8 +182,9 @@ def main() -> int:
             runs.append(measure("local disk, page cache dropped", str(model), stage="weight_load"))
             runs.append(measure(f"HTTP origin ({args.origin_mbps:g} MB/s per connection)", origin.url))
             with peer(model, registry, args.peer_mbps):
-                one = measure(f"1 peer ({args.peer_mbps:g} MB/s cap)", "preheat://bench", "--registry", registry,
-                              env=origin_env)
+                one = measure(
+                    f"1 peer ({args.peer_mbps:g} MB/s cap)", "preheat://bench", "--registry", registry, env=origin_env
+                )
                 runs.append(one)
                 with peer(model, registry, args.peer_mbps) as second:
                     runs.append(measure("2 peers", "preheat://bench", "--registry", registry, env=origin_env))
@@ -168,8 +192,14 @@ def main() -> int:
                     def kill_soon() -> None:
                         threading.Thread(target=kill_mid_pull, args=(second, 0.25 * model_bytes), daemon=True).start()
 
-                    killed = measure("2 peers, one killed mid-pull", "preheat://bench", "--registry", registry,
-                                     env=origin_env, during=kill_soon)
+                    killed = measure(
+                        "2 peers, one killed mid-pull",
+                        "preheat://bench",
+                        "--registry",
+                        registry,
+                        env=origin_env,
+                        during=kill_soon,
+                    )
                     survivor = max(killed.sources.values()) if killed.sources else 0
                     ideal = survivor / one.mbps / 1e6 if one.mbps else 0.0
                     killed.note = f"delay beyond the survivor's transfer: {killed.stage - ideal:+.2f} s"
@@ -180,13 +210,18 @@ def main() -> int:
             creg = f"file://{work / 'compile-registry'}"
             env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
             cold_cache = tempfile.mkdtemp(prefix="p2p-compile-")
-            with ServerProcess(str(tiny), "--compile", "--peer", "--registry", creg, "--cache-dir", cold_cache,
-                               env=env) as cold:
+            with ServerProcess(
+                str(tiny), "--compile", "--peer", "--registry", creg, "--cache-dir", cold_cache, env=env
+            ) as cold:
                 cold.wait_ready()
                 stages = timeline(cold)
                 s = stages["compile"]
-                cold_run = Run("compile, cold (empty Inductor cache)", float(stages["ready"]["start"]),  # type: ignore[arg-type]
-                               float(s["end"]) - float(s["start"]), note=str(s["detail"].get("artifacts")))  # type: ignore[arg-type, union-attr]
+                cold_run = Run(
+                    "compile, cold (empty Inductor cache)",
+                    stages["ready"].start,
+                    duration(s),
+                    note=str(s.detail.get("artifacts")),
+                )
                 runs.append(cold_run)
                 deadline = time.monotonic() + 60
                 while not any("peer serving" in line for line in cold.lines) and time.monotonic() < deadline:
@@ -195,10 +230,22 @@ def main() -> int:
                 key = work / "fleet.key"
                 preheat = [sys.executable, "-m", "preheat", "artifacts"]
                 subprocess.run([*preheat, "keygen", str(key)], check=True, capture_output=True)
-                subprocess.run([*preheat, "sign", "--key", str(key), "--cache-dir", cold_cache], check=True,
-                               capture_output=True)
-                runs.append(measure("compile, signed artifacts from a peer", str(tiny), "--compile", "--registry",
-                                    creg, "--trust-key", f"{key}.pub", env=env, stage="compile"))
+                subprocess.run(
+                    [*preheat, "sign", "--key", str(key), "--cache-dir", cold_cache], check=True, capture_output=True
+                )
+                runs.append(
+                    measure(
+                        "compile, signed artifacts from a peer",
+                        str(tiny),
+                        "--compile",
+                        "--registry",
+                        creg,
+                        "--trust-key",
+                        f"{key}.pub",
+                        env=env,
+                        stage="compile",
+                    )
+                )
             shutil.rmtree(cold_cache, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

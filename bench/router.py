@@ -97,7 +97,7 @@ def conversations(users: int, seed: int, system_words: int, history_words: int) 
 def post_stream(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any], str, str]:
     """One streamed chat request: (TTFT, usage, answer text, replica that answered)."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    conn = http.client.HTTPConnection(parts.netloc, timeout=600)
     sent = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -196,7 +196,7 @@ def small_latency(url: str, conn_cache: dict[str, http.client.HTTPConnection]) -
     conn = conn_cache.get(url)
     if conn is None:
         parts = urlsplit(url)
-        conn = conn_cache[url] = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        conn = conn_cache[url] = http.client.HTTPConnection(parts.netloc, timeout=60)
     body = json.dumps({"prompt": "Hi", "max_tokens": 1, "temperature": 0})
     started = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})

@@ -67,7 +67,7 @@ def prefix_text(words: int, seed: int = 0) -> str:
 def first_token(url: str, prompt: str) -> tuple[float, int, int]:
     """(TTFT seconds, prompt tokens, cached tokens) of one streamed completion."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    conn = http.client.HTTPConnection(parts.netloc, timeout=600)
     body = {
         "prompt": prompt,
         "max_tokens": 1,
@@ -99,7 +99,7 @@ def first_token(url: str, prompt: str) -> tuple[float, int, int]:
 
 def metric(url: str, name: str, **labels: str) -> float:
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn = http.client.HTTPConnection(parts.netloc, timeout=30)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
@@ -205,8 +205,10 @@ def main() -> int:
         shutil.rmtree(shared, ignore_errors=True)
 
     base = statistics.median(r[0] for r in results["no cache"]["runs"])
-    print(f"\nSmolLM2-135M-Instruct on CPU ({os.cpu_count()} cores); prompt of "
-          f"{results['no cache']['runs'][0][1]} tokens, shared prefix + a short question; median of {args.repeat}\n")
+    print(
+        f"\nSmolLM2-135M-Instruct on CPU ({os.cpu_count()} cores); prompt of "
+        f"{results['no cache']['runs'][0][1]} tokens, shared prefix + a short question; median of {args.repeat}\n"
+    )
     print(f"{'mode':<26} {'TTFT':>9} {'vs no cache':>12} {'cached tokens':>14} {'hit rate':>9} {'L2 GB/s':>8}")
     summary: dict[str, Any] = {}
     for name, result in results.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from preheat.kv import chunkfile
-from preheat.kv.chunk import StoredChunk, store_form, stored_dtype
+from preheat.kv.chunk import StoredChunk, expect_for, store_form, stored_dtype
 from preheat.kv.keys import chunk_keys, fingerprint
 from preheat.kv.spec import KVLayout
 
@@ -15,7 +15,7 @@ FP = fingerprint(identity="test-model", layout=LAYOUT.to_dict(), chunk_tokens=CH
 
 
 def expect(kv_dtype: str = "auto", fp: str = FP) -> chunkfile.Expect:
-    return chunkfile.Expect(fp, stored_dtype(kv_dtype, LAYOUT.dtype), LAYOUT.chunk_shape(CHUNK_TOKENS))
+    return expect_for(fp, stored_dtype(kv_dtype, LAYOUT.dtype), LAYOUT.chunk_shape(CHUNK_TOKENS))
 
 
 def exported(seed: int = 0) -> torch.Tensor:
@@ -36,9 +36,8 @@ def same(a: StoredChunk, b: StoredChunk) -> bool:
     scales_equal = (a.scales is None and b.scales is None) or (
         a.scales is not None and b.scales is not None and torch.equal(a.scales, b.scales)
     )
-    return a.data.dtype == b.data.dtype and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and (
-        scales_equal
-    )
+    same_data = a.data.dtype == b.data.dtype and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+    return same_data and scales_equal
 
 
 class Clock:

@@ -291,9 +291,11 @@ _MMAP_CHILD = textwrap.dedent(
     """
     import os, sys
     import preheat
-    from preheat.checkpoint.layout import open_checkpoint
+    import torch
+
+    from preheat.config import LoaderSettings
     from preheat.errors import CheckpointError
-    from preheat.loader import LoadReport, _load_mmap
+    from preheat.loader import LoadRequest, execute_load, plan_load
 
     root, path = sys.argv[1], sys.argv[2]
     size = os.path.getsize(path)
@@ -307,11 +309,10 @@ _MMAP_CHILD = textwrap.dedent(
 
     # Restore the length (zeros), plan, then shrink the file between planning and mapping.
     os.truncate(path, size)
-    checkpoint = open_checkpoint(root)
+    plan = plan_load(LoadRequest(root, torch.device("cpu"), mode="mmap"), LoaderSettings.from_env())
     os.truncate(path, size - 10)
-    report = LoadReport(root, "mmap", "cpu", 0, 1)
     try:
-        weights = _load_mmap(checkpoint, "auto", 0, 1, report)
+        weights = execute_load(plan)
         print("mapped", sum(float(t.float().sum()) for t in weights.values()))
     except CheckpointError as exc:
         print("after planning:", exc.path, exc)

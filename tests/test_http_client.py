@@ -13,9 +13,13 @@ from preheat.http.client import (
     AnswerTooLargeError,
     ConnectError,
     Connection,
+    RedirectError,
+    Redirects,
     ResponseTimeoutError,
     Timeouts,
+    get,
     request,
+    stream,
 )
 from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 
@@ -26,6 +30,13 @@ class _Handler(TrackedHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server dispatches on this name
         if self.path == "/slow":
             RELEASE.wait(10)
+        if self.path.startswith("/to/"):  # /to/<n>: n more redirects on this server, then /bytes/4
+            left = int(self.path.rsplit("/", 1)[-1])
+            self.plain(302, "", {"Location": f"/to/{left - 1}" if left > 1 else "/bytes/4"})
+            return
+        if self.path == "/lines":
+            self.plain(200, "one\ntwo\n")
+            return
         if self.path == "/close":
             self.plain(200, "bye\n", {"Connection": "close"})
             return
@@ -79,3 +90,27 @@ def test_a_kept_alive_connection_reconnects_after_the_server_closed_it(server: s
         assert conn.request("GET", "/bytes/6").body == b"xxxxxx"
     finally:
         conn.close()
+
+
+def test_a_stream_yields_the_body_line_by_line(server: str) -> None:
+    with stream(server + "/lines", timeouts=Timeouts.within(5.0)) as answer:
+        assert answer.status == 200
+        assert list(answer.lines()) == [b"one\n", b"two\n"]
+
+
+def test_redirects_are_followed_up_to_the_limit_and_no_further(server: str) -> None:
+    answer = get(server + "/to/3", timeouts=Timeouts.within(5.0), max_body=10, redirects=Redirects(limit=3))
+    assert (answer.status, answer.body) == (200, b"xxxx")
+    with pytest.raises(RedirectError, match="more than 3 redirects"):
+        get(server + "/to/4", timeouts=Timeouts.within(5.0), max_body=10, redirects=Redirects(limit=3))
+    unfollowed = get(server + "/to/1", timeouts=Timeouts.within(5.0), max_body=10)
+    assert unfollowed.status == 302
+
+
+def test_a_redirect_keeps_authorization_only_on_the_same_scheme_host_and_port() -> None:
+    policy, sent = Redirects(), {"Authorization": "Bearer t", "Accept": "*/*"}
+    assert policy.follow("http://a:1/x", "/y", sent) == ("http://a:1/y", sent)
+    for elsewhere in ("http://b:1/y", "http://a:2/y", "https://a:1/y", "http://a/y"):
+        assert policy.follow("http://a:1/x", elsewhere, sent) == (elsewhere, {"Accept": "*/*"})
+    with pytest.raises(RedirectError, match="http or https only"):
+        policy.follow("http://a:1/x", "file:///etc/passwd", sent)

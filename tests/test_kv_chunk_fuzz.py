@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 from kvchunks import FP, chunk, expect, key, same
 from preheat.errors import KVError
 from preheat.kv import chunkfile, mac
+from preheat.kv.chunk import decode_chunk, encode_chunk
 
 BOUND = 2 << 20
 MAC_KEY = mac.derive_key(b"fuzzing secret, 16+ bytes")
 ORIGINALS = {
-    (kv_dtype, keyed): bytes(b"".join(chunkfile.encode(key(0), FP, chunk(0, kv_dtype), MAC_KEY if keyed else None)))
+    (kv_dtype, keyed): bytes(b"".join(encode_chunk(key(0), FP, chunk(0, kv_dtype), MAC_KEY if keyed else None)))
     for kv_dtype in ("auto", "int8")
     for keyed in (False, True)
 }
@@ -46,7 +47,7 @@ def decodes_safely(blob: bytes, kv_dtype: str, keyed: bool) -> None:
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
         try:
-            decoded = chunkfile.decode(blob, key(0), reader(kv_dtype, keyed))
+            decoded = decode_chunk(blob, key(0), reader(kv_dtype, keyed))
         except chunkfile.CorruptChunkError:
             decoded = None
         peak = tracemalloc.get_traced_memory()[1] - base
@@ -98,8 +99,13 @@ def test_arbitrary_bytes_after_a_valid_prefix_are_refused(
 
 
 @FUZZ
-@given(kinds, st.sampled_from(["key", "fingerprint", "kind", "dtype", "shape", "scale_shape", "payload_bytes",
-                               "checksum", "extra"]), json_values)
+@given(
+    kinds,
+    st.sampled_from(
+        ["key", "fingerprint", "kind", "dtype", "shape", "scale_shape", "payload_bytes", "checksum", "extra"]
+    ),
+    json_values,
+)
 def test_a_header_field_of_any_json_value_is_refused_or_harmless(
     kind: tuple[str, bool], field: str, value: object
 ) -> None:
@@ -125,7 +131,7 @@ def test_a_deeply_nested_header_is_refused_not_a_recursion_error(opener: bytes) 
     raw = opener * (60_000 // len(opener))
     blob = struct.pack("<8sII", chunkfile.MAGIC, chunkfile.VERSION, len(raw)) + raw
     with pytest.raises(KVError, match="not JSON"):
-        chunkfile.decode(blob, key(0), expect())
+        decode_chunk(blob, key(0), expect())
 
 
 def test_the_largest_header_of_the_most_objects_stays_within_the_bound() -> None:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from kvchunks import FP, LAYOUT, chunk, expect, exported, key, same
 from preheat.kv import chunkfile
-from preheat.kv.chunk import store_form
+from preheat.kv.chunk import decode_chunk, encode_chunk, store_form
 from preheat.kv.memory import MemoryTier
 
 
 def blob(kv_dtype: str = "auto", k: str | None = None) -> bytearray:
-    return bytearray(b"".join(chunkfile.encode(k or key(0), FP, chunk(0, kv_dtype))))
+    return bytearray(b"".join(encode_chunk(k or key(0), FP, chunk(0, kv_dtype))))
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 def test_a_chunk_round_trips_bit_for_bit(kv_dtype: str) -> None:
-    decoded = chunkfile.decode(blob(kv_dtype), key(0), expect(kv_dtype))
+    decoded = decode_chunk(blob(kv_dtype), key(0), expect(kv_dtype))
     assert same(decoded, chunk(0, kv_dtype))
 
 
@@ -26,23 +29,23 @@ def test_any_flipped_bit_is_detected(offset: int) -> None:
     data = blob()
     data[offset] ^= 0x10
     with pytest.raises(chunkfile.CorruptChunkError):
-        chunkfile.decode(data, key(0), expect())
+        decode_chunk(data, key(0), expect())
 
 
 def test_a_torn_chunk_is_detected() -> None:
     data = blob()
     for cut in (0, 10, 200, len(data) - 1):
         with pytest.raises(chunkfile.CorruptChunkError):
-            chunkfile.decode(data[:cut], key(0), expect())
+            decode_chunk(data[:cut], key(0), expect())
 
 
 def test_a_chunk_under_another_key_fingerprint_or_dtype_is_refused() -> None:
     with pytest.raises(chunkfile.CorruptChunkError, match="key"):
-        chunkfile.decode(blob(), key(1), expect())
+        decode_chunk(blob(), key(1), expect())
     with pytest.raises(chunkfile.CorruptChunkError, match="fingerprint"):
-        chunkfile.decode(blob(), key(0), expect(fp="f" * 32))
+        decode_chunk(blob(), key(0), expect(fp="f" * 32))
     with pytest.raises(chunkfile.CorruptChunkError, match="dtype"):
-        chunkfile.decode(blob("int8"), key(0), expect("auto"))
+        decode_chunk(blob("int8"), key(0), expect("auto"))
 
 
 @pytest.mark.parametrize(("kv_dtype", "tolerance"), [("int8", 0.01), ("fp8", 0.07)])
@@ -77,3 +80,19 @@ def test_memory_tier_keeps_the_most_recently_used_within_its_capacity() -> None:
 
 def test_layout_shape_matches_the_engine_export() -> None:
     assert tuple(exported().shape) == (2, *LAYOUT.block_shape)
+
+
+def test_the_chunk_format_imports_without_torch() -> None:
+    """The byte format is pure bytes + header: a reader of chunk files (a tool, a fuzzer) never pays for torch."""
+    code = "import sys, preheat.kv.chunkfile; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_the_chunk_format_round_trips_bytes() -> None:
+    contents = chunkfile.Contents("int8", "I8", (2, 3), data=bytes(range(6)), scales=bytes(8), scale_shape=(2,))
+    blob = b"".join(chunkfile.encode("k", FP, contents))
+    payload = chunkfile.decode(blob, "k", chunkfile.Expect(FP, "I8", (2, 3)))
+    assert payload.data.tobytes() == bytes(range(6))
+    assert payload.scales is not None
+    assert payload.scales.tobytes() == bytes(8)

@@ -137,10 +137,10 @@ def test_fs_chunk_of_another_model_is_never_served(tmp_path: Path) -> None:
 WRITER = """
 import os, sys
 from kvchunks import chunk, expect, key
-from preheat.kv import chunkfile
+from preheat.kv.chunk import encode_chunk
 from preheat.kv.fs import FileTier
 tier = FileTier(sys.argv[1], expect())
-pieces = chunkfile.encode(key(0), expect().fingerprint, chunk(0))
+pieces = encode_chunk(key(0), expect().fingerprint, chunk(0))
 head = b"".join(pieces)
 path = tier.path(key(0))
 os.makedirs(os.path.dirname(path), exist_ok=True)

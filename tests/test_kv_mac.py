@@ -15,7 +15,7 @@ import torch
 from kvchunks import FP, chunk, expect, key, same
 from preheat.errors import ConfigError
 from preheat.kv import chunkfile, mac
-from preheat.kv.chunk import StoredChunk
+from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.fs import FileTier
 from preheat.kv.redis_tier import RedisTier
 from preheat.kv.settings import KVSettings
@@ -32,7 +32,7 @@ def keyed(mac_key: bytes | None = KEY, fp: str = FP) -> chunkfile.Expect:
 
 
 def encoded(mac_key: bytes | None, c: StoredChunk | None = None) -> bytearray:
-    return bytearray(b"".join(chunkfile.encode(key(0), FP, c or chunk(0), mac_key)))
+    return bytearray(b"".join(encode_chunk(key(0), FP, c or chunk(0), mac_key)))
 
 
 def forged() -> StoredChunk:
@@ -47,12 +47,12 @@ def test_a_keyed_chunk_round_trips_and_carries_a_tag() -> None:
     blob = encoded(KEY)
     assert int.from_bytes(blob[8:12], "little") == chunkfile.VERSION_KEYED
     assert len(blob) == len(encoded(None)) + mac.TAG_BYTES
-    assert same(chunkfile.decode(blob, key(0), keyed()), chunk(0))
+    assert same(decode_chunk(blob, key(0), keyed()), chunk(0))
 
 
 def test_a_chunk_signed_under_another_secret_is_refused() -> None:
     with pytest.raises(chunkfile.MacError, match="MAC mismatch"):
-        chunkfile.decode(encoded(OTHER), key(0), keyed())
+        decode_chunk(encoded(OTHER), key(0), keyed())
 
 
 @pytest.mark.parametrize("offset", [0, 9, 16, 100, -mac.TAG_BYTES - 1, -1])
@@ -60,7 +60,7 @@ def test_any_changed_byte_of_a_keyed_chunk_is_refused(offset: int) -> None:
     blob = encoded(KEY)
     blob[offset] ^= 0x01
     with pytest.raises(chunkfile.CorruptChunkError):
-        chunkfile.decode(blob, key(0), keyed())
+        decode_chunk(blob, key(0), keyed())
 
 
 def test_a_forger_who_fixes_the_checksum_is_caught_only_by_the_mac() -> None:
@@ -72,16 +72,16 @@ def test_a_forger_who_fixes_the_checksum_is_caught_only_by_the_mac() -> None:
     planted[8:12] = chunkfile.VERSION_KEYED.to_bytes(4, "little")
     planted += evil[head_len:] + genuine[-mac.TAG_BYTES :]
     with pytest.raises(chunkfile.MacError):
-        chunkfile.decode(planted, key(0), keyed())
-    served = chunkfile.decode(evil, key(0), expect())  # what a fleet without a secret loads: the forger's K/V
+        decode_chunk(planted, key(0), keyed())
+    served = decode_chunk(evil, key(0), expect())  # what a fleet without a secret loads: the forger's K/V
     assert torch.count_nonzero(served.data) == 0
 
 
 def test_unkeyed_and_keyed_readers_refuse_each_others_chunks() -> None:
     with pytest.raises(chunkfile.MacError, match="unkeyed"):
-        chunkfile.decode(encoded(None), key(0), keyed())
+        decode_chunk(encoded(None), key(0), keyed())
     with pytest.raises(chunkfile.MacError, match="no secret"):
-        chunkfile.decode(encoded(KEY), key(0), expect())
+        decode_chunk(encoded(KEY), key(0), expect())
 
 
 def test_the_mac_key_never_shows_in_a_repr() -> None:
@@ -200,8 +200,19 @@ def test_the_secret_is_checked_with_the_settings_before_anything_loads(tmp_path:
 
 def test_serve_with_a_missing_secret_file_fails_before_binding(tmp_path: Path) -> None:
     missing = str(tmp_path / "kv.secret")
-    command = [sys.executable, "-m", "preheat", "serve", str(tmp_path), "--port", "0", "--kv-l2", f"fs://{tmp_path}",
-               "--kv-secret-file", missing]
+    command = [
+        sys.executable,
+        "-m",
+        "preheat",
+        "serve",
+        str(tmp_path),
+        "--port",
+        "0",
+        "--kv-l2",
+        f"fs://{tmp_path}",
+        "--kv-secret-file",
+        missing,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1
     assert "listening" not in done.stdout

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 import preheat
 from conftest import WrittenCheckpoint, write
 from hostile import ScriptedServer, endless
-from preheat.checkpoint import digest as digest_module
 from preheat.checkpoint.layout import open_checkpoint, read_remote_manifest, resolve_files, resolve_remote_names
 from preheat.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -79,12 +78,7 @@ def test_range_digests_match_the_bytes_at_any_chunk_size(
 ) -> None:
     path = tmp_path_factory.mktemp("hash") / "blob"
     path.write_bytes(data)
-    original = digest_module._HASH_CHUNK
-    digest_module._HASH_CHUNK = chunk  # small chunks put range boundaries everywhere
-    try:
-        whole, parts = hash_file(str(path), cuts)
-    finally:
-        digest_module._HASH_CHUNK = original
+    whole, parts = hash_file(str(path), cuts, chunk_bytes=chunk)  # small chunks put range boundaries everywhere
     assert whole == digest_bytes(data)
     assert parts == [digest_bytes(data[start : start + length]) for start, length in cuts]
 

@@ -14,8 +14,8 @@ from preheat.plan.traces import (
     MOONCAKE_BLOCK,
     Problems,
     Request,
-    _fast_token_ids,
     detect_format,
+    fast_token_ids,
     iter_requests,
     read_arrays,
     with_tokens,
@@ -196,7 +196,7 @@ def test_the_fast_token_ids_parser_agrees_with_json(
 ) -> None:
     body = separator.join(json.dumps(t) for t in ids)
     line = json.dumps({**extra, "token_ids": "X"}).replace('"X"', f"[{body}]")
-    fast = _fast_token_ids(line)
+    fast = fast_token_ids(line)
     if fast is None:
         return  # the careful path takes it: nothing to compare
     slow = json.loads(line)
@@ -205,13 +205,13 @@ def test_the_fast_token_ids_parser_agrees_with_json(
 
 
 def test_the_fast_parser_leaves_anything_unusual_to_json() -> None:
-    assert _fast_token_ids('{"token_ids": [1 2]}') is None
-    assert _fast_token_ids('{"token_ids": [1, -2]}') is None
-    assert _fast_token_ids('{"token_ids": [1, 4294967296]}') is None
-    assert _fast_token_ids('{"prompt": "\\"token_ids\\": [1]"}') is None
-    plain = _fast_token_ids('{"timestamp": 1, "token_ids": [1, 2, 3]}')
+    assert fast_token_ids('{"token_ids": [1 2]}') is None
+    assert fast_token_ids('{"token_ids": [1, -2]}') is None
+    assert fast_token_ids('{"token_ids": [1, 4294967296]}') is None
+    assert fast_token_ids('{"prompt": "\\"token_ids\\": [1]"}') is None
+    plain = fast_token_ids('{"timestamp": 1, "token_ids": [1, 2, 3]}')
     assert plain is not None
     assert list(plain["token_ids"]) == [1, 2, 3]  # type: ignore[call-overload]
-    fast = _fast_token_ids('{"token_ids": [], "timestamp": 2}')
+    fast = fast_token_ids('{"token_ids": [], "timestamp": 2}')
     assert fast is not None
     assert list(fast["token_ids"]) == []  # type: ignore[call-overload]

@@ -26,7 +26,11 @@ from smollm2 import Predictor, SmolLM2, agreement
 
 LINEAR = "model.layers.0.mlp.down_proj.weight"
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"
-SCALE_SHAPES = {"int8": lambda out, cols: (out,), "fp8": lambda out, cols: (out, cols // GROUP)}
+
+
+def scale_shape(method: str, out: int, cols: int) -> tuple[int, ...]:
+    """The shape of a weight's scales: one per row (int8), or per row and GROUP input columns (fp8)."""
+    return (out,) if method == "int8" else (out, cols // GROUP)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +162,7 @@ def test_quantized_checkpoint_stores_weights_and_f32_scales(
             assert (info.method, info.scale, info.compute_dtype, info.group) == (method, f"{name}.scale", "BF16", group)
             assert raw[name].dtype == stored
             assert raw[f"{name}.scale"].dtype == torch.float32
-            assert raw[f"{name}.scale"].shape == SCALE_SHAPES[method](*tensor.shape)
+            assert raw[f"{name}.scale"].shape == scale_shape(method, *tensor.shape)
         else:
             assert info is None
             assert torch.equal(raw[name], tensor)  # embeddings, norms, lm_head: untouched

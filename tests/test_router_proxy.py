@@ -103,6 +103,19 @@ def test_metrics_count_routes_decisions_and_overhead(urls: list[str]) -> None:
         assert router_metric(router.url, "preheat_router_replica_up", replica=urls[0]) == 1
 
 
+def test_a_streamed_answer_is_counted_before_its_client_has_the_last_chunk(urls: list[str]) -> None:
+    # The router counts an answer before the client's last byte: a client that scrapes /metrics as soon as it has
+    # the answer finds it counted, with no waiting in the test.
+    body = {**GREEDY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with running_router(urls, "round-robin") as router:
+        client = Client(router.url)
+        for _ in range(4):
+            assert client.stream("/v1/chat/completions", body).done
+        routed = sum(router_metric(router.url, "preheat_router_requests_total", replica=u, status="200") for u in urls)
+        assert routed == 4
+        assert router_metric(router.url, "preheat_router_overhead_seconds_count") == 4
+
+
 def test_a_request_is_out_of_flight_before_its_client_has_the_answer(urls: list[str]) -> None:
     # A client that sends its next request as soon as it has an answer (on a new connection) must find the router's
     # count already down: the policies would otherwise see a phantom request queued on the replica that just

@@ -56,7 +56,7 @@ def disk_calls(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
 
     def renaming(real: Callable[[str, str], None]) -> Callable[..., None]:
         def call(src: str, dst: str, *args: object, **kwargs: object) -> None:
-            real(src, dst, *args, **kwargs)  # type: ignore[call-arg]
+            real(src, dst, *args, **kwargs)
             events.append(("rename", os.fspath(src), os.fspath(dst)))
 
         return call

@@ -163,7 +163,7 @@ def test_journal_keeps_chunks_only_under_the_version_named_now() -> None:
     assert kept.pins == {"a": old, "b": {"size": 10, "etag": '"b"'}, "d": old}
 
 
-names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
+names = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=12)
 pins = st.fixed_dictionaries({"size": st.integers(0, 2**40)}, optional={"etag": st.text(max_size=8)})
 
 

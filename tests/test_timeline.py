@@ -16,7 +16,7 @@ import pytest
 
 from preheat.cli import main
 from preheat.errors import ConfigError
-from preheat.server.app import _record_imports
+from preheat.server.app import record_imports
 from preheat.timeline import Stage, Timeline
 from preheat.timeline_report import Waterfall, render_text
 
@@ -99,7 +99,7 @@ def test_preheat_t0_moves_the_origin_back_and_adds_a_platform_stage(monkeypatch:
     monkeypatch.setenv("PREHEAT_T0", str(process_start_time() - 42.0))
     timeline = Timeline.from_env()
     assert timeline.origin_source == "PREHEAT_T0"
-    _record_imports(timeline)
+    record_imports(timeline)
     platform, imports = timeline.stages()
     assert platform.name == "platform"
     assert platform.start == 0.0

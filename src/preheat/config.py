@@ -1,4 +1,7 @@
-"""Settings: one source of truth for tunables, each readable from a ``PREHEAT_*`` environment variable.
+"""Settings: the loader's tunables (``LoaderSettings``: ``PREHEAT_THREADS``, ``PREHEAT_CHUNK_BYTES``,
+``PREHEAT_LOAD_MODE``) and the one flag-then-variable-then-default rule (``resolve_settings``) behind
+``preheat serve``'s and the router's settings. Other layers read their own variables (the HTTP sources, the peer
+options, the node cache's directory): docs/architecture.md, *Environment variables*, lists who reads which.
 
 Sizes are written like people write them: ``8GiB``, ``512MiB``, ``64M``, ``1.5GB`` or ``20%`` (of a total the caller
 supplies, e.g. host RAM).

@@ -16,10 +16,10 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 
-from preheat.errors import PreheatError
+from preheat.errors import ProcessError
+from preheat.http import client
 from preheat.progress import ProgressBars
 
 # float32 ("keep": the GGUF dequantized): every CPU computes in float32, so the weights are bound zero-copy from the
@@ -80,15 +80,21 @@ def stream_chat(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    request = urllib.request.Request(
-        url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
     sent = time.monotonic()
     ttft: float | None = None
     parts: list[str] = []
     usage: dict[str, object] = {}
-    with urllib.request.urlopen(request, timeout=300) as response:
-        for line in response:
+    with client.stream(
+        url + "/v1/chat/completions",
+        "POST",
+        timeouts=client.Timeouts.within(300),
+        body=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    ) as response:
+        if response.status != 200:
+            detail = response.read(4096).decode(errors="replace")
+            raise ProcessError(f"preheat serve at {url} answered the chat request with {response.status}: {detail}")
+        for line in response.lines():
             for payload in parse_events(line + b"\n"):
                 if payload == "[DONE]":
                     continue
@@ -127,7 +133,7 @@ def run_demo(*, question: str, max_tokens: int = 48, gpu_cost_per_hour: float = 
         )
         print("\n", flush=True)
         if not answer.strip():
-            raise PreheatError("the model answered nothing")
+            raise ProcessError(f"preheat serve at {server.url} answered nothing to {question!r}")
         waterfall = timeline_report.Waterfall.from_dict(timeline_report.fetch(server.url), where=server.url)
         say(timeline_report.render_text(waterfall, gpu_cost_per_hour=gpu_cost_per_hour))
         say(

@@ -80,6 +80,11 @@ class RequestError(PreheatError):
     """
 
 
+class ProcessError(PreheatError):
+    """A child process (``preheat serve`` as a child, ``preheat up``'s replicas and router) would not start, exited,
+    or did not answer as it should; the message names the process or its URL and shows its last output."""
+
+
 class RouterError(PreheatError):
     """The router cannot start or reach any replica (bad replica URL, no tokenizer for a cache-aware policy)."""
 

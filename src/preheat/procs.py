@@ -1,10 +1,11 @@
 """Child processes that never outlive their parent: ``pdeathsig`` for any child, and ``ServerProcess``, a
 ``preheat serve`` started on a free port, waited for, and always stopped.
 
-Used by ``preheat demo``, ``preheat up`` (``router/cluster.py``), the benchmarks and the tests; it sits in the
-foundation so that the router and the server, which are siblings, can both use it. It starts ``preheat serve`` as a
-command and imports nothing of the server. The child never outlives its parent: ``stop()`` runs from ``__exit__``
-(Ctrl-C included), and on Linux the kernel also sends it SIGTERM if the parent dies outright (``PR_SET_PDEATHSIG``).
+Used by ``preheat demo``, ``preheat up`` (``router/cluster.py``), the benchmarks and the tests; it sits below the
+router and the server, which are siblings, so that both can use it, and above ``preheat.http``, whose client polls
+``/health``. It starts ``preheat serve`` as a command and imports nothing of the server. The child never outlives
+its parent: ``stop()`` runs from ``__exit__`` (Ctrl-C included), and on Linux the kernel also sends it SIGTERM if
+the parent dies outright (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from typing import IO
 
-from preheat.errors import PreheatError
+from preheat.errors import ProcessError
+from preheat.http.client import HTTPClientError, Timeouts, request
 
 HEALTH_TIMEOUT = 600.0
 
@@ -45,6 +45,15 @@ def pdeathsig() -> Callable[[], None] | None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
     return arm
+
+
+def healthy(url: str) -> bool:
+    """Whether ``url`` (a ``/health`` route) answers 200 now; any other answer, or none (not accepting yet, still
+    loading), is False."""
+    try:
+        return request(url, timeouts=Timeouts.within(5.0), max_body=65536).status == 200
+    except HTTPClientError:
+        return False
 
 
 class ServerProcess:
@@ -82,28 +91,22 @@ class ServerProcess:
             if "listening on " in line:
                 return line.split("listening on ", 1)[1].split()[0]
         self.proc.wait()
-        raise PreheatError(f"preheat serve exited (code {self.proc.returncode}) before listening: {self.lines}")
+        raise ProcessError(f"preheat serve exited (code {self.proc.returncode}) before listening: {self.lines}")
 
     def _drain(self, stream: IO[str] | None) -> None:
         for line in stream or ():
             self.lines.append(line.rstrip("\n"))
 
     def wait_ready(self, timeout: float = HEALTH_TIMEOUT) -> None:
-        """Poll ``/health`` until 200; raise if the server exits or ``timeout`` passes."""
+        """Poll ``/health`` until 200; raise ``ProcessError`` if the server exits or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise PreheatError(f"preheat serve exited with code {self.proc.returncode}: {self.lines[-5:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except urllib.error.HTTPError as exc:
-                exc.close()  # 503: still loading
-            except OSError:
-                pass  # not accepting yet: keep polling
+                raise ProcessError(f"preheat serve exited with code {self.proc.returncode}: {self.lines[-5:]}")
+            if healthy(self.url + "/health"):
+                return
             time.sleep(0.05)
-        raise PreheatError(f"preheat serve at {self.url} was not ready after {timeout:.0f} s")
+        raise ProcessError(f"preheat serve at {self.url} was not ready after {timeout:.0f} s")
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s; always reaps the child."""

@@ -17,7 +17,7 @@ import xxhash
 from preheat.errors import CheckpointError
 
 DIGEST_PREFIX = "xxh3-128:"
-_HASH_CHUNK = 8 * 1024 * 1024  # large enough that per-call overhead vanishes, small enough to stay in L2/L3 cache
+HASH_CHUNK = 8 * 1024 * 1024  # large enough that per-call overhead vanishes, small enough to stay in L2/L3 cache
 
 
 def digest_bytes(data: bytes | bytearray | memoryview) -> str:
@@ -30,17 +30,18 @@ def hash_file(
     ranges: Sequence[tuple[int, int]] = (),
     *,
     progress: Callable[[int], None] | None = None,
+    chunk_bytes: int = HASH_CHUNK,
 ) -> tuple[str, list[str]]:
     """Stream ``path`` once; return its whole-file digest and the digest of each ``(offset, length)`` range.
 
     A range that runs past the end of the file gets the digest of the bytes that exist (so it will not match).
-    ``progress(nbytes)`` is called after each chunk.
+    ``progress(nbytes)`` is called after each chunk of ``chunk_bytes`` read.
     """
     whole = xxhash.xxh3_128()
     hashers = [xxhash.xxh3_128() for _ in ranges]
     order = sorted(range(len(ranges)), key=lambda k: ranges[k][0])
     first = 0  # ranges before this one in ``order`` ended before the current chunk
-    buf = bytearray(_HASH_CHUNK)
+    buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     pos = 0
     try:

@@ -197,9 +197,10 @@ class TrackedHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        """A complete answer (``write_body``), then ``answered(status)``."""
-        write_body(self, status, body, content_type, headers)
+        """``answered(status)``, then a complete answer (``write_body``): counted before it leaves, so a client that
+        scrapes /metrics as soon as it has the answer finds it counted."""
         self.answered(status)
+        write_body(self, status, body, content_type, headers)
 
     def bearer_ok(self, token: str | None, what: str = "token") -> bool:
         """True when ``token`` is None or the request carries ``Authorization: Bearer <token>``; otherwise answer

@@ -15,7 +15,7 @@ import secrets
 from preheat.config import parse_size
 from preheat.errors import ConfigError
 from preheat.kv import chunkfile, mac
-from preheat.kv.chunk import stored_dtype
+from preheat.kv.chunk import expect_for, stored_dtype
 from preheat.kv.events import EventLog
 from preheat.kv.keys import fingerprint
 from preheat.kv.memory import MemoryTier
@@ -61,10 +61,10 @@ def build_tiers(spec: KVSpec, settings: KVSettings) -> TieredKV | None:
             l2_url = None
     fp = spec_fingerprint(spec, settings, identity)
     layout = spec.layout
-    expect = chunkfile.Expect(
-        fingerprint=fp,
-        dtype=stored_dtype(settings.kv_dtype, layout.dtype),
-        shape=layout.chunk_shape(settings.chunk_tokens),
+    expect = expect_for(
+        fp,
+        stored_dtype(settings.kv_dtype, layout.dtype),
+        layout.chunk_shape(settings.chunk_tokens),
         mac_key=mac_key,
     )
     events = EventLog()

@@ -10,19 +10,28 @@ neighbours:
 
 Scales are float32 ``[blocks, layers, 2, kv_heads, block_size]``: 4 bytes per ``head_dim`` values, so a bf16 chunk
 with head_dim 64 shrinks to (64 + 4) / 128 = 53% of its bytes, a float32 one to 27%. Accuracy: docs/kv-cache.md.
+
+``encode_chunk``/``decode_chunk`` are the tensor side of the byte format in ``kv/chunkfile.py`` (which is torch-free):
+a chunk's tensors as bytes for it, and the bytes it verified as tensors (views, no copy).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from preheat.checkpoint import torch_dtypes
 from preheat.errors import KVError
+from preheat.kv import chunkfile
 from preheat.kv.settings import KV_DTYPES
 
 _LIMIT = {"int8": 127.0, "fp8": float(torch.finfo(torch.float8_e4m3fn).max)}
 _STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# Chunks read from Redis arrive as immutable bytes; their tensors are only ever read (copied into the engine's pool),
+# so torch's warning about non-writable buffers is noise here.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 @dataclass(frozen=True)
@@ -84,3 +93,41 @@ def store_form(view: torch.Tensor, kv_dtype: str = "auto", *, pin: bool = False)
 def stored_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype:
     """The dtype of ``StoredChunk.data`` for ``kv_dtype`` on an engine computing in ``compute``."""
     return compute if kv_dtype == "auto" else _STORED[kv_dtype]
+
+
+def expect_for(
+    fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], mac_key: bytes | None = None
+) -> chunkfile.Expect:
+    """What a reader of chunks stored as ``dtype`` (``stored_dtype``) in ``shape`` requires (``chunkfile.Expect``)."""
+    return chunkfile.Expect(fingerprint, torch_dtypes.from_torch(dtype), shape, mac_key=mac_key)
+
+
+def encode_chunk(
+    key: str, fingerprint: str, chunk: StoredChunk, mac_key: bytes | None = None
+) -> list[bytes | memoryview]:
+    """``chunkfile.encode`` of ``chunk``'s tensors (their bytes, not copied)."""
+    contents = chunkfile.Contents(
+        kind=chunk.kind,
+        dtype=torch_dtypes.from_torch(chunk.data.dtype),
+        shape=tuple(chunk.data.shape),
+        data=_bytes_of(chunk.data),
+        scales=None if chunk.scales is None else _bytes_of(chunk.scales),
+        scale_shape=None if chunk.scales is None else tuple(chunk.scales.shape),
+    )
+    return chunkfile.encode(key, fingerprint, contents, mac_key)
+
+
+def decode_chunk(blob: bytes | bytearray | memoryview, key: str, expect: chunkfile.Expect) -> StoredChunk:
+    """The chunk in ``blob`` (tensors are views of it) once ``chunkfile.decode`` has verified it; raises
+    ``chunkfile.CorruptChunkError`` as that does."""
+    payload = chunkfile.decode(blob, key, expect)
+    data = torch.frombuffer(payload.data, dtype=torch_dtypes.to_torch(expect.dtype)).view(expect.shape)
+    if payload.scales is None:
+        return StoredChunk(data)
+    return StoredChunk(data, torch.frombuffer(payload.scales, dtype=torch.float32).view(expect.shape[:-1]))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    # Raw bytes of a contiguous CPU tensor without a copy (uint8 view: works for bf16/fp8, which numpy lacks).
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return flat.numpy().data.cast("B")

@@ -13,8 +13,10 @@
 ``checksum`` is XXH3-128 (hex) of the payload. ``decode`` checks everything against what the reader expects (the
 key it asked for, its own fingerprint, dtype, shape, its MAC key or none) and the checksum, and raises
 ``CorruptChunkError`` (``MacError`` for the tag) on any difference, so a torn write, a flipped bit, a chunk of
-another model or a forged one is a miss, never wrong K/V. Pure: bytes in, bytes out. A reader with a MAC key checks
-the tag before it parses anything else; one without refuses keyed chunks, and one with refuses unkeyed chunks.
+another model or a forged one is a miss, never wrong K/V. Pure and torch-free: bytes in, bytes out (dtypes by
+their safetensors names). ``kv/chunk.py`` turns a ``StoredChunk``'s tensors into these bytes and back. A reader with
+a MAC key checks the tag before it parses anything else; one without refuses keyed chunks, and one with refuses
+unkeyed chunks.
 """
 
 from __future__ import annotations
@@ -22,16 +24,13 @@ from __future__ import annotations
 import hmac
 import json
 import struct
-import warnings
 from dataclasses import dataclass, field
 
-import torch
 import xxhash
 
-from preheat.checkpoint import torch_dtypes
+from preheat.checkpoint import dtypes
 from preheat.errors import KVError
 from preheat.kv import mac
-from preheat.kv.chunk import StoredChunk
 
 MAGIC = b"PHKVCHNK"
 VERSION = 1  # unkeyed
@@ -39,9 +38,7 @@ VERSION_KEYED = 2  # version 1 followed by a keyed BLAKE2b tag of everything bef
 _PREFIX = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 64 * 1024
-# Chunks read from Redis arrive as immutable bytes; their tensors are only ever read (copied into the engine's pool),
-# so torch's warning about non-writable buffers is noise here.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+QUANTIZED = ("I8", "F8_E4M3")  # stored dtypes that carry float32 scales, one per head vector
 
 
 class CorruptChunkError(KVError):
@@ -56,19 +53,29 @@ class MacError(CorruptChunkError):
 
 @dataclass(frozen=True)
 class Expect:
-    """What a reader requires of a chunk: its fingerprint, the stored dtype and the exported shape, and, with a fleet
-    secret (``--kv-secret-file``), the MAC key its tag must verify under (``mac.derive_key``)."""
+    """What a reader requires of a chunk: its fingerprint, the stored dtype (a safetensors name: ``BF16``, ``I8``,
+    ``F8_E4M3``...) and the exported shape, and, with a fleet secret (``--kv-secret-file``), the MAC key its tag must
+    verify under (``mac.derive_key``)."""
 
     fingerprint: str
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, ...]
     mac_key: bytes | None = field(default=None, repr=False)
 
     @property
+    def quantized(self) -> bool:
+        """Whether chunks of this dtype carry scales (``[*shape[:-1]]`` float32) after their data."""
+        return self.dtype in QUANTIZED
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the data part of the payload."""
+        return _numel(self.shape) * dtypes.itemsize(self.dtype)
+
+    @property
     def payload_bytes(self) -> int:
         """Bytes of the payload of every chunk this reader accepts (data, then scales when quantized)."""
-        data_bytes = _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-        return data_bytes + (_numel(self.shape[:-1]) * 4 if _quantized(self.dtype) else 0)
+        return self.data_bytes + (_numel(self.shape[:-1]) * 4 if self.quantized else 0)
 
     @property
     def max_size(self) -> int:
@@ -76,25 +83,45 @@ class Expect:
         return _PREFIX.size + _MAX_HEADER + self.payload_bytes + mac.TAG_BYTES
 
 
-def encode(key: str, fingerprint: str, chunk: StoredChunk, mac_key: bytes | None = None) -> list[bytes | memoryview]:
-    """The file/value for ``chunk`` as pieces to write in order (header, data, scales, tag: no joined copy); keyed
+@dataclass(frozen=True)
+class Payload:
+    """A decoded chunk's bytes, views of the blob: ``data`` (``Expect.dtype``, ``Expect.shape``) and, when
+    quantized, float32 ``scales`` (``Expect.shape[:-1]``)."""
+
+    data: memoryview
+    scales: memoryview | None = None
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What ``encode`` writes: the data's bytes, dtype name and shape, and for a quantized chunk its float32 scales'
+    bytes and shape. ``kind`` is ``exact``, ``int8`` or ``fp8``."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | bytearray | memoryview
+    scales: bytes | bytearray | memoryview | None = None
+    scale_shape: tuple[int, ...] | None = None
+
+
+def encode(key: str, fingerprint: str, contents: Contents, mac_key: bytes | None = None) -> list[bytes | memoryview]:
+    """The file/value for ``contents`` as pieces to write in order (header, data, scales, tag: no joined copy); keyed
     (version 2) when ``mac_key`` is given."""
-    data = _bytes_of(chunk.data)
+    data = memoryview(contents.data).cast("B")
     pieces: list[bytes | memoryview] = [data]
     digest = xxhash.xxh3_128(data)
-    scale_shape = None
-    if chunk.scales is not None:
-        scales = _bytes_of(chunk.scales)
+    if contents.scales is not None:
+        scales = memoryview(contents.scales).cast("B")
         digest.update(scales)
         pieces.append(scales)
-        scale_shape = list(chunk.scales.shape)
     header = {
         "key": key,
         "fingerprint": fingerprint,
-        "kind": chunk.kind,
-        "dtype": torch_dtypes.from_torch(chunk.data.dtype),
-        "shape": list(chunk.data.shape),
-        "scale_shape": scale_shape,
+        "kind": contents.kind,
+        "dtype": contents.dtype,
+        "shape": list(contents.shape),
+        "scale_shape": None if contents.scale_shape is None else list(contents.scale_shape),
         "payload_bytes": sum(len(p) for p in pieces),
         "checksum": digest.hexdigest(),
     }
@@ -109,8 +136,8 @@ def encode(key: str, fingerprint: str, chunk: StoredChunk, mac_key: bytes | None
     return [head, *pieces, tag.digest()]
 
 
-def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> StoredChunk:
-    """The chunk in ``blob`` (tensors are views of it), or ``CorruptChunkError`` saying what is wrong."""
+def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> Payload:
+    """The chunk's bytes in ``blob`` (views of it), or ``CorruptChunkError`` saying what is wrong."""
     view = memoryview(blob).cast("B")
     if len(view) < _PREFIX.size:
         raise CorruptChunkError(f"chunk {key}: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix")
@@ -136,12 +163,10 @@ def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> St
         raise CorruptChunkError(f"chunk {key}: {len(payload)} payload bytes, header says {header['payload_bytes']}")
     if xxhash.xxh3_128_hexdigest(payload) != header["checksum"]:
         raise CorruptChunkError(f"chunk {key}: checksum mismatch (corrupt or torn)")
-    data_bytes = _numel(expect.shape) * torch.empty((), dtype=expect.dtype).element_size()
-    data = torch.frombuffer(payload[:data_bytes], dtype=expect.dtype).view(expect.shape)
+    data_bytes = expect.data_bytes
     if header["scale_shape"] is None:
-        return StoredChunk(data)
-    scales = torch.frombuffer(payload[data_bytes:], dtype=torch.float32).view(expect.shape[:-1])
-    return StoredChunk(data, scales)
+        return Payload(payload[:data_bytes])
+    return Payload(payload[:data_bytes], payload[data_bytes:])
 
 
 def _verified(view: memoryview, key: str, version: int, mac_key: bytes | None) -> memoryview:
@@ -170,12 +195,11 @@ def _check(header: dict[str, object], key: str, expect: Expect) -> None:
         raise wrong("key", header.get("key"), key)
     if header.get("fingerprint") != expect.fingerprint:
         raise wrong("fingerprint", header.get("fingerprint"), expect.fingerprint)
-    dtype_name = torch_dtypes.from_torch(expect.dtype)
-    if header.get("dtype") != dtype_name:
-        raise wrong("dtype", header.get("dtype"), dtype_name)
+    if header.get("dtype") != expect.dtype:
+        raise wrong("dtype", header.get("dtype"), expect.dtype)
     if header.get("shape") != list(expect.shape):
         raise wrong("shape", header.get("shape"), list(expect.shape))
-    want_scales = list(expect.shape[:-1]) if _quantized(expect.dtype) else None
+    want_scales = list(expect.shape[:-1]) if expect.quantized else None
     if header.get("scale_shape") != want_scales:
         raise wrong("scale_shape", header.get("scale_shape"), want_scales)
     want_payload = expect.payload_bytes
@@ -185,18 +209,8 @@ def _check(header: dict[str, object], key: str, expect: Expect) -> None:
         raise wrong("checksum", header.get("checksum"), "a hex string")
 
 
-def _quantized(dtype: torch.dtype) -> bool:
-    return dtype in (torch.int8, torch.float8_e4m3fn)
-
-
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    # Raw bytes of a contiguous CPU tensor without a copy (uint8 view: works for bf16/fp8, which numpy lacks).
-    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-    return flat.numpy().data.cast("B")

@@ -7,7 +7,7 @@ Safe for many processes on many nodes sharing one directory (an NVMe mount, NFS)
   file, removed by the next quota sweep once it is old. Two writers of the same chunk both rename complete, identical
   files: the last rename wins and one valid file remains.
 - **Reads** open only regular files no larger than a chunk of the layout can be (a planted FIFO or huge file never
-  blocks or fills memory), and verify the header, checksum and, with a fleet secret, the MAC (``chunkfile.decode``);
+  blocks or fills memory), and verify the header, checksum and, with a fleet secret, the MAC (``chunk.decode_chunk``);
   a file that fails is a miss and is removed.
 - **Stores** of a chunk whose file exists check that file first: a valid one is kept (its recency refreshed), a
   damaged one is replaced, so one recompute heals every damaged chunk of a prompt.
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from preheat.kv import chunkfile
-from preheat.kv.chunk import StoredChunk
+from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.tier import EvictHook, Health, TierStats
 
 log = logging.getLogger("preheat.kv")
@@ -152,7 +152,7 @@ class FileTier:
                 got += n
         if got != len(blob):
             raise chunkfile.CorruptChunkError(f"chunk {key}: read {got} of {len(blob)} bytes")
-        return chunkfile.decode(blob, key, self.expect), len(blob)
+        return decode_chunk(blob, key, self.expect), len(blob)
 
     def _holds(self, path: str, key: str) -> bool:
         """Whether ``path`` already holds a valid ``key``: a store then only refreshes its recency. A file that
@@ -178,7 +178,7 @@ class FileTier:
         path = self.path(key)
         if self._holds(path, key):
             return True
-        pieces = chunkfile.encode(key, self.expect.fingerprint, chunk, self.expect.mac_key)
+        pieces = encode_chunk(key, self.expect.fingerprint, chunk, self.expect.mac_key)
         temp = os.path.join(os.path.dirname(path), f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)

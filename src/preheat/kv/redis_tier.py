@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from preheat.kv import chunkfile
-from preheat.kv.chunk import StoredChunk
+from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.settings import DEFAULT_TTL_S
 from preheat.kv.tier import EvictHook, Health, TierStats
 
@@ -103,7 +103,7 @@ class RedisTier:
                 raise chunkfile.CorruptChunkError(
                     f"chunk {key}: more than {limit} bytes, larger than any chunk of this layout"
                 )
-            chunk = chunkfile.decode(blob, key, self.expect)
+            chunk = decode_chunk(blob, key, self.expect)
         except chunkfile.CorruptChunkError as exc:
             log.warning("KV L2: %s; deleting it from %s", exc, self.describe())
             self._delete(key)
@@ -115,7 +115,7 @@ class RedisTier:
     def put(self, key: str, chunk: StoredChunk) -> bool:
         if not self.health.should_try():
             return False
-        value = b"".join(chunkfile.encode(key, self.expect.fingerprint, chunk, self.expect.mac_key))
+        value = b"".join(encode_chunk(key, self.expect.fingerprint, chunk, self.expect.mac_key))
         try:
             self.client.set(self.prefix + key, value, ex=self.ttl_s)
         except redis.RedisError as exc:

@@ -13,13 +13,16 @@ import os
 import re
 import shutil
 import threading
-import time
-import urllib.error
-import urllib.request
-from urllib.parse import urlsplit
 
 from preheat.errors import PeerError
-from preheat.http.ranges import parse_length
+from preheat.http.client import (
+    AnswerTooLargeError,
+    HTTPClientError,
+    Redirects,
+    ResponseTimeoutError,
+    Timeouts,
+    get,
+)
 from preheat.peer.artifacts import MAX_BLOB_BYTES, ArtifactKey, Verified, verify
 from preheat.peer.server import ARTIFACTS_ROUTE
 from preheat.peer.signing import TrustedKeys
@@ -149,38 +152,6 @@ class ArtifactStore:
 # -- fetching from peers -------------------------------------------------------------------------------------------
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    try:
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-    except ValueError:
-        port = -1
-    return parts.scheme, (parts.hostname or ""), port
-
-
-class _CredentialSafeRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows at most 3 redirects, to http(s) only, and drops ``Authorization`` when scheme, host or port change:
-    the peer token is for the peer the registry named, never for wherever it points."""
-
-    max_redirections = 3
-
-    def redirect_request(  # noqa: PLR0917 - urllib's signature, called positionally by urllib
-        self,
-        req: urllib.request.Request,
-        fp: object,
-        code: int,
-        msg: str,
-        headers: object,
-        newurl: str,
-    ) -> urllib.request.Request | None:
-        if urlsplit(newurl).scheme not in ("http", "https"):
-            raise PeerError(f"{req.full_url}: redirect to {newurl!r} refused (http or https only)")
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)  # type: ignore[arg-type]
-        if new is not None and _origin(newurl) != _origin(req.full_url):
-            new.remove_header("Authorization")
-        return new
-
-
 def fetch(
     address: str,
     key: ArtifactKey,
@@ -193,36 +164,27 @@ def fetch(
     """The blob for ``key`` from the peer at ``address`` (unverified: pass it to ``verify``), or None when it has
     none, cannot be reached, sends more than ``max_bytes``, or takes longer than ``deadline_s`` in all."""
     url = f"http://{address}{ARTIFACTS_ROUTE}{key.hex}"
-    request = urllib.request.Request(url)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    opener = urllib.request.build_opener(_CredentialSafeRedirects)
-    started = time.monotonic()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with opener.open(request, timeout=timeout) as response:
-            declared = parse_length(response.headers.get("Content-Length"))
-            if declared is not None and declared > max_bytes:
-                log.warning(
-                    "compile: peer %s offers %s bytes of artifacts, over the %d cap", address, declared, max_bytes
-                )
-                return None
-            chunks: list[bytes] = []
-            received = 0
-            while chunk := response.read(min(1 << 20, max_bytes + 1 - received)):
-                chunks.append(chunk)
-                received += len(chunk)
-                if received > max_bytes:
-                    log.warning("compile: peer %s sent more than %d bytes of artifacts; dropped", address, max_bytes)
-                    return None
-                if time.monotonic() - started > deadline_s:
-                    log.warning("compile: peer %s took over %.0f s to send artifacts; dropped", address, deadline_s)
-                    return None
-            return b"".join(chunks)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        if exc.code != 404:
-            log.warning("compile: peer %s refused artifacts: HTTP %d", address, exc.code)
+        answer = get(
+            url,
+            timeouts=Timeouts.within(timeout),
+            headers=headers,
+            max_body=max_bytes,
+            deadline_s=deadline_s,
+            redirects=Redirects(limit=3),  # the token never follows to another scheme, host or port
+        )
+    except AnswerTooLargeError:
+        log.warning("compile: peer %s offers more than %d bytes of artifacts; dropped", address, max_bytes)
         return None
-    except (OSError, PeerError) as exc:  # URLError is an OSError; PeerError: a redirect we refuse to follow
+    except ResponseTimeoutError as exc:
+        log.warning("compile: peer %s too slow sending artifacts (%s); dropped", address, exc)
+        return None
+    except HTTPClientError as exc:  # unreachable, broken, or a redirect we refuse to follow
         log.warning("compile: peer %s unreachable for artifacts: %s", address, exc)
         return None
+    if answer.status != 200:
+        if answer.status != 404:
+            log.warning("compile: peer %s refused artifacts: HTTP %d", address, answer.status)
+        return None
+    return answer.body

@@ -24,6 +24,13 @@ def _pyplot(path: str) -> Any:  # Any: matplotlib ships no types we check agains
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str) -> str:  # Any: as in _pyplot
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_hit_rates(sweep: Sequence[dict[str, float | int]], path: str, *, shared_prefix_ratio: float) -> str:
     """Hit rate (fraction of prompt tokens) against cache capacity, one line per routing plus a shared L2."""
     plt = _pyplot(path)
@@ -47,10 +54,7 @@ def plot_hit_rates(sweep: Sequence[dict[str, float | int]], path: str, *, shared
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("KV cache hit rate against capacity")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def frontier(points: Sequence[tuple[str, float, float]]) -> list[int]:
@@ -85,7 +89,4 @@ def plot_frontier(points: Sequence[tuple[str, float, float]], path: str) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
     ax.set_title("Cost against p99 TTFT per policy")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

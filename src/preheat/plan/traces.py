@@ -121,7 +121,7 @@ def _iter_jsonl(path: str, problems: Problems) -> Iterator[Request]:
             if not raw.strip():
                 continue
             try:
-                doc = _fast_token_ids(raw) or json.loads(raw)
+                doc = fast_token_ids(raw) or json.loads(raw)
             except json.JSONDecodeError as exc:
                 problems.bad_line(number, f"not JSON ({exc.msg} at column {exc.colno})")
                 continue
@@ -145,7 +145,7 @@ _KEY = '"token_ids"'
 _ID_CHARS = str.maketrans("", "", "0123456789, \t\r\n")  # what a plain list of ids is made of
 
 
-def _fast_token_ids(raw: str) -> dict[str, object] | None:
+def fast_token_ids(raw: str) -> dict[str, object] | None:
     """A ``token_ids`` line parsed ~4x faster than ``json.loads`` (numpy reads the list, JSON the few other fields);
     None whenever the line is anything but plain, when the careful path decides (and words the error)."""
     key = raw.find(_KEY)

@@ -16,12 +16,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from preheat.errors import PreheatError
+from preheat.errors import ProcessError
+from preheat.http.client import HTTPClientError, Timeouts, request
 from preheat.procs import pdeathsig
 
 ADDRESS_TIMEOUT = 120.0  # a child prints its address once its socket is bound (before any model loads)
@@ -68,7 +67,7 @@ class Child:
         self._listening.wait(timeout)
         if self.url is None:
             code = self.proc.poll()
-            raise PreheatError(f"{self.name} did not start listening (exit code {code}); its output is above")
+            raise ProcessError(f"{self.name} did not start listening (exit code {code}); its output is above")
         return self.url
 
     def signal_group(self, signum: int) -> None:
@@ -140,21 +139,24 @@ def start_cluster(
 
 
 def wait_healthy(router_url: str, replicas: int, timeout: float, alive: Callable[[], bool]) -> None:
-    """Poll the router's ``/health`` until all ``replicas`` are in rotation; ``PreheatError`` on timeout or if a
+    """Poll the router's ``/health`` until all ``replicas`` are in rotation; ``ProcessError`` on timeout or if a
     child exits meanwhile."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive():
-            raise PreheatError("a child process exited while the cluster was starting; its output is above")
-        try:
-            with urllib.request.urlopen(router_url + "/health", timeout=5) as response:
-                status = json.load(response)
-        except urllib.error.HTTPError as exc:
-            status = json.load(exc)
-            exc.close()
-        except OSError:
-            status = {}
-        if sum(bool(r.get("healthy")) for r in status.get("replicas", [])) == replicas:
+            raise ProcessError("a child process exited while the cluster was starting; its output is above")
+        if _replicas_healthy(router_url + "/health") == replicas:
             return
         time.sleep(0.2)
-    raise PreheatError(f"the replicas were not all healthy after {timeout:.0f} s")
+    raise ProcessError(f"the replicas were not all healthy after {timeout:.0f} s")
+
+
+def _replicas_healthy(url: str) -> int:
+    """How many replicas the router's ``/health`` (200 or 503, JSON either way) says are in rotation; 0 while it
+    does not answer."""
+    try:
+        status = json.loads(request(url, timeouts=Timeouts.within(5.0), max_body=1 << 20).body)
+    except (HTTPClientError, ValueError):
+        return 0
+    replicas = status.get("replicas", []) if isinstance(status, dict) else []
+    return sum(bool(r.get("healthy")) for r in replicas if isinstance(r, dict))

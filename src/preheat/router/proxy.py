@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
@@ -208,16 +209,28 @@ class RouterHandler(TrackedHandler):
                 # Learnt only from a 2xx, before the client hears of it (its next request may share the prefix).
                 router.policy.answered(request, replica.url, ok=200 <= response.status < 300)
             break
-        # The request is over for the replica when its last byte arrives, before the client gets ours: a client that
-        # sends its next request as soon as it has this answer must not find this one still counted in flight.
-        over = _once(lambda: replica.end(time.perf_counter() - sent))
+        # The request is over for the replica when its last byte arrives, and it is counted just before the client's
+        # last byte goes out: a client that sends its next request, or scrapes /metrics, as soon as it has this
+        # answer must find it neither still in flight nor not yet counted.
+        upstream_done = [sent]
+
+        def replica_over() -> None:
+            upstream_done[0] = time.perf_counter()
+            replica.end(upstream_done[0] - sent)
+
+        over = _once(replica_over)
+
+        def count(status: int) -> None:
+            over()
+            router.metrics.routed.inc(replica=replica.url, status=str(status))
+            # The router's own time: before the replica had the request, and after its last byte came.
+            router.metrics.overhead.observe((sent - started) + max(time.perf_counter() - upstream_done[0], 0.0))
+
         try:
             reason = "retry" if len(tried) > 1 else decision.reason
-            upstream_done, status = self.relay(replica, conn, response, reason, over)
+            self.relay(replica, conn, response, reason, Ending(over, _once_with(count)))
         finally:
             over()  # when the relay ended some other way (an exception)
-        router.metrics.routed.inc(replica=replica.url, status=str(status))
-        router.metrics.overhead.observe((sent - started) + max(time.perf_counter() - upstream_done, 0.0))
 
     def relay(
         self,
@@ -225,10 +238,10 @@ class RouterHandler(TrackedHandler):
         conn: http.client.HTTPConnection,
         response: http.client.HTTPResponse,
         reason: str,
-        over: Callable[[], None],
-    ) -> tuple[float, int]:
-        """Send the replica's answer to the client, calling ``over()`` once the replica's part is over (before the
-        client's last byte); returns when the replica's last byte arrived, and the status."""
+        ending: Ending,
+    ) -> None:
+        """Send the replica's answer to the client, calling ``ending.over()`` once the replica's part is over and
+        ``ending.count(status)`` just before the client's last byte."""
         headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_HEADERS]
         headers += [(REPLICA_HEADER, replica.url), (REASON_HEADER, reason)]
         if not response.chunked:
@@ -236,34 +249,33 @@ class RouterHandler(TrackedHandler):
                 body = response.read()
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                over()
+                ending.count(502)
                 message = f"replica {replica.url} failed while answering: {type(exc).__name__}: {exc}"
                 self.send_error_json(502, message, "server_error", "replica_failed")
-                return time.perf_counter(), 502
-            done = time.perf_counter()
+                return
             replica.release(conn, response)
-            over()
+            ending.over()
             self.send_response(response.status)
             for name, value in headers:
                 self.send_header(name, value)
             self.send_header("Content-Length", str(len(body)))
+            ending.count(response.status)  # end_headers() sends the headers: nothing has left yet
             self.end_headers()
             self.wfile.write(body)
-            return done, response.status
+            return
         self.send_response(response.status)
         for name, value in headers:
             self.send_header(name, value)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.stream(replica, conn, response, over)
-        return time.perf_counter(), response.status
+        self.stream(replica, conn, response, ending)
 
     def stream(
         self,
         replica: Replica,
         conn: http.client.HTTPConnection,
         response: http.client.HTTPResponse,
-        over: Callable[[], None],
+        ending: Ending,
     ) -> None:
         """Relay a chunked answer as the replica writes it. Server-sent events are relayed whole: a replica that
         dies mid-event must not leave half an event in front of the error event that ends the stream."""
@@ -274,7 +286,7 @@ class RouterHandler(TrackedHandler):
                 data = response.read1(65536)
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                over()
+                ending.count(response.status)
                 self.close_connection = True
                 message = f"replica {replica.url} failed mid-stream: {type(exc).__name__}: {exc}"
                 self.server.router.metrics.errors.inc(code="replica_failed")
@@ -283,7 +295,7 @@ class RouterHandler(TrackedHandler):
                 self.write_chunk(b"")
                 return
             if not data:
-                over()  # the replica's last chunk came: the client's last one goes out below
+                ending.count(response.status)  # the replica's last chunk came: the client's last one goes out below
             pending += data
             if events and data:
                 cut = pending.rfind(b"\n\n") + 2  # 1 when there is no complete event yet
@@ -293,6 +305,7 @@ class RouterHandler(TrackedHandler):
             if (ready and not self.write_chunk(ready)) or (not data and not self.write_chunk(b"")):
                 conn.close()  # the client left: closing makes the replica stop generating for nobody
                 self.close_connection = True
+                ending.count(response.status)
                 return
             if not data:
                 replica.release(conn, response)
@@ -307,6 +320,27 @@ class RouterHandler(TrackedHandler):
         except OSError:
             return False
         return True
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a relay reports the end of an exchange: ``over()`` when the replica's part is over (its last byte came
+    or it failed), ``count(status)`` just before the client's last byte goes out (it calls ``over()`` too). Each
+    acts once."""
+
+    over: Callable[[], None]
+    count: Callable[[int], None]
+
+
+def _once_with(action: Callable[[int], None]) -> Callable[[int], None]:
+    """``action(status)`` on the first call, nothing on later ones (one handler thread calls it)."""
+    pending = [action]
+
+    def call(status: int) -> None:
+        if pending:
+            pending.pop()(status)
+
+    return call
 
 
 def _once(action: Callable[[], None]) -> Callable[[], None]:

@@ -5,7 +5,9 @@ engine or any third-party web framework at module level: the HTTP layer is ``pre
 standard library's ``ThreadingHTTPServer``, server-sent events are framed in ``sse.py``, and ``/metrics`` is written by
 prometheus-client, imported on the first scrape (docs/server.md).
 
-    from preheat.server.app import serve
-    from preheat.server.settings import ServeSettings
-    serve(ServeSettings.resolve(model="./smollm2"))
+``run`` takes the flags by ``ServeSettings`` field name (``None``: not given) and serves until SIGINT/SIGTERM:
+
+>>> from preheat.server.app import run                  # doctest: +SKIP
+>>> run({"model": "./smollm2", "port": 8000})           # doctest: +SKIP
+0
 """

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from preheat.errors import PreheatError
+from preheat.errors import ConfigError, PreheatError
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
 from preheat.server import openai, sse
@@ -241,7 +241,7 @@ class Handler(TrackedHandler):
             return True
 
 
-def _record_imports(timeline: Timeline) -> None:
+def record_imports(timeline: Timeline) -> None:
     """``imports``: from this process's start to now; plus ``platform`` when ``PREHEAT_T0`` starts the clock earlier."""
     now = timeline.now()
     started = 0.0
@@ -258,14 +258,16 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
     """
     say = announce or (lambda line: print(line, flush=True))
     timeline = Timeline.from_env()
-    _record_imports(timeline)
+    record_imports(timeline)
     with timeline.stage("config"):
         settings = ServeSettings.resolve(flags)
         state = ServerState(settings, timeline)
         try:
             httpd = PreheatHTTPServer((settings.host, settings.port), state)
         except OSError as exc:
-            raise PreheatError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+            # A setting this machine cannot honour (the port is taken, the host is not one of its addresses).
+            message = f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}; choose another --host/--port"
+            raise ConfigError(message) from None
     host, port = httpd.socket.getsockname()[:2]
     say(f"preheat serve: listening on http://{host}:{port} (loading {settings.model} in the background)")
     loader = threading.Thread(target=_load_in_background, args=(httpd, say), name="preheat-load", daemon=True)

@@ -8,10 +8,10 @@ engine's own ``weight_load``, ``model_build`` and ``tokenizer``, then ``warmup``
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from preheat.config import LoaderSettings
 from preheat.server.settings import ServeSettings
 from preheat.timeline import Timeline
 
@@ -70,7 +70,7 @@ def load(settings: ServeSettings, timeline: Timeline) -> Loaded:
             dtype=settings.engine_dtype,
             max_model_len=settings.max_model_len,
             timeline=timeline,
-            load_mode=os.environ.get("PREHEAT_LOAD_MODE") or None,
+            load_mode=LoaderSettings.from_env().mode,  # PREHEAT_LOAD_MODE, named in the weight_load stage
         )
         if settings.compile:  # compiles during one warm-up, with artifacts from the node cache or a peer
             from preheat.server.peering import compile_engine

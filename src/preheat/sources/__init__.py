@@ -1,4 +1,5 @@
-"""Where checkpoint bytes come from: a local/NFS/Lustre path, HTTP(S), S3, or (later) a warm peer.
+"""Where checkpoint bytes come from: a local/NFS/Lustre path, HTTP(S) or S3 (a warm peer is a source too, in
+``preheat.peer``, which stands above this package).
 
 Every kind implements the two small protocols in ``preheat.sources.base``; the loader and the cache never care which.
 ``preheat.sources.open.open_origin`` is the one place that picks the kind for a location.
