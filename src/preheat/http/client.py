@@ -13,8 +13,9 @@ it), ``ExchangeError`` (the connection broke or the answer was malformed), ``Ans
 
 Besides whole answers (``request``, ``Connection``): ``stream`` reads an answer as it comes (a streamed chat), and
 ``get`` follows redirects under a ``Redirects`` policy with a byte cap and an overall deadline (artifacts from
-peers). Ranged weight reads have their own client (``preheat.sources.httpclient``): they read straight into the
-caller's buffers.
+peers). Ranged weight reads (``preheat.sources.httpclient``) keep their own pooled connections and read straight
+into the caller's buffers, but open them with ``connect``, compare origins with ``origin``, drop credentials with
+``without_credentials`` and describe failures with ``describe``, all from here.
 
 >>> Timeouts.within(10.0), Timeouts.within(0.5)
 (Timeouts(connect=2.0, read=10.0), Timeouts(connect=0.5, read=0.5))
@@ -51,9 +52,10 @@ class HTTPClientError(PreheatError):
 class ConnectError(HTTPClientError):
     """No connection: nothing was sent. ``refused``: the host is up and nothing listens on the port."""
 
-    def __init__(self, url: str, message: str, *, refused: bool) -> None:
+    def __init__(self, url: str, message: str, *, refused: bool, cause: OSError | None = None) -> None:
         super().__init__(url, message)
         self.refused = refused
+        self.cause = cause  # the socket or TLS failure, for callers that tell a rejected certificate apart
 
 
 class ResponseTimeoutError(HTTPClientError):
@@ -87,9 +89,9 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class Redirects:
-    """Which redirects ``get`` follows: at most ``limit``, to http(s) only, and ``Authorization`` is dropped as soon
-    as the scheme, host or port change (a credential is for the server it was given for, never for wherever that
-    server points; it is not restored if a later hop comes back).
+    """Which redirects ``get`` follows: at most ``limit``, to http(s) only, and credentials (``CREDENTIAL_HEADERS``)
+    are dropped as soon as the scheme, host or port change (a credential is for the server it was given for, never
+    for wherever that server points; it is not restored if a later hop comes back).
 
     >>> Redirects().limit
     3
@@ -102,21 +104,51 @@ class Redirects:
         target = urljoin(url, location)
         if urlsplit(target).scheme not in ("http", "https"):
             raise RedirectError(url, f"redirect to {target!r} refused (http or https only)")
-        if _origin(target) != _origin(url):
-            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        if origin(target) != origin(url):
+            headers = without_credentials(headers)
         return target, headers
 
 
 REDIRECT_STATUSES = frozenset((301, 302, 303, 307, 308))
+DEFAULT_PORTS = {"http": 80, "https": 443}
+CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})  # never carried to another origin
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
+def origin(url: str) -> tuple[str, str, int | None]:
+    """``(scheme, host, port)`` of ``url``, lower-cased, the scheme's default port filled in: two URLs with equal
+    tuples are one origin (RFC 6454), and credentials go to no other.
+
+    >>> origin("HTTPS://Models.Example") == origin("https://models.example:443/llama")
+    True
+    """
     parts = urlsplit(url)
+    scheme = parts.scheme.lower()
     try:
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        port = parts.port
     except ValueError:  # a port out of range or not a number: an origin of its own
         port = -1
-    return parts.scheme, (parts.hostname or ""), port
+    return scheme, (parts.hostname or ""), DEFAULT_PORTS.get(scheme) if port is None else port
+
+
+def without_credentials(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` less any credential (``Authorization``, ``Cookie``, ``Proxy-Authorization``), for another origin."""
+    return {k: v for k, v in headers.items() if k.lower() not in CREDENTIAL_HEADERS}
+
+
+def describe(exc: BaseException, timeouts: Timeouts) -> str:
+    """A short human description of a socket or protocol failure."""
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return f"timed out (connect {timeouts.connect:g} s, read {timeouts.read:g} s)"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (is the server running?)"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name ({exc.strerror})"
+    if isinstance(exc, http.client.IncompleteRead):
+        return f"connection closed after {len(exc.partial)} bytes of the body"
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "the server closed the connection without answering"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
 
 
 @dataclass(frozen=True)
@@ -142,11 +174,11 @@ def connect(
     try:
         conn.connect()
     except ConnectionRefusedError as exc:
-        raise ConnectError(where, f"connection refused ({exc.strerror})", refused=True) from None
-    except TimeoutError:
-        raise ConnectError(where, f"no connection within {timeouts.connect:g} s", refused=False) from None
+        raise ConnectError(where, f"connection refused ({exc.strerror})", refused=True, cause=exc) from None
+    except TimeoutError as exc:
+        raise ConnectError(where, f"no connection within {timeouts.connect:g} s", refused=False, cause=exc) from None
     except OSError as exc:  # ssl.SSLError included: a failed handshake is a failed connection
-        raise ConnectError(where, f"cannot connect: {exc.strerror or exc}", refused=False) from None
+        raise ConnectError(where, f"cannot connect: {exc.strerror or exc}", refused=False, cause=exc) from None
     sock = conn.sock
     assert sock is not None  # connect() succeeded
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from preheat.errors import ConfigError, SourceChangedError, SourceError, SourceNotFoundError
+from preheat.http.client import describe
 from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources.base import Validator, check_name, strong_etag, too_large
-from preheat.sources.httpclient import HTTPClient, Response, describe
+from preheat.sources.httpclient import HTTPClient, Response
 from preheat.sources.net import NetSettings, TransientError, retrying
 from preheat.sources.remote import Cursor, RemoteFile
 from preheat.sources.stats import TOTALS, TransferStats
@@ -144,7 +145,7 @@ class HTTPOrigin:
                     received += len(piece)
             except (OSError, http.client.HTTPException) as exc:
                 response.abandon()
-                raise TransientError(describe(exc, self.settings)) from exc
+                raise TransientError(describe(exc, client.timeouts)) from exc
             finally:
                 self.stats.add(nbytes=received)
             if received > limit:  # no Content-Length (chunked), and more than the limit
@@ -263,7 +264,7 @@ class HTTPFile(RemoteFile):
                 received += got
         except (OSError, http.client.HTTPException) as exc:
             response.abandon()
-            raise TransientError(f"{describe(exc, self._client.settings)} after {received} of {n} bytes") from exc
+            raise TransientError(f"{describe(exc, self._client.timeouts)} after {received} of {n} bytes") from exc
         except TransientError:
             response.abandon()
             raise
@@ -338,7 +339,7 @@ class HTTPFile(RemoteFile):
                 stream.pos += got
                 skipped += got
         except (OSError, http.client.HTTPException) as exc:
-            raise TransientError(f"{describe(exc, self._client.settings)} at byte {stream.pos}") from exc
+            raise TransientError(f"{describe(exc, self._client.timeouts)} at byte {stream.pos}") from exc
         finally:
             self._client.stats.add(nbytes=skipped, skipped=skipped)
 

@@ -10,12 +10,15 @@ port of a URL (RFC 6454; the default port filled in, so ``https://h`` and ``http
 ports on one host are two origins). A redirect that changes any of the three drops the token, and any
 ``Authorization`` or ``Cookie`` header the caller gave, for the rest of that request's redirects, even one that comes
 back (``https://a -> http://a`` or ``https://a -> https://b -> https://a`` is answered without it).
+
+Connection opening (the timeout policy, TCP_NODELAY), the origin comparison, the credential rule and the description
+of socket failures are ``preheat.http.client``'s (``connect``, ``origin``, ``without_credentials``, ``describe``);
+this module adds the per-thread pool, the ranged-read response handling and the mapping to ``sources`` errors.
 """
 
 from __future__ import annotations
 
 import http.client
-import socket
 import ssl
 import threading
 import weakref
@@ -24,13 +27,12 @@ from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
 from preheat.errors import SourceAccessError, SourceError, SourceNotFoundError
+from preheat.http.client import ConnectError, Timeouts, connect, describe, origin, without_credentials
 from preheat.http.ranges import parse_length
 from preheat.sources.net import NetSettings, TransientError
 from preheat.sources.stats import TransferStats
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
-DEFAULT_PORTS = {"http": 80, "https": 443}
-_CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})  # never carried to another origin
 MAX_REDIRECTS = 5
 DRAIN_LIMIT = 64 * 1024  # read an unwanted body this small to keep the connection; close it for anything larger
 USER_AGENT = "preheat/0.1"
@@ -38,42 +40,31 @@ USER_AGENT = "preheat/0.1"
 _STALE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, http.client.BadStatusLine)
 
 
-class _TimedHTTPConnection(http.client.HTTPConnection):
-    """Connects within the connect timeout, then waits at most ``read_timeout`` for each read or write."""
-
-    def __init__(self, host: str, port: int | None, *, connect_timeout: float, read_timeout: float) -> None:
-        super().__init__(host, port, timeout=connect_timeout)
-        self.read_timeout = read_timeout
-
-    def connect(self) -> None:
-        super().connect()
-        self.sock.settimeout(self.read_timeout)
-
-
-class _TimedHTTPSConnection(http.client.HTTPSConnection):
-    """As ``_TimedHTTPConnection``, over TLS (certificates verified; ``SSL_CERT_FILE`` selects a CA bundle)."""
-
-    def __init__(self, host: str, port: int | None, *, connect_timeout: float, read_timeout: float) -> None:
-        super().__init__(host, port, timeout=connect_timeout, context=ssl.create_default_context())
-        self.read_timeout = read_timeout
-
-    def connect(self) -> None:
-        super().connect()
-        self.sock.settimeout(self.read_timeout)
-
-
 @dataclass(eq=False)
 class Connection:
-    """One HTTP connection. ``owner`` is the thread it belongs to, or None for a dedicated one (a stream that moves
-    between threads), which is closed for good when released."""
+    """One HTTP connection to ``host:port`` (TLS with ``tls``), opened by ``preheat.http.client.connect`` on first
+    use and again once closed. ``owner`` is the thread it belongs to, or None for a dedicated one (a stream that
+    moves between threads), which is closed for good when released."""
 
-    http: http.client.HTTPConnection
+    host: str
+    port: int
+    tls: ssl.SSLContext | None
+    timeouts: Timeouts
     owner: threading.Thread | None
     requests: int = 0
+    live: http.client.HTTPConnection | None = None  # None until first opened
+
+    def opened(self) -> http.client.HTTPConnection:
+        """The connection, (re)connected now if it is closed (by ``reset`` or by a server's ``Connection: close``).
+        Raises ``ConnectError``."""
+        if self.live is None or self.live.sock is None:
+            self.live = connect(self.host, self.port, self.timeouts, tls=self.tls)
+        return self.live
 
     def reset(self) -> None:
-        """Close the socket; ``http.client`` reconnects on the next request."""
-        self.http.close()
+        """Close the socket; the next request reconnects."""
+        if self.live is not None:
+            self.live.close()
         self.requests = 0
 
 
@@ -125,18 +116,11 @@ class ConnectionPool:
         _close_each(conns)
 
     def _new(self, scheme: str, netloc: str, owner: threading.Thread | None) -> Connection:
-        parts = urlsplit(f"{scheme}://{netloc}")
-        host = parts.hostname or ""
-        kind = _TimedHTTPSConnection if scheme == "https" else _TimedHTTPConnection
-        conn = Connection(
-            kind(
-                host,
-                parts.port,
-                connect_timeout=self._settings.connect_timeout,
-                read_timeout=self._settings.read_timeout,
-            ),
-            owner,
-        )
+        _, host, port = origin_of(f"{scheme}://{netloc}")
+        assert port is not None  # http(s) only: HTTPClient checks the scheme and the port first
+        # A TLS context per connection: SSL_CERT_FILE is read when it is made (certificates verified).
+        tls = ssl.create_default_context() if scheme == "https" else None
+        conn = Connection(host, port, tls, timeouts_of(self._settings), owner)
         with self._lock:
             dead = [c for c in self._all if c.owner is not None and not c.owner.is_alive()]
             for c in dead:
@@ -148,7 +132,8 @@ class ConnectionPool:
 
 def _close_each(conns: list[Connection]) -> None:
     for conn in conns:
-        conn.http.close()
+        if conn.live is not None:
+            conn.live.close()
 
 
 @dataclass(eq=False)
@@ -198,6 +183,7 @@ class HTTPClient:
 
     def __init__(self, *, token: str | None, token_netloc: str, settings: NetSettings, stats: TransferStats) -> None:
         self.settings = settings
+        self.timeouts = timeouts_of(settings)
         self.stats = stats
         self.pool = ConnectionPool(settings)
         self._token = token or None  # "" means none (a peer origin passes it so PREHEAT_HTTP_TOKEN is not read)
@@ -224,7 +210,7 @@ class HTTPClient:
             there = origin_of(url)
             if there != here:  # another scheme, host or port: credentials stay behind, for good
                 authorize = False
-                given = {k: v for k, v in given.items() if k.lower() not in _CREDENTIALS}
+                given = without_credentials(given)
             here = there
         raise SourceError(f"{url}: more than {MAX_REDIRECTS} redirects")
 
@@ -273,51 +259,32 @@ class HTTPClient:
         while True:
             reused = conn.requests > 0
             try:
-                conn.http.request(method, target, headers=sent)
-                body = conn.http.getresponse()
-            except ssl.SSLCertVerificationError as exc:
+                opened = conn.opened()
+            except ConnectError as exc:
                 self.pool.release(conn)
-                raise SourceError(
-                    f"{url}: TLS certificate rejected ({exc.verify_message}); point SSL_CERT_FILE at the CA bundle"
-                ) from None
+                if isinstance(exc.cause, ssl.SSLCertVerificationError):
+                    raise SourceError(
+                        f"{url}: TLS certificate rejected ({exc.cause.verify_message}); "
+                        "point SSL_CERT_FILE at the CA bundle"
+                    ) from None
+                raise TransientError(describe(exc.cause or exc, self.timeouts)) from exc
+            try:
+                opened.request(method, target, headers=sent)
+                body = opened.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 conn.reset()
                 if reused and isinstance(exc, _STALE):
                     continue  # the server closed this idle keep-alive connection; resend on a fresh one
                 self.pool.release(conn)
-                raise TransientError(describe(exc, self.settings)) from exc
+                raise TransientError(describe(exc, self.timeouts)) from exc
             conn.requests += 1
             self.stats.add(requests=1)
             return Response(method, url, body, conn, self.pool)
 
 
-def origin_of(url: str) -> tuple[str, str, int | None]:
-    """``(scheme, host, port)`` of ``url``, host lower-cased and the scheme's default port filled in: two URLs with
-    equal tuples are one origin (RFC 6454), and only the token's origin sees the token.
-
-    >>> origin_of("HTTPS://Models.Example") == origin_of("https://models.example:443/llama")
-    True
-    """
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    try:
-        port = parts.port
-    except ValueError:  # not a port: an origin of its own, which _send_once then refuses
-        port = -1
-    return scheme, (parts.hostname or ""), DEFAULT_PORTS.get(scheme) if port is None else port
+def timeouts_of(settings: NetSettings) -> Timeouts:
+    """The ``preheat.http.client`` timeout policy for ``settings`` (``PREHEAT_HTTP_TIMEOUT``)."""
+    return Timeouts(connect=settings.connect_timeout, read=settings.read_timeout)
 
 
-def describe(exc: BaseException, settings: NetSettings) -> str:
-    """A short human description of a network failure."""
-    if isinstance(exc, (TimeoutError, socket.timeout)):
-        return f"timed out (connect {settings.connect_timeout:g} s, read {settings.read_timeout:g} s)"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is the server running?)"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the host name ({exc.strerror})"
-    if isinstance(exc, http.client.IncompleteRead):
-        return f"connection closed after {len(exc.partial)} bytes of the body"
-    if isinstance(exc, http.client.RemoteDisconnected):
-        return "the server closed the connection without answering"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+origin_of = origin  # the origin comparison is preheat.http.client's (kept under this name for callers)
