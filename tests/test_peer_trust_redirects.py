@@ -205,3 +205,17 @@ def test_an_empty_token_sends_no_authorization_header(front: RecordingServer) ->
 )
 def test_an_origin_is_scheme_host_and_port(a: str, b: str, same: bool) -> None:
     assert (origin_of(a) == origin_of(b)) is same
+
+
+def test_a_peer_that_redirects_is_refused_and_the_target_never_contacted(
+    front: RecordingServer, other: RecordingServer
+) -> None:
+    """A peer serves its own checkpoint's files or nothing: a redirect would let it steer pullers to any URL."""
+    from preheat.peer.pull import PeerOptions, peer_origin
+
+    front.redirects[("http", "/peer/v1/files/config.json")] = f"http://127.0.0.1:{other.port}/elsewhere.json"
+    origin = peer_origin(f"127.0.0.1:{front.port}", PeerOptions(token=TOKEN))
+    with pytest.raises(SourceError, match="follows none"):
+        origin.read_bytes("config.json")
+    assert [s.path for s in front.seen] == ["/peer/v1/files/config.json"]
+    assert other.seen == []

@@ -110,9 +110,13 @@ class PeerOptions:
 
 def peer_origin(address: str, options: PeerOptions) -> HTTPOrigin:
     """The files of the peer at ``address`` as an origin: one attempt per read, and no byte for ``stall_timeout``
-    seconds fails it, so a frozen peer costs seconds, never the origin's 30 s timeout and retries."""
+    seconds fails it, so a frozen peer costs seconds, never the origin's 30 s timeout and retries; no redirects."""
     settings = NetSettings(
-        connect_timeout=options.connect_timeout, read_timeout=options.stall_timeout, attempts=1, backoff=0.05
+        connect_timeout=options.connect_timeout,
+        read_timeout=options.stall_timeout,
+        attempts=1,
+        backoff=0.05,
+        redirects=0,  # a peer serves its own files: a redirect is a lie, and the peer is dropped for it
     )
     return HTTPOrigin(f"http://{address}{FILES_ROUTE.rstrip('/')}", token=options.token or "", settings=settings)
 

@@ -200,19 +200,22 @@ class HTTPClient:
         given = dict(headers or {})
         authorize = self._token is not None and urlsplit(url).netloc == self._token_netloc
         here = origin_of(url)
-        for _ in range(MAX_REDIRECTS + 1):
+        limit = min(self.settings.redirects, MAX_REDIRECTS)
+        for _ in range(limit + 1):
             response = self._send_once(method, url, given, dedicated=dedicated, authorize=authorize)
             location = response.header("Location")
             if response.status not in REDIRECTS or not location:
                 return response
             response.drain()
+            if limit == 0:
+                raise SourceError(f"{url}: answered a redirect to {location[:200]!r}, and this source follows none")
             url = urljoin(url, location)
             there = origin_of(url)
             if there != here:  # another scheme, host or port: credentials stay behind, for good
                 authorize = False
                 given = without_credentials(given)
             here = there
-        raise SourceError(f"{url}: more than {MAX_REDIRECTS} redirects")
+        raise SourceError(f"{url}: more than {limit} redirects")
 
     def check(self, response: Response, what: str) -> None:
         """Return for 2xx; otherwise release the response and raise the error its status means."""

@@ -40,6 +40,9 @@ class NetSettings:
     backoff: float = 0.2  # first retry delay; doubles per consecutive failure
     max_backoff: float = 5.0
     whole_file_limit: int = READ_BYTES_LIMIT  # bytes ``read_bytes`` may hold (configs, manifests); more is refused
+    # Redirects one request may follow. Peers get 0: a peer serves its own checkpoint's files or nothing, and a
+    # redirect from one would steer the puller to any URL the peer chose.
+    redirects: int = 5
 
     @classmethod
     def from_env(cls) -> NetSettings:
