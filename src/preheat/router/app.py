@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from preheat.config import resolve_settings
 from preheat.errors import ConfigError, RouterError
 from preheat.http.server import sigterm_interrupts
+from preheat.peer.access import is_loopback
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
@@ -24,7 +25,6 @@ from preheat.router.upstream import Replica, parse_url
 
 log = logging.getLogger("preheat.router")
 PREFIX = "PREHEAT_ROUTER_"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SECONDS = (
     "health_interval",
     "health_timeout",
@@ -195,7 +195,7 @@ def run(flags: Mapping[str, object], announce: Callable[[str], None] | None = No
                 f"preheat router: listening on {service.url} (policy {settings.policy}, "
                 f"{up}/{len(settings.replicas)} replicas healthy)"
             )
-            if not settings.api_key and settings.host not in LOOPBACK:
+            if not settings.api_key and not is_loopback(settings.host):
                 say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")
             service.serve()
     except KeyboardInterrupt:

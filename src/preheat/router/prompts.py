@@ -1,7 +1,7 @@
 """A request body, read the way the replica reads it: the session id, and the prompt's token ids.
 
 The token ids must be exactly the replica's, or no chunk key would match: the body is validated by the replica's own
-pure ``preheat.text.request.parse_request``, a chat is rendered by the model's chat template and encoded without the
+pure ``preheat.text.request.parse_body``, a chat is rendered by the model's chat template and encoded without the
 tokenizer's post-processor, a completions prompt is encoded with it (BOS), and token-id prompts are taken as they
 are: the same ``preheat.text`` code and steps as ``preheat.server.generation._tokenize`` through
 ``Engine.encode_chat`` / ``encode_prompt``. Nothing here imports torch, the engine or the server (a test checks it).
@@ -13,12 +13,12 @@ see one server's errors whether or not a router stands in front of it.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from preheat.errors import PreheatError, RouterError
 from preheat.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.policies import RouteRequest
-from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, APIError, parse_request
+from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, APIError, parse_body
 
 if TYPE_CHECKING:
     from preheat.text.tokenizer import TextTokenizer
@@ -62,14 +62,14 @@ class PromptReader:
         if request.session is None and isinstance(raw.get("user"), str) and raw["user"]:
             request.session = raw["user"]
         if self.tokenizer is not None:
-            request.token_ids = self._token_ids(kind, body, raw)
+            request.token_ids = self._token_ids(kind, raw)
         return request
 
-    def _token_ids(self, kind: str, body: bytes, raw: dict[str, object]) -> list[int] | None:
+    def _token_ids(self, kind: str, raw: dict[str, Any]) -> list[int] | None:
         model = raw.get("model")
         try:
             # The replica checks the model name; here any name is accepted, only the prompt matters.
-            parsed = parse_request(body, kind, model if isinstance(model, str) else "")
+            parsed = parse_body(raw, kind, model if isinstance(model, str) else "")
         except APIError:
             return None
         assert self.tokenizer is not None

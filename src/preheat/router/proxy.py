@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec
 
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
@@ -27,9 +28,10 @@ from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
 from preheat.router.upstream import Replica, UpstreamError
-from preheat.text.request import MAX_BODY_BYTES
+from preheat.text.request import MAX_BODY_BYTES, APIError
 
 log = logging.getLogger("preheat.router")
+P = ParamSpec("P")
 MAX_BODY = MAX_BODY_BYTES  # the replica's own limit: larger bodies are refused here, without a round trip
 # Per-connection headers are not forwarded (RFC 9110 7.6.1); Host and Content-Length are set again for the replica.
 HOP_HEADERS = frozenset(
@@ -125,7 +127,7 @@ class RouterHandler(TrackedHandler):
     ) -> None:
         """An OpenAI-shaped error the router itself answers (no replica, the replica failed, no API key)."""
         self.server.router.metrics.errors.inc(code=code)
-        body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+        body = APIError(status, message, type=type_, code=code).body()
         extra = {"Retry-After": "1"} if headers is None else headers
         self.send_body(status, json.dumps(body).encode(), "application/json", extra)
 
@@ -228,7 +230,7 @@ class RouterHandler(TrackedHandler):
 
         try:
             reason = "retry" if len(tried) > 1 else decision.reason
-            self.relay(replica, conn, response, reason, Ending(over, _once_with(count)))
+            self.relay(replica, conn, response, reason, Ending(over, _once(count)))
         finally:
             over()  # when the relay ended some other way (an exception)
 
@@ -254,7 +256,6 @@ class RouterHandler(TrackedHandler):
                 self.send_error_json(502, message, "server_error", "replica_failed")
                 return
             replica.release(conn, response)
-            ending.over()
             self.send_response(response.status)
             for name, value in headers:
                 self.send_header(name, value)
@@ -332,23 +333,12 @@ class Ending:
     count: Callable[[int], None]
 
 
-def _once_with(action: Callable[[int], None]) -> Callable[[int], None]:
-    """``action(status)`` on the first call, nothing on later ones (one handler thread calls it)."""
+def _once(action: Callable[P, None]) -> Callable[P, None]:
+    """``action(...)`` on the first call, nothing on later ones (one handler thread calls it)."""
     pending = [action]
 
-    def call(status: int) -> None:
+    def call(*args: P.args, **kwargs: P.kwargs) -> None:
         if pending:
-            pending.pop()(status)
-
-    return call
-
-
-def _once(action: Callable[[], None]) -> Callable[[], None]:
-    """``action`` on the first call, nothing on later ones (one handler thread calls it)."""
-    pending = [action]
-
-    def call() -> None:
-        if pending:
-            pending.pop()()
+            pending.pop()(*args, **kwargs)
 
     return call

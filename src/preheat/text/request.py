@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from preheat.errors import PreheatError
 from preheat.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
@@ -80,6 +81,11 @@ def parse_request(raw: bytes, kind: str, served_model: str) -> GenerationRequest
         raise bad_request(f"request body refused: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    return parse_body(body, kind, served_model)
+
+
+def parse_body(body: dict[str, Any], kind: str, served_model: str) -> GenerationRequest:  # Any: decoded JSON
+    """``parse_request`` for a body already decoded within its bounds (the router decodes it once for routing)."""
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model", code="invalid_type")
