@@ -192,7 +192,8 @@ def _resolve_mode(
         raise DeviceError(f"device {device} was requested but torch sees no CUDA device")
     if mode == "auto":
         # GDS moves bytes past host memory, where nothing can hash them: a load that must be checked reads instead.
-        real_gds = gds_status().available and not gds_status().compat_mode
+        status = gds_status()
+        real_gds = status.available and not status.compat_mode
         return "gds" if real_gds and verify is not True else "read"
     return mode
 

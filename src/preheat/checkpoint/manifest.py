@@ -27,7 +27,7 @@ from functools import cached_property
 from preheat.checkpoint import dtypes
 from preheat.checkpoint.digest import DIGEST_PREFIX, digest_bytes, file_digest, hash_file
 from preheat.checkpoint.jsonfile import read_config
-from preheat.checkpoint.safetensors import MAX_DIMS, MAX_INT, SafetensorsHeader
+from preheat.checkpoint.safetensors import MAX_DIMS, MAX_INT, SafetensorsHeader, brief
 from preheat.errors import CheckpointError, ConfigError
 from preheat.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
 from preheat.sources.base import READ_BYTES_LIMIT, check_name
@@ -387,7 +387,7 @@ class _Parser:
         obj = self.obj(value, f"quant of tensor {tensor!r}")
         method = self.key(obj, "method")
         if not isinstance(method, str) or method not in QUANT_METHODS:  # a list would not even hash
-            raise self.fail(f"tensor {tensor!r} has unknown quantization method {_brief(method)}", tensor=tensor)
+            raise self.fail(f"tensor {tensor!r} has unknown quantization method {brief(method)}", tensor=tensor)
         if QUANT_METHODS[str(method)] != dtype:
             raise self.fail(
                 f"tensor {tensor!r} is {dtype}, but {method} weights are stored as {QUANT_METHODS[str(method)]}"
@@ -420,7 +420,7 @@ class _Parser:
 
     def int(self, value: object, what: str, *, low: int) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_INT:
-            raise self.fail(f"{what} must be an integer in [{low}, 2**63), got {_brief(value)}")
+            raise self.fail(f"{what} must be an integer in [{low}, 2**63), got {brief(value)}")
         return value
 
     def name(self, value: object, what: str) -> str:
@@ -526,9 +526,3 @@ def _world_size(root: str, weights: Iterable[str]) -> int:
             path=root,
         )
     return worlds.pop()
-
-
-def _brief(value: object) -> str:
-    """``repr(value)`` cut short for a message (a hostile manifest's values can be megabytes)."""
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."

@@ -138,7 +138,7 @@ def _entry(name: str, spec: object, *, path: str, data_start: int) -> TensorEntr
             tensor=name,
         )
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_bounded(d) for d in shape):
-        raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {_brief(shape)}", path=path, tensor=name)
+        raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {brief(shape)}", path=path, tensor=name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -146,7 +146,7 @@ def _entry(name: str, spec: object, *, path: str, data_start: int) -> TensorEntr
         or offsets[0] > offsets[1]
     ):
         raise CheckpointError(
-            f"{path}: tensor {name!r} has invalid data_offsets {_brief(offsets)}", path=path, tensor=name
+            f"{path}: tensor {name!r} has invalid data_offsets {brief(offsets)}", path=path, tensor=name
         )
     expected = math.prod(shape) * dtypes.itemsize(dtype)
     if offsets[1] - offsets[0] != expected:
@@ -164,8 +164,8 @@ def _bounded(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
 
 
-def _brief(value: object) -> str:
-    """``repr(value)`` cut short for a message (a hostile header's values can be megabytes)."""
+def brief(value: object) -> str:
+    """``repr(value)`` cut short for a message (a hostile header's or manifest's values can be megabytes)."""
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 

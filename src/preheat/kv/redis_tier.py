@@ -99,11 +99,7 @@ class RedisTier:
             if isinstance(blob, redis.RedisError):  # WRONGTYPE: a list or hash under a chunk's name
                 raise chunkfile.CorruptChunkError(f"chunk {key}: not a string value ({blob})")
             assert isinstance(blob, bytes)
-            if len(blob) > limit:
-                raise chunkfile.CorruptChunkError(
-                    f"chunk {key}: more than {limit} bytes, larger than any chunk of this layout"
-                )
-            chunk = decode_chunk(blob, key, self.expect)
+            chunk = decode_chunk(blob, key, self.expect)  # refuses a value over expect.max_size first
         except chunkfile.CorruptChunkError as exc:
             log.warning("KV L2: %s; deleting it from %s", exc, self.describe())
             self._delete(key)

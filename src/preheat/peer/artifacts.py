@@ -349,7 +349,13 @@ def verify(
 
     ``built_here`` is the body SHA-256 this node recorded when it packed the blob (the node cache's marker): such a
     blob needs no signature. Raises ``PeerError`` (``ArtifactTrustError`` when only trust is missing)."""
-    parsed = parse(raw, where=where)
+    return _verify_parsed(parse(raw, where=where), raw, key, trusted, where=where, built_here=built_here)
+
+
+def _verify_parsed(
+    parsed: Parsed, raw: bytes, key: ArtifactKey | str, trusted: TrustedKeys, *, where: str, built_here: str | None
+) -> Verified:
+    """``verify`` of a blob already parsed (parsing hashes the whole blob: once is enough)."""
     if isinstance(key, ArtifactKey):
         _check_key(parsed, key, where=where)
     elif parsed.key_hex != key:
@@ -361,8 +367,9 @@ def verify(
 
 def built_here(key: ArtifactKey, raw: bytes) -> Verified:
     """The blob this process just packed (``pack``), as a ``Verified`` of local provenance."""
-    parsed = parse(raw, where="artifacts packed here")
-    return verify(raw, key, TrustedKeys(), where="artifacts packed here", built_here=parsed.body_sha256)
+    where = "artifacts packed here"
+    parsed = parse(raw, where=where)
+    return _verify_parsed(parsed, raw, key, TrustedKeys(), where=where, built_here=parsed.body_sha256)
 
 
 def install(verified: Verified, directory: str, *, where: str) -> None:
