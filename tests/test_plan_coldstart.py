@@ -76,3 +76,24 @@ def test_the_timeline_commands_json_reads_the_same_as_the_servers() -> None:
     served = json.loads((EXAMPLES / "coldstart-8b.json").read_text())
     printed = Waterfall.from_dict(served).to_dict(gpu_cost_per_hour=4.0)  # what `preheat timeline --json` prints
     assert ColdStart.from_timeline(printed) == ColdStart.from_timeline(served)
+
+
+def test_overlapping_stages_count_once_on_the_critical_path() -> None:
+    # preheat serve's start: the tokenizer and page-in run while torch imports; the phases still add up to ready.
+    data = _timeline(
+        ("imports", 0.0, 0.2),
+        ("config", 0.2, 0.25),
+        ("engine_imports", 0.25, 1.75),
+        ("model_config", 0.25, 0.26),
+        ("page_in", 0.26, 0.27),
+        ("tokenizer", 0.27, 0.6),
+        ("weight_load", 1.75, 1.85),
+        ("model_build", 1.85, 1.9),
+        ("warmup", 1.9, 2.0),
+    )
+    cold = ColdStart.from_timeline(data, provision_s=0.0, image_s=0.0)
+    assert cold.phases["start"] == pytest.approx(1.75)  # the tokenizer hid behind torch's import
+    assert cold.phases["warmup"] == pytest.approx(0.1)
+    assert cold.phases["other"] == pytest.approx(0.0)
+    assert sum(cold.phases.values()) == pytest.approx(2.0)
+    assert cold.standby_seconds(download=False) == pytest.approx(0.25)  # load 0.15 + warmup 0.1

@@ -140,3 +140,19 @@ def test_headroom_starts_a_replica_before_the_slots_run_out() -> None:
     headroom = simulate(trace, COLD, Policy("w", min_replicas=1), replace(settings, target_utilization=0.5))
     assert headroom.cold_starts == 1  # 3 requests > 4 slots x 50%: a second replica is asked for
     assert headroom.ttft.tolist() == full.ttft.tolist()  # the first replica still served them all at once
+
+
+def test_a_standby_replica_starts_after_its_activation_only_and_is_billed_all_along() -> None:
+    # COLD with a start phase: a standby replica has done provision, image and start; it pays download + load.
+    cold = ColdStart({**COLD.phases, "start": 5.0, "warmup": 1.0})
+    trace = _trace((0.0, 100, 1))
+    standby = simulate(trace, cold, Policy("standby", standby=1), SPEED)
+    assert standby.ttft.tolist() == pytest.approx([50.0 + 20.0 + 1.0 + 0.1])
+    assert standby.cold_start_s["standby"] == pytest.approx(71.0)
+    cached = simulate(trace, cold, Policy("standby-cache", standby=1, node_cache=True), SPEED)
+    assert cached.ttft.tolist() == pytest.approx([20.0 + 1.0 + 0.1])
+    # Billed like a warm pool node: the standby node for the whole horizon, the replica on it not again.
+    assert cached.cost == pytest.approx(cached.horizon_s)
+    assert parse_policy("mine:standby=3,cache").standby == 3
+    with pytest.raises(ConfigError):
+        Policy("bad", standby=-1)

@@ -22,7 +22,7 @@ NAME = "tiny"
 
 def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list[int], list[str]]:
     """Run ``preheat up`` until it prints ``ready``; returns it, the router's URL, every child's pid and the
-    replicas' URLs."""
+    replicas' URLs (standby replicas' included, after the serving ones)."""
     command = [sys.executable, "-m", "preheat", "up", str(model), "--replicas", "2", "--port", "0",
                "--served-model-name", NAME, "--max-model-len", "256", *extra]  # fmt: skip
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -31,7 +31,7 @@ def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list
     replicas: list[str] = []
     assert up.stdout is not None
     for line in up.stdout:
-        if found := re.match(r"(replica \d+|router): (\S+) \(pid (\d+)\)", line):
+        if found := re.match(r"(replica \d+|standby \d+|router): (\S+) \(pid (\d+)\)", line):
             pids.append(int(found.group(3)))
             router = found.group(2) if found.group(1) == "router" else router
             replicas += [found.group(2)] if found.group(1) != "router" else []
@@ -116,3 +116,17 @@ def test_up_hands_the_l2_url_to_replicas_through_their_environment(kv_model: Pat
     assert all(str(shared).encode() not in line for line in command_lines)
     assert all(l2_ids), l2_ids  # every replica still runs on the shared L2...
     assert len(set(l2_ids)) == 1, l2_ids  # ...the same one
+
+
+def test_up_keeps_standby_replicas_that_its_router_activates(tiny_servable_model: Path) -> None:
+    with running_up(tiny_servable_model, "--replicas", "0", "--standby", "1") as (up, router, pids, replicas):
+        assert len(pids) == 2  # the standby and the router
+        client = Client(router)
+        assert client.get("/health").json()["status"] == "cold"
+        reply = client.post("/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 2})
+        assert reply.status == 200, reply.body
+        assert reply.headers["X-Preheat-Replica"] == replicas[0]
+        assert client.metric("preheat_router_activations_total", replica=replicas[0], outcome="ok") == 1
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    assert wait_gone(pids) == []

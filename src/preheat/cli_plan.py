@@ -44,7 +44,9 @@ policies (repeat --policy; default: every preset):
   quantized       fewer weight bytes: download and load x --quantized-load-factor
   warm-pool       2 nodes always provisioned (no provisioning stage), replicas beyond them on spot nodes
   all-four        all of the above
-  NAME:SPEC       a preset with changes or a new policy: min=N,max=N,idle=S,pool=N,cache,quant,spot
+  standby         2 `preheat serve --standby` replicas always up (billed), activated from the node cache: a replica
+                  placed on one pays only download/load/warm-up (no provisioning, image, imports)
+  NAME:SPEC       a preset with changes or a new policy: min=N,max=N,idle=S,pool=N,standby=N,cache,quant,spot
                   e.g. --policy warm-replicas:min=2 --policy mine:min=1,cache,pool=1,spot
 
 scaling: on each arrival the fleet should have ceil(requests in system / (--slots x --target-utilization))
@@ -359,17 +361,15 @@ def _print_simulate(
     )
     table = Table(
         title=f"per policy: seconds, $ at ${args.gpu_cost_per_hour:g}/h per replica (* = on the cost/p99 frontier)",
-        caption="start: cold start on a new node / on a warm pool node; starts: cold starts; peak: most replicas",
+        caption="start: cold start on a new node / on a warm pool node / from standby; starts: cold starts; "
+        "peak: most replicas",
     )
     for column in ("policy", "start", "TTFT p50", "TTFT p99", "accel-h", "cost", "idle cost", "starts", "peak"):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=column == "policy")
     for i, d in enumerate(docs):
-        start = d["cold_start_s"]
         table.add_row(
             ("* " if i in best else "  ") + str(d["policy"]),
-            f"{start['new_node']:.0f}/{start['warm_pool_node']:.0f}"
-            if d["settings"]["warm_pool"]
-            else f"{start['new_node']:.0f}",
+            _starts(d),
             f"{d['ttft_p50_s']:.3f}",
             f"{d['ttft_p99_s']:.3f}",
             f"{d['accelerator_hours']:.1f}",
@@ -379,3 +379,14 @@ def _print_simulate(
             str(d["peak_replicas"]),
         )
     console.print(table)
+
+
+def _starts(doc: dict[str, Any]) -> str:  # Any: one policy's --json record
+    """The start column: new node, then the warm pool node's and the standby's when the policy has them."""
+    start, settings = doc["cold_start_s"], doc["settings"]
+    parts = [f"{start['new_node']:.0f}"]
+    if settings["warm_pool"]:
+        parts.append(f"{start['warm_pool_node']:.0f}")
+    if settings.get("standby"):
+        parts.append(f"{start['standby']:.1f}")
+    return "/".join(parts)

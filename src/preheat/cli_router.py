@@ -14,21 +14,37 @@ import time
 from typing import Any
 
 ROUTER_HELP = """\
-An OpenAI-compatible reverse proxy in front of `preheat serve` replicas: clients change nothing but the URL.
+An OpenAI-compatible reverse proxy in front of `preheat serve`, vLLM or SGLang replicas: clients change only the URL.
 Request and response bodies pass through unchanged; streams are relayed chunk by chunk.
 
 policies:
   round-robin  each replica in turn
   least-load   the fewest requests in flight through this router
   session      sticky by session id: the X-Session-Id header, else the body's "user" field
-  prefix       the replica this router already sent the longest run of the prompt's KV chunks to (needs --model)
+  prefix       the replica this router already sent the longest run of the prompt's KV chunks to
   kv           the lowest expected time to first token, from the replicas' own KV events: tokens to recompute x
-               prefill cost + tokens in L1/L2 x that tier's cost + queue wait (needs --model, replicas with --kv-l1)
+               prefill cost + tokens in L1/L2 x that tier's cost + queue wait (replicas with --kv-l1)
+               vLLM and SGLang replicas: give their ZMQ KV events with --kv-events (docs/integrations.md)
+  prefix and kv read prompts with --model DIR's tokenizer (--model @replicas: the replicas', asked at start).
   prefix and kv fall back to the least-loaded replica when queues are imbalanced (--guard-gap), and spread a prefix
   hot enough to queue on one replica to a second one (--hot-in-flight).
 
 Dead replicas are ejected (health checks, failed requests) and readmitted when /health answers 200 again; a request
-that fails before the replica answered anything is retried once on another replica.
+that fails before the replica answered anything is retried once on another replica. A replica that says it is not
+serving (a 503 "sleeping", "standby", "draining"... from /health or to a request) is ejected at once, and the request
+it refused goes to another replica.
+
+cold capacity (standby and sleeping replicas):
+  --standby URL gives a `preheat serve --standby` replica the router may activate (POST /v1/preheat/load
+  --standby-model MODEL, which its --allow-model must allow); a sleeping replica (POST /v1/preheat/sleep) may be
+  woken (POST /v1/preheat/wake; --no-wake: never). The router brings one up, the cheapest first (a wake's measured
+  cost, activations measured here), when
+    - no replica is in rotation: the request waits for it (up to --activation-timeout), or gets a 503 that says
+      why each cold start failed (model not allowed there, bad checksum, ...) after the next one was tried;
+    - every replica in rotation is saturated: --saturation requests or more in flight through this router each
+      (default 3); meanwhile the request goes to the replica the policy picks.
+  A replica enters rotation only when its own /health answers 200. Metrics: preheat_router_activations_total,
+  preheat_router_wakes_total, preheat_router_activation_seconds, preheat_router_wake_seconds.
 
 routes: everything the replicas serve, plus the router's own GET /health and GET /metrics.
 authentication: with --api-key, every route but /health and /metrics needs 'Authorization: Bearer KEY', checked
@@ -39,8 +55,13 @@ environment: every flag has a PREHEAT_ROUTER_* variable (PREHEAT_ROUTER_REPLICAS
 examples:
   preheat router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy least-load
   preheat router --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 --policy kv --model ./smollm2
+  preheat router --policy kv --model ./smollm2 \\
+      --replica http://10.0.0.7:8000 --kv-events tcp://10.0.0.7:5557 --kv-replay tcp://10.0.0.7:5558 \\
+      --replica http://10.0.0.8:8000,events=tcp://10.0.0.8:5557,replay=tcp://10.0.0.8:5558   # vLLM / SGLang
+  preheat router --replica http://127.0.0.1:8001 --standby http://127.0.0.1:8002 --standby-model s3://models/smollm2 \
+      --served-model-name smollm2 --saturation 2          # a second replica, activated when the first is busy
 
-docs: docs/router.md, docs/kv-events.md
+docs: docs/router.md, docs/kv-events.md, docs/integrations.md (vLLM, SGLang)
 """
 
 # Spelled out here (router/policies.py has the same tuple): importing the router on every `preheat` start would slow
@@ -51,9 +72,15 @@ UP_HELP = """\
 Start N `preheat serve` replicas of MODEL and a router in front of them, all on 127.0.0.1, print the endpoints,
 wait until every replica is healthy, and stop them all on Ctrl-C or SIGTERM (SIGKILL after a grace period).
 
+With --standby N it also starts N `preheat serve --standby --allow-model MODEL` replicas, which the router activates
+when no replica is in rotation or all are saturated (--saturation; docs/router.md, *Standby and sleeping replicas*).
+The pool is not refilled: an activated standby is a serving replica from then on.
+
 examples:
   preheat up --replicas 2 ./smollm2
   preheat up --replicas 2 ./smollm2 --kv-l1 2GiB --kv-l2 fs:///tmp/kv --policy kv --port 8080
+  preheat up --replicas 1 --standby 2 ./smollm2 --saturation 2     # grows to 3 replicas under load
+  preheat up --replicas 0 --standby 1 ./smollm2                    # the first request activates one
 """
 
 
@@ -66,12 +93,38 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     router.add_argument(
-        "--replica", dest="replicas", action="append", default=None, metavar="URL", help="http://host:port"
+        "--replica",
+        dest="replicas",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="http://host:port; an engine replica may carry its KV events: URL,events=tcp://H:P,replay=tcp://H:P",
+    )
+    router.add_argument(
+        "--kv-events",
+        dest="replicas",
+        action=_ReplicaOption,
+        option="events",
+        metavar="tcp://HOST:PORT",
+        help="kv: the preceding --replica is a vLLM/SGLang engine publishing ZMQ KV events here",
+    )
+    router.add_argument(
+        "--kv-replay",
+        dest="replicas",
+        action=_ReplicaOption,
+        option="replay",
+        metavar="tcp://HOST:PORT",
+        help="kv: the preceding --replica's replay endpoint, to catch up after a gap or a restart",
     )
     _router_flags(router)
     router.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1)")
     router.add_argument("--port", type=int, default=None, help="port (default: 8080; 0 picks a free one)")
-    router.add_argument("--model", default=None, metavar="DIR", help="the replicas' model, for its tokenizer")
+    router.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="the replicas' model, for its tokenizer; @replicas: ask the replicas for theirs",
+    )
     router.add_argument(
         "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (PREHEAT_ROUTER_API_KEY)"
     )
@@ -80,6 +133,25 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         default=None,
         metavar="KEY",
         help="the replicas' --api-key, sent to them in place of the client's (PREHEAT_ROUTER_REPLICA_API_KEY)",
+    )
+    router.add_argument(
+        "--standby",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a `preheat serve --standby` replica the router may activate when it needs capacity (repeat it)",
+    )
+    router.add_argument(
+        "--standby-model",
+        default=None,
+        metavar="MODEL",
+        help="what a standby is told to load: a directory or URI its --allow-model allows (default: --model DIR)",
+    )
+    router.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the name an activated standby serves the model under (default: MODEL's last path part)",
     )
     router.set_defaults(func=_cmd_router)
 
@@ -91,6 +163,13 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     )
     up.add_argument("model", help="checkpoint directory (served by every replica; the router's tokenizer)")
     up.add_argument("--replicas", type=int, default=2, help="how many replicas (default: 2)")
+    up.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also start N standby replicas the router activates when it needs capacity (default: 0)",
+    )
     up.add_argument("--port", type=int, default=8080, help="the router's port (default: 8080; 0 picks a free one)")
     _router_flags(up)
     for flag in ("--kv-l1", "--kv-l2", "--max-model-len", "--served-model-name", "--device", "--dtype", "--max-queue"):
@@ -103,6 +182,26 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         help="one key for the router and every replica (default: PREHEAT_ROUTER_API_KEY; none: all open on 127.0.0.1)",
     )
     up.set_defaults(func=_cmd_up)
+
+
+class _ReplicaOption(argparse.Action):
+    """``--kv-events``/``--kv-replay``: an option of the ``--replica`` given just before (URL,events=...)."""
+
+    def __init__(self, *args: Any, option: str, **kwargs: Any) -> None:  # Any: argparse's own signature
+        super().__init__(*args, **kwargs)
+        self.option = option
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,  # Any: argparse's signature (a str here: nargs is None)
+        option_string: str | None = None,
+    ) -> None:
+        replicas = getattr(namespace, self.dest, None)
+        if not replicas:
+            parser.error(f"{option_string} applies to the --replica before it: give --replica URL first")
+        replicas[-1] += f",{self.option}={values}"
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
@@ -121,10 +220,34 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-snapshot-interval", type=float, default=None, help="kv: seconds between full snapshots of an L2 (60)"
     )
     parser.add_argument("--upstream-timeout", type=float, default=None, help="seconds to wait on a replica (300)")
+    parser.add_argument(
+        "--saturation",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a replica with N or more requests in flight through the router is saturated; all saturated: bring up "
+        "a standby or sleeping replica (3)",
+    )
+    parser.add_argument(
+        "--activation-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds an activation or a wake may take; a request with no replica waits as long (300)",
+    )
+    parser.add_argument(
+        "--no-wake",
+        dest="wake",
+        action="store_const",
+        const=False,
+        default=None,
+        help="never wake a sleeping replica (default: wake one when capacity is needed)",
+    )
 
 
 ROUTER_FLAGS = ("policy", "chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
-                "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout")  # fmt: skip
+                "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout", "saturation",
+                "activation_timeout")  # fmt: skip
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -136,13 +259,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return run(flags)
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
-    from preheat.http.server import sigterm_interrupts
-    from preheat.router.cluster import start_cluster, wait_healthy
-
-    def echo(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
+def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The command-line arguments ``preheat up`` gives every replica, and the router."""
     replica_args: list[str] = []
     for name in ("kv_l1", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
         value = getattr(args, name)
@@ -153,6 +271,28 @@ def _cmd_up(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             router_args += ["--" + name.replace("_", "-"), str(value)]
+    if args.wake is False:
+        router_args.append("--no-wake")
+    if args.standby:
+        # The standbys' --allow-model (cluster.py) and the router's --standby-model name the model the same way.
+        model = os.path.abspath(args.model) if "://" not in args.model else args.model
+        router_args += ["--standby-model", model]
+        if args.served_model_name is not None:
+            router_args += ["--served-model-name", str(args.served_model_name)]
+    return replica_args, router_args
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from preheat.http.server import sigterm_interrupts
+    from preheat.router.cluster import start_cluster, wait_healthy
+
+    def echo(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.standby < 0 or args.replicas < 0 or args.replicas + args.standby < 1:
+        print("preheat up: give at least one replica (--replicas N, --standby N)", file=sys.stderr)
+        return 2
+    replica_args, router_args = _up_arguments(args)
     # Secrets reach the children through their environment, never their command lines (visible to all users): the
     # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
     key = args.api_key or os.environ.get("PREHEAT_ROUTER_API_KEY")
@@ -167,7 +307,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     with sigterm_interrupts():
         try:
             cluster = start_cluster(
-                args.model, args.replicas, replica_args=replica_args, router_args=router_args, echo=echo, env=env
+                args.model,
+                args.replicas,
+                replica_args=replica_args,
+                router_args=router_args,
+                echo=echo,
+                env=env,
+                standby=args.standby,
             )
             assert cluster.router is not None
             assert cluster.router.url is not None
@@ -179,6 +325,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 args.replicas,
                 args.ready_timeout,
                 alive=lambda: all(c.proc.poll() is None for c in live.children),
+                standby=args.standby,
             )
             print(f"ready: {cluster.router.url}/v1 (Ctrl-C stops everything)", flush=True)
             while cluster.router.proc.poll() is None:

@@ -21,13 +21,15 @@ endpoints:
   POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending with data: [DONE])
   GET  /v1/models, /health, /metrics (Prometheus), /v1/preheat/timeline (cold-start stages as JSON)
   GET  /v1/kv/events   what the KV tiers hold and what changed, for the router (docs/kv-events.md)
+  POST /v1/preheat/load {"model": URI}   a --standby replica serves that model (`preheat activate`)
+  POST /v1/preheat/sleep {"level": 1|2}, /v1/preheat/wake   release the weights and KV cache, and restore them
 
 environment (each flag has one; the flag wins):
   PREHEAT_MODEL, PREHEAT_HOST, PREHEAT_PORT, PREHEAT_DEVICE, PREHEAT_DTYPE, PREHEAT_MAX_MODEL_LEN,
   PREHEAT_SERVED_MODEL_NAME, PREHEAT_MAX_QUEUE, PREHEAT_API_KEY, PREHEAT_CACHE_DIR, PREHEAT_LOAD_MODE,
   PREHEAT_KV_L1, PREHEAT_KV_L2, PREHEAT_KV_L2_MAX_BYTES, PREHEAT_KV_L2_TTL, PREHEAT_KV_DTYPE, PREHEAT_KV_CHUNK_TOKENS,
   PREHEAT_PEER, PREHEAT_PEER_PORT, PREHEAT_PEER_HOST, PREHEAT_PEER_TOKEN, PREHEAT_PEER_MAX_MBPS, PREHEAT_REGISTRY,
-  PREHEAT_ORIGIN, PREHEAT_COMPILE
+  PREHEAT_ORIGIN, PREHEAT_COMPILE, PREHEAT_STANDBY, PREHEAT_ALLOW_MODEL (comma-separated patterns)
   PREHEAT_T0   epoch seconds the platform started the replica (e.g. pod creation): the timeline's origin
 
 examples:
@@ -36,9 +38,23 @@ examples:
   preheat serve ./smollm2 --kv-l1 20% --kv-l2 fs:///shared/kv      # reuse prompt prefixes across replicas
   preheat serve ./smollm2 --peer --registry redis://reg:6379       # serve the weights to new replicas
   preheat serve preheat://smollm2 --registry redis://reg:6379 --origin https://models/smollm2 --peer
+  preheat serve --standby --allow-model 's3://models/*' --port 8001   # warm, no model yet
+  preheat activate http://127.0.0.1:8001 s3://models/smollm2         # ... now it serves smollm2
   curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 docs: docs/server.md
+"""
+
+ACTIVATE_HELP = """\
+Tell a running `preheat serve` what to do with its model (docs/server.md, *Standby replicas*):
+
+  preheat activate URL MODEL       a --standby replica loads MODEL (from the node cache, a peer for preheat://
+                                   names, or an origin) and serves it; prints when it is ready
+  preheat activate URL --sleep 1   release the weights and KV cache (1: keep the host copy; 2: release everything)
+  preheat activate URL --wake      restore them and serve again
+
+MODEL must match the replica's --allow-model patterns. Waits for the outcome unless --no-wait. Exit code 0 when
+the replica did it, 1 otherwise (the replica's answer is printed; a failed activation leaves it on standby).
 """
 
 TIMELINE_HELP = """\
@@ -91,6 +107,9 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     kv.add_argument(
         "--kv-secret-file", default=None, metavar="FILE", help="fleet secret: load only L2 chunks signed with it (MAC)"
     )
+    kv.add_argument(
+        "--kv-warm", default=None, metavar="SIZE", help="load L2's hottest chunks (SIZE or all) into L1 before ready"
+    )
     peer = serve.add_argument_group("peers (docs/peer.md)")
     peer.add_argument("--peer", action="store_true", default=None, help="serve the weights to new replicas once loaded")
     peer.add_argument("--peer-port", type=int, default=None, metavar="N", help="peer server port (default: 0, free)")
@@ -112,7 +131,37 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         metavar="FILE",
         help="install peers' compiled artifacts signed by this public key (repeatable; `preheat artifacts keygen`)",
     )
+    life = serve.add_argument_group("standby, sleep and wake (docs/server.md, *Standby replicas*)")
+    life.add_argument(
+        "--standby",
+        action="store_true",
+        default=None,
+        help="start without a model: imports, thread pools and listener ready; POST /v1/preheat/load to serve one",
+    )
+    life.add_argument(
+        "--allow-model",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="models the control routes may load, e.g. 's3://models/*' (repeatable; default: MODEL only)",
+    )
     serve.set_defaults(func=_cmd_serve)
+
+    activate = commands.add_parser(
+        "activate",
+        help="make a standby replica serve a model (or put a replica to sleep / wake it)",
+        description=ACTIVATE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    activate.add_argument("url", help="the replica: http://host:port")
+    activate.add_argument("model", nargs="?", default=None, help="checkpoint directory or URI to load")
+    activate.add_argument("--sleep", type=int, choices=(1, 2), default=None, help="put it to sleep at this level")
+    activate.add_argument("--wake", action="store_true", help="wake a sleeping replica")
+    activate.add_argument("--served-model-name", default=None, help="name in 'model' (default: MODEL's last part)")
+    activate.add_argument("--no-wait", action="store_true", help="return once accepted (202), not when ready")
+    activate.add_argument("--api-key", default=None, help="the replica's key (default: PREHEAT_API_KEY)")
+    activate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (600)")
+    activate.set_defaults(func=_cmd_activate)
 
     timeline = commands.add_parser(
         "timeline",
@@ -148,6 +197,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Every settings field is a flag of the same name (None when not given: the environment or default applies).
     flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(ServeSettings)}
     return run(flags)
+
+
+def _cmd_activate(args: argparse.Namespace) -> int:
+    import os
+
+    from preheat.errors import ConfigError, SourceError
+    from preheat.http.client import HTTPClientError, Timeouts, request
+
+    if args.sleep is not None:
+        path, body = "/v1/preheat/sleep", {"level": args.sleep}
+    elif args.wake:
+        path, body = "/v1/preheat/wake", {"wait": not args.no_wait}
+    elif args.model:
+        path, body = "/v1/preheat/load", {"model": args.model, "wait": not args.no_wait}
+        if args.served_model_name:
+            body["served_model_name"] = args.served_model_name
+    else:
+        raise ConfigError("say what to do: a MODEL to load, --sleep 1|2 or --wake")
+    key = args.api_key or os.environ.get("PREHEAT_API_KEY")
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    url = args.url.rstrip("/") + path
+    try:
+        answer = request(
+            url, "POST", timeouts=Timeouts.within(args.timeout), body=json.dumps(body).encode(), headers=headers
+        )
+    except HTTPClientError as exc:
+        raise SourceError(f"{url}: {exc}") from None
+    print(answer.body.decode("utf-8", "replace"))
+    return 0 if answer.status in (200, 202) else 1
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:

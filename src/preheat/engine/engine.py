@@ -10,18 +10,27 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Collection, Generator, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from preheat.engine.backend import Backend, NativeBackend, build_backend, resolve_dtype, resolve_max_len
+from preheat.engine.backend import (
+    Backend,
+    NativeBackend,
+    build_backend,
+    cpu_has_native_bf16,
+    resolve_dtype,
+    resolve_max_len,
+)
 from preheat.engine.config import ModelConfig, read_model_config
-from preheat.engine.kv import PagedKVCache
+from preheat.engine.kv import PagedKVCache, Sequence
 from preheat.engine.sampling import Sampler, SamplingParams, StopStrings
 from preheat.errors import CheckpointError, KVError, RequestError
-from preheat.kv.spec import KVSpec
+from preheat.io.buffers import populate_read
+from preheat.kv.spec import KVLayout, KVSpec
 from preheat.loader import load
 from preheat.text.tokenizer import TextTokenizer
 from preheat.timeline import Timeline
@@ -81,6 +90,7 @@ class Engine:
         # The tensors as loaded, when the model is bound to them zero-copy on a GPU: they then hold the checkpoint's
         # own bytes, which a peer may offer over NIXL (preheat.peer.nixl). None otherwise (CPU, or converted).
         self.loaded_weights: Mapping[str, torch.Tensor] | None = None
+        self._kv_shape: tuple[KVLayout, int] | None = None  # the pool's layout and size while offloaded
 
     @classmethod
     def from_checkpoint(
@@ -92,6 +102,8 @@ class Engine:
         max_model_len: int | None = None,
         timeline: Timeline | None = None,
         load_mode: str | None = None,
+        config: ModelConfig | None = None,
+        tokenizer: TextTokenizer | Future[TextTokenizer] | None = None,
     ) -> Engine:
         """Load the checkpoint directory ``path`` (preheat or Hugging Face layout) onto ``device``.
 
@@ -99,13 +111,17 @@ class Engine:
         are converted once (a copy), weights already in it are bound as loaded (zero-copy). ``max_model_len``
         defaults to the model's context, capped at 8192. ``load_mode`` is ``preheat.load``'s ``mode``. With a
         ``timeline``, records the stages ``weight_load`` (bytes, GB/s), ``model_build`` and ``tokenizer``.
+        ``config`` and ``tokenizer``, when the caller reads them itself (torch-free, e.g. while torch is being
+        imported: ``preheat.server.prepare``), are used as given and the ``tokenizer`` stage is not recorded here; a
+        ``Future`` tokenizer is waited for after the model is built, so building it overlaps the load.
         """
         root = os.fspath(path)
         if not os.path.isdir(root):
             raise CheckpointError(f"{root}: not a model directory", path=root)
         dev = torch.device(device)
         # Read first (a millisecond): a directory that is no model fails before any weight is loaded.
-        config = ModelConfig.from_dict(read_model_config(root), where=root)
+        if config is None:
+            config = ModelConfig.from_dict(read_model_config(root), where=root)
         max_len = resolve_max_len(config, max_model_len, root)
         timeline = timeline if timeline is not None else Timeline(time.time())
         with timeline.stage("weight_load", mode=load_mode or "auto", device=str(dev)) as stage:
@@ -134,8 +150,11 @@ class Engine:
                 converted_bytes=converted,
                 max_model_len=max_len,
             )
-        with timeline.stage("tokenizer"):
-            tokenizer = TextTokenizer.from_dir(root, config_eos_ids=config.eos_token_ids)
+        if tokenizer is None:
+            with timeline.stage("tokenizer"):
+                tokenizer = TextTokenizer.from_dir(root, config_eos_ids=config.eos_token_ids)
+        elif isinstance(tokenizer, Future):
+            tokenizer = tokenizer.result()  # raises what building it raised
         engine = cls(
             backend=backend,
             tokenizer=tokenizer,
@@ -166,6 +185,37 @@ class Engine:
         if tiers is not None and self.kv_cache is None:
             raise RequestError("KV tiers need the native engine's paged KV cache (not the transformers fallback)")
         self.kv_tiers = tiers
+
+    # -- sleep level 1 on CUDA (docs/server.md, *Sleep and wake*) ------------------------------------------------
+
+    def offload(self) -> int:
+        """Move the weights to page-locked host memory and drop the KV pool, freeing the device's memory for
+        another user; returns the bytes moved. Only the native model on CUDA (``DeviceError`` otherwise): on CPU
+        the host copy is the page cache, and sleeping drops the engine instead."""
+        from preheat.errors import DeviceError
+
+        if self.model is None or self.kv_cache is None or self.device.type != "cuda":
+            raise DeviceError("offload keeps a host copy of a CUDA engine's weights; on CPU drop the engine instead")
+        self.loaded_weights = None  # the checkpoint's own device tensors: no longer what the model computes with
+        moved = self.model.move(torch.device("cpu"), pin=True)
+        self._kv_shape = (self.kv_cache.layout, self.kv_cache.num_blocks)
+        # The pool is dropped, not moved: sleep forgets the K/V of finished requests (the KV tiers keep theirs).
+        self.kv_cache.pool = torch.empty(0, dtype=self._kv_shape[0].dtype, device=self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return moved
+
+    def restore(self) -> int:
+        """Undo ``offload``: the weights back on the device from their pinned host copy, a fresh KV pool."""
+        assert self.model is not None
+        moved = self.model.move(self.device)
+        assert self._kv_shape is not None, "restore() without offload()"
+        layout, blocks = self._kv_shape
+        self._kv_shape = None
+        self.kv_cache = PagedKVCache(layout, blocks, self.device)
+        self.backend = NativeBackend(self.model, self.kv_cache)
+        torch.cuda.synchronize(self.device)
+        return moved
 
     # -- prompts --------------------------------------------------------------------------------------------------
 
@@ -248,7 +298,6 @@ class Engine:
         tiers, cache = self.kv_tiers, self.kv_cache
         if tiers is None or cache is None or not keys:
             return 0
-        from preheat.engine.kv import Sequence
         from preheat.kv.keys import cacheable_chunks
 
         assert isinstance(state, Sequence)
@@ -273,7 +322,6 @@ class Engine:
         tiers, cache = self.kv_tiers, self.kv_cache
         if tiers is None or cache is None:
             return
-        from preheat.engine.kv import Sequence
 
         assert isinstance(state, Sequence)
         if computed >= MIN_COST_SAMPLE:  # a short prefill measures the fixed cost of a forward pass, not tokens
@@ -324,17 +372,50 @@ class Engine:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run one tiny prefill and one decode step (so the first request pays no lazy initialisation in torch's
-        kernels) and compile the chat template (jinja2 import)."""
+        """Pay once what the first request would otherwise pay: torch's lazy initialisation of every kernel a
+        prefill and a decode step use (the thread pool, oneDNN/BLAS dispatch, attention), the sampler's, and the
+        chat template's compile (jinja2 import; a no-op when ``preheat.server.prepare`` did it already).
+
+        On the native model this runs the first layer only: lazy initialisation is per kernel, not per weight, and
+        a whole forward pass more (twice: prefill and decode) was most of a float32 warm-up's cost, spent again by
+        the first request (docs/engine.md, *Warm-up*). The fallback runs whole steps (transformers' own caches).
+        """
         state = self.backend.begin()
         try:
-            self.backend.step(state, [0, 0], 0)
-            self.backend.step(state, [0], 2)
+            if self.model is not None:
+                assert isinstance(state, Sequence)
+                assert self.kv_cache is not None
+                for ids, start in (([0, 0], 0), ([0], 2)):
+                    self.model.forward(torch.tensor(ids), start, self.kv_cache, state, depth=1)
+            else:
+                self.backend.step(state, [0, 0], 0)
+                self.backend.step(state, [0], 2)
         finally:
             self.backend.end(state)
         Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=0))(torch.zeros(8))
         if self.tokenizer.template is not None:
             self.tokenizer.template.compile()
+
+
+@torch.inference_mode()
+def warm_kernels() -> None:
+    """Initialise, without a model, what every model's first forward pass initialises lazily: torch's thread pool
+    and the CPU kernels of a Llama layer (linear, attention with and without a causal mask, norms, SiLU, sampling),
+    in float32 and (where the CPU computes it natively) bfloat16. A standby replica runs this while it waits."""
+    import torch.nn.functional as F  # noqa: N812 - the conventional alias
+
+    dtypes = [torch.float32] + ([torch.bfloat16] if cpu_has_native_bf16() else [])
+    for dtype in dtypes:
+        x = torch.randn(4, 256, dtype=dtype)
+        w = torch.randn(512, 256, dtype=dtype)
+        h = F.silu(F.linear(x, w)) * F.linear(x, w)
+        h = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        q, k = torch.randn(1, 4, 4, 64, dtype=dtype), torch.randn(1, 2, 4, 64, dtype=dtype)
+        F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        F.scaled_dot_product_attention(q[:, :, :1], k, k, enable_gqa=True)
+        F.embedding(torch.tensor([1, 2]), w)
+        torch.softmax(torch.matmul(q[0, :2], k[0].transpose(1, 2)), dim=-1, dtype=torch.float32)
+    Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=0))(torch.zeros(8))
 
 
 def _identity(root: str) -> str | None:
@@ -352,8 +433,19 @@ def _identity(root: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _fault_in(tensors: Iterable[torch.Tensor]) -> None:
-    """Read one byte of every 4 KiB page of each (contiguous) tensor."""
+def _fault_in(tensors: Collection[torch.Tensor]) -> None:
+    """Map every page of each (contiguous, CPU) tensor: one ``MADV_POPULATE_READ`` per storage (a mapped file's
+    tensors share one), the GIL released meanwhile; where the kernel refuses it, read one byte of every 4 KiB page."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor.numel() and tensor.is_contiguous() and tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    for address, nbytes in storages.items():
+        if not populate_read(address, nbytes):
+            break
+    else:
+        return
     for tensor in tensors:
         if tensor.numel() and tensor.is_contiguous() and tensor.device.type == "cpu":
             tensor.reshape(-1).view(torch.uint8)[::4096].sum()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F  # noqa: N812  # the conventional alias
@@ -146,6 +146,29 @@ class LlamaModel:
         self.rope_table = cos_sin_table(inv_freq, max_len, dtype, device)
         self.scale = d**-0.5
 
+    def move(self, device: torch.device, *, pin: bool = False) -> int:
+        """Move every tensor of the model to ``device`` (``pin``: into page-locked host memory, for a fast copy
+        back); returns the bytes moved. Sleep level 1 on CUDA (``Engine.offload``) and the wake after it."""
+        moved = 0
+
+        def to(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal moved
+            moved += tensor.numel() * tensor.element_size()
+            out = tensor.to(device, non_blocking=pin or device.type == "cuda")
+            return out.pin_memory() if pin and not out.is_pinned() else out
+
+        tied = self.lm_head is self.embed
+        self.embed = to(self.embed)
+        self.lm_head = self.embed if tied else to(self.lm_head)
+        self.norm = to(self.norm)
+        self.layers = [
+            replace(layer, **{f.name: to(t) for f in fields(_Layer) if (t := getattr(layer, f.name)) is not None})
+            for layer in self.layers
+        ]
+        self.rope_table = to(self.rope_table)
+        self.device = device
+        return moved
+
     def kv_layout(self, block_size: int) -> KVLayout:
         """The cache layout this model writes."""
         c = self.config
@@ -178,11 +201,20 @@ class LlamaModel:
         return out[0]
 
     def forward(
-        self, ids: torch.Tensor, start: int, cache: PagedKVCache, seq: Sequence, *, all_logits: bool = False
+        self,
+        ids: torch.Tensor,
+        start: int,
+        cache: PagedKVCache,
+        seq: Sequence,
+        *,
+        all_logits: bool = False,
+        depth: int | None = None,
     ) -> torch.Tensor:
         """Run tokens ``ids`` ``[T]`` at positions ``start .. start + T`` of ``seq`` (whose first ``start`` tokens
         are in ``cache``); return float32 logits of the last position ``[vocab]`` (every position ``[T, vocab]``
-        with ``all_logits``). Writes the tokens' K/V into the cache and advances ``seq.length``."""
+        with ``all_logits``). Writes the tokens' K/V into the cache and advances ``seq.length``. ``depth``: run
+        only the first ``depth`` layers (``Engine.warmup``: every kernel once, at a fraction of the cost; the
+        sequence's K/V of the other layers are then garbage, so it must be released after)."""
         n = int(ids.shape[0])
         end = start + n
         if start > seq.length or end > self.max_len:
@@ -199,7 +231,7 @@ class LlamaModel:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         x = F.embedding(ids.to(self.device), self.embed)
         c = self.config
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.layers[:depth]):
             hidden = self._rms_norm(x, layer.input_norm)
             q = F.linear(hidden, layer.q, layer.q_bias).view(n, c.num_heads, c.head_dim).transpose(0, 1)
             k = F.linear(hidden, layer.k, layer.k_bias).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)

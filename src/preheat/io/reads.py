@@ -16,14 +16,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from preheat.errors import CheckpointError
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer, round_down, round_up
 from preheat.sources.base import Source
 from preheat.sources.local import LocalFile
+
+if TYPE_CHECKING:  # torch is what the buffers are, but planning and reading need no import of it (io.buffers)
+    import torch
 
 DISCARD = -1  # dest offset of a piece whose bytes are read only to keep one syscall, then dropped
 MAX_IOV = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)

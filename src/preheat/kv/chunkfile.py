@@ -10,6 +10,10 @@
     then       payload             data bytes, then (quantized kinds) float32 scale bytes
     then       tag        32 bytes version 2 only: keyed BLAKE2b-256 of every byte before it (``kv/mac.py``)
 
+An opaque value of the engine-neutral blob store (``kv/store.py``: LMCache, SGLang, vLLM offloading) is the same
+format with ``kind`` ``bytes``, ``dtype`` ``U8``, ``shape`` ``[payload_bytes]`` and no scales; its ``key`` is the
+engine's own key (any string) and ``fingerprint`` the store namespace's id. ``BlobExpect`` reads those.
+
 ``checksum`` is XXH3-128 (hex) of the payload. ``decode`` checks everything against what the reader expects (the
 key it asked for, its own fingerprint, dtype, shape, its MAC key or none) and the checksum, and raises
 ``CorruptChunkError`` (``MacError`` for the tag) on any difference, so a torn write, a flipped bit, a chunk of
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hmac
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -39,6 +44,8 @@ _PREFIX = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 64 * 1024
 QUANTIZED = ("I8", "F8_E4M3")  # stored dtypes that carry float32 scales, one per head vector
+BLOB_KIND, BLOB_DTYPE = "bytes", "U8"  # an opaque value of the blob store: a flat run of bytes
+MAX_KEY_CHARS = 4096  # an engine key longer than this is refused before it reaches a header (64 KiB at most)
 
 
 class CorruptChunkError(KVError):
@@ -84,6 +91,25 @@ class Expect:
 
 
 @dataclass(frozen=True)
+class BlobExpect:
+    """What a reader of opaque values (``kind`` ``bytes``) requires: the namespace's id as ``fingerprint``, a payload
+    of at most ``max_payload_bytes`` (any length up to it: an engine's last chunk is often shorter), and the MAC key
+    or none, as ``Expect``."""
+
+    fingerprint: str
+    max_payload_bytes: int
+    mac_key: bytes | None = field(default=None, repr=False)
+
+    @property
+    def max_size(self) -> int:
+        """The most bytes a value this reader accepts can take: tiers refuse larger files and values unread."""
+        return _PREFIX.size + _MAX_HEADER + self.max_payload_bytes + mac.TAG_BYTES
+
+
+AnyExpect = Expect | BlobExpect  # what a tier hands its reads to check: chunk layout or opaque values
+
+
+@dataclass(frozen=True)
 class Payload:
     """A decoded chunk's bytes, views of the blob: ``data`` (``Expect.dtype``, ``Expect.shape``) and, when
     quantized, float32 ``scales`` (``Expect.shape[:-1]``)."""
@@ -108,35 +134,204 @@ class Contents:
 def encode(key: str, fingerprint: str, contents: Contents, mac_key: bytes | None = None) -> list[bytes | memoryview]:
     """The file/value for ``contents`` as pieces to write in order (header, data, scales, tag: no joined copy); keyed
     (version 2) when ``mac_key`` is given."""
-    data = memoryview(contents.data).cast("B")
-    pieces: list[bytes | memoryview] = [data]
-    digest = xxhash.xxh3_128(data)
+    parts = [memoryview(contents.data).cast("B")]
     if contents.scales is not None:
-        scales = memoryview(contents.scales).cast("B")
-        digest.update(scales)
-        pieces.append(scales)
-    header = {
-        "key": key,
-        "fingerprint": fingerprint,
+        parts.append(memoryview(contents.scales).cast("B"))
+    fields: dict[str, object] = {
         "kind": contents.kind,
         "dtype": contents.dtype,
         "shape": list(contents.shape),
         "scale_shape": None if contents.scale_shape is None else list(contents.scale_shape),
-        "payload_bytes": sum(len(p) for p in pieces),
+    }
+    return _frame(key, fingerprint, fields, parts, mac_key)
+
+
+def _frame(
+    key: str, fingerprint: str, fields: dict[str, object], parts: list[memoryview], mac_key: bytes | None
+) -> list[bytes | memoryview]:
+    """Prefix and header (``fields`` plus key, fingerprint, payload length and checksum) before ``parts``, and the
+    tag after them when keyed."""
+    digest = xxhash.xxh3_128()
+    for part in parts:
+        digest.update(part)
+    header = {
+        "key": key,
+        "fingerprint": fingerprint,
+        **fields,
+        "payload_bytes": sum(len(p) for p in parts),
         "checksum": digest.hexdigest(),
     }
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("ascii")
     raw += b" " * (-(_PREFIX.size + len(raw)) % _ALIGN)
     head = _PREFIX.pack(MAGIC, VERSION if mac_key is None else VERSION_KEYED, len(raw)) + raw
     if mac_key is None:
-        return [head, *pieces]
+        return [head, *parts]
     tag = mac.tagger(mac_key)
-    for piece in (head, *pieces):
-        tag.update(piece)
-    return [head, *pieces, tag.digest()]
+    tag.update(head)
+    for part in parts:
+        tag.update(part)
+    return [head, *parts, tag.digest()]
 
 
-def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> Payload:
+def encode_blob(
+    key: str,
+    fingerprint: str,
+    value: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview],
+    mac_key: bytes | None = None,
+) -> list[bytes | memoryview]:
+    """The file/value holding the opaque ``value`` (one buffer, or a list or tuple of parts stored one after the
+    other) under the engine key ``key`` in namespace ``fingerprint`` (kind ``bytes``), as pieces to write in order,
+    no joined copy; keyed (version 2) when ``mac_key`` is given.
+
+    >>> pieces = encode_blob("k", "ns", [b"ab", b"c"])
+    >>> bytes(decode_blob(b"".join(pieces), "k", BlobExpect("ns", 16)))
+    b'abc'
+    """
+    pieces = [value] if isinstance(value, bytes | bytearray | memoryview) else list(value)
+    parts = [memoryview(p).cast("B") for p in pieces]
+    size = sum(len(p) for p in parts)
+    fields: dict[str, object] = {"kind": BLOB_KIND, "dtype": BLOB_DTYPE, "shape": [size], "scale_shape": None}
+    return _frame(key, fingerprint, fields, parts, mac_key)
+
+
+def decode_blob(blob: bytes | bytearray | memoryview, key: str, expect: BlobExpect) -> memoryview:
+    """The opaque value in ``blob`` (a view of it), or ``CorruptChunkError`` saying what is wrong."""
+    return decode(blob, key, expect).data
+
+
+@dataclass(frozen=True)
+class BlobHead:
+    """Where an opaque value's payload lies in its file, from the file's first bytes (``blob_head``): the payload
+    starts at ``offset`` and has ``payload_bytes`` bytes; a ``keyed`` file has a tag after it."""
+
+    offset: int
+    payload_bytes: int
+    checksum: str
+    keyed: bool
+
+    @property
+    def size(self) -> int:
+        """The whole file's size."""
+        return self.offset + self.payload_bytes + (mac.TAG_BYTES if self.keyed else 0)
+
+
+HEAD_HINT = 4096  # read this much first: the prefix and header of any value whose key is not huge
+
+
+def head_length(prefix: bytes | bytearray | memoryview) -> int:
+    """How many bytes the prefix and header take, from the first 16 (``CorruptChunkError`` if they are not a
+    chunk's): read that much, then call ``blob_head``."""
+    view = memoryview(prefix).cast("B")
+    if len(view) < _PREFIX.size:
+        raise CorruptChunkError(f"{len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, _version, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptChunkError(f"bad magic {bytes(magic)!r} (not a preheat KV chunk)")
+    if header_len > _MAX_HEADER:
+        raise CorruptChunkError(f"header length {header_len} is more than {_MAX_HEADER}")
+    return int(_PREFIX.size + header_len)
+
+
+def blob_head(head: bytes | bytearray | memoryview, key: str, expect: BlobExpect) -> BlobHead:
+    """Check the prefix and header of an opaque value (``head``: at least ``head_length`` bytes) against what the
+    reader expects, before its payload is read straight into the caller's buffer; ``check_blob`` then verifies the
+    payload. A keyed reader's tag is checked by ``check_blob`` over the header and the payload, so this parses a
+    header (bounded, as ``decode`` does) before its tag is known good."""
+    view = memoryview(head).cast("B")
+    end = head_length(view)
+    if len(view) < end:
+        raise CorruptChunkError(f"value {key!r}: {len(view)} bytes, shorter than its header")
+    _magic, version, _header_len = _PREFIX.unpack_from(view)
+    keyed = version == VERSION_KEYED
+    if version not in (VERSION, VERSION_KEYED):
+        raise CorruptChunkError(f"value {key!r}: format version {version}, this preheat reads 1 and 2")
+    if keyed != (expect.mac_key is not None):
+        raise MacError(f"value {key!r}: {'keyed' if keyed else 'unkeyed'}, and this reader "
+                       f"{'has no secret' if keyed else 'requires a MAC (--kv-secret-file)'}")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : end]))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptChunkError(f"value {key!r}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptChunkError(f"value {key!r}: header is not a JSON object")
+    _check_blob(header, key, expect)
+    return BlobHead(end, header["payload_bytes"], header["checksum"], keyed)
+
+
+def check_blob(
+    head: bytes | bytearray | memoryview, payload: Sequence[memoryview], *, tag: bytes, parsed: BlobHead, key: str,
+    expect: BlobExpect,
+) -> None:
+    """Verify a payload read apart from its header (``blob_head``), in one or more consecutive parts: the tag over
+    header and payload first (keyed readers), then the checksum; ``CorruptChunkError``/``MacError`` on any
+    difference."""
+    if parsed.keyed:
+        assert expect.mac_key is not None  # blob_head refused a keyed file for an unkeyed reader
+        tagger = mac.tagger(expect.mac_key)
+        tagger.update(memoryview(head).cast("B")[: parsed.offset])
+        for part in payload:
+            tagger.update(part)
+        if not hmac.compare_digest(tagger.digest(), tag):
+            raise MacError(f"value {key!r}: MAC mismatch (forged, or written under another secret)")
+    got = sum(len(part) for part in payload)
+    if got != parsed.payload_bytes:
+        raise CorruptChunkError(f"value {key!r}: {got} payload bytes, header says {parsed.payload_bytes}")
+    digest = xxhash.xxh3_128()
+    for part in payload:
+        digest.update(part)
+    if digest.hexdigest() != parsed.checksum:
+        raise CorruptChunkError(f"value {key!r}: checksum mismatch (corrupt or torn)")
+
+
+def verify_any(blob: bytes | bytearray | memoryview, fingerprint: str, mac_key: bytes | None) -> dict[str, object]:
+    """The header of any chunk or value of namespace ``fingerprint`` once its bytes check out (prefix, header,
+    payload length, checksum, and the tag when ``mac_key`` is given), whatever its kind, key, dtype or shape: for
+    tools that handle stored bytes without serving them (``preheat kv warm``). Without ``mac_key`` a keyed chunk's
+    tag is not checked (its checksum is), so a fleet's signed chunks are never taken for damaged ones."""
+    view = memoryview(blob).cast("B")
+    end = head_length(view)
+    _magic, version, _header_len = _PREFIX.unpack_from(view)
+    if version not in (VERSION, VERSION_KEYED):
+        raise CorruptChunkError(f"format version {version}, this preheat reads 1 and 2")
+    if version == VERSION_KEYED:
+        view = _verified(view, "?", version, mac_key) if mac_key is not None else view[: -mac.TAG_BYTES]
+    elif mac_key is not None:
+        raise MacError("unkeyed, and this reader requires a MAC")
+    if end > len(view):
+        raise CorruptChunkError(f"{len(view)} bytes, shorter than its header")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : end]))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptChunkError(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict) or header.get("fingerprint") != fingerprint:
+        raise CorruptChunkError(f"not a chunk of {fingerprint}")
+    payload = view[end:]
+    if len(payload) != header.get("payload_bytes"):
+        raise CorruptChunkError(f"{len(payload)} payload bytes, header says {header.get('payload_bytes')}")
+    if xxhash.xxh3_128_hexdigest(payload) != header.get("checksum"):
+        raise CorruptChunkError("checksum mismatch (corrupt or torn)")
+    return header
+
+
+def peek_key(head: bytes | bytearray | memoryview) -> str | None:
+    """The ``key`` a chunk's header claims, from its first bytes (prefix and header), unverified: for listing a
+    store whose file names are hashes. None when ``head`` does not parse. Never trust it for anything but a name to
+    ``get`` (which verifies everything)."""
+    view = memoryview(head).cast("B")
+    if len(view) < _PREFIX.size:
+        return None
+    magic, _version, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC or header_len > _MAX_HEADER or _PREFIX.size + header_len > len(view):
+        return None
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
+    except (ValueError, RecursionError):
+        return None
+    found = header.get("key") if isinstance(header, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def decode(blob: bytes | bytearray | memoryview, key: str, expect: AnyExpect) -> Payload:
     """The chunk's bytes in ``blob`` (views of it), or ``CorruptChunkError`` saying what is wrong."""
     view = memoryview(blob).cast("B")
     if len(view) < _PREFIX.size:
@@ -157,13 +352,16 @@ def decode(blob: bytes | bytearray | memoryview, key: str, expect: Expect) -> Pa
         raise CorruptChunkError(f"chunk {key}: header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptChunkError(f"chunk {key}: header is not a JSON object")
-    _check(header, key, expect)
+    if isinstance(expect, BlobExpect):
+        _check_blob(header, key, expect)
+    else:
+        _check(header, key, expect)
     payload = view[_PREFIX.size + header_len :]
     if len(payload) != header["payload_bytes"]:
         raise CorruptChunkError(f"chunk {key}: {len(payload)} payload bytes, header says {header['payload_bytes']}")
     if xxhash.xxh3_128_hexdigest(payload) != header["checksum"]:
         raise CorruptChunkError(f"chunk {key}: checksum mismatch (corrupt or torn)")
-    data_bytes = expect.data_bytes
+    data_bytes = expect.data_bytes if isinstance(expect, Expect) else len(payload)
     if header["scale_shape"] is None:
         return Payload(payload[:data_bytes])
     return Payload(payload[:data_bytes], payload[data_bytes:])
@@ -188,25 +386,40 @@ def _verified(view: memoryview, key: str, version: int, mac_key: bytes | None) -
 
 
 def _check(header: dict[str, object], key: str, expect: Expect) -> None:
-    def wrong(field: str, got: object, want: object) -> CorruptChunkError:
-        return CorruptChunkError(f"chunk {key}: {field} is {got!r}, expected {want!r}")
-
-    if header.get("key") != key:
-        raise wrong("key", header.get("key"), key)
-    if header.get("fingerprint") != expect.fingerprint:
-        raise wrong("fingerprint", header.get("fingerprint"), expect.fingerprint)
-    if header.get("dtype") != expect.dtype:
-        raise wrong("dtype", header.get("dtype"), expect.dtype)
-    if header.get("shape") != list(expect.shape):
-        raise wrong("shape", header.get("shape"), list(expect.shape))
     want_scales = list(expect.shape[:-1]) if expect.quantized else None
-    if header.get("scale_shape") != want_scales:
-        raise wrong("scale_shape", header.get("scale_shape"), want_scales)
-    want_payload = expect.payload_bytes
-    if header.get("payload_bytes") != want_payload:
-        raise wrong("payload_bytes", header.get("payload_bytes"), want_payload)
+    _require(header, f"chunk {key}", {
+        "key": key,
+        "fingerprint": expect.fingerprint,
+        "dtype": expect.dtype,
+        "shape": list(expect.shape),
+        "scale_shape": want_scales,
+        "payload_bytes": expect.payload_bytes,
+    })
+
+
+def _check_blob(header: dict[str, object], key: str, expect: BlobExpect) -> None:
+    size = header.get("payload_bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= expect.max_payload_bytes:
+        raise CorruptChunkError(f"value {key!r}: payload_bytes is {size!r}, expected at most "
+                                f"{expect.max_payload_bytes}")
+    _require(header, f"value {key!r}", {
+        "key": key,
+        "fingerprint": expect.fingerprint,  # the namespace's id
+        "kind": BLOB_KIND,
+        "dtype": BLOB_DTYPE,
+        "shape": [size],
+        "scale_shape": None,
+    })
+
+
+def _require(header: dict[str, object], what: str, wanted: dict[str, object]) -> None:
+    """``CorruptChunkError`` naming the first header field that is not what the reader expects (or a checksum that
+    is not a string)."""
+    for name, want in wanted.items():
+        if header.get(name) != want:
+            raise CorruptChunkError(f"{what}: {name} is {header.get(name)!r}, expected {want!r}")
     if not isinstance(header.get("checksum"), str):
-        raise wrong("checksum", header.get("checksum"), "a hex string")
+        raise CorruptChunkError(f"{what}: checksum is {header.get('checksum')!r}, expected a hex string")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

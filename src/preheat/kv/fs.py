@@ -29,28 +29,40 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
-from preheat.kv.tier import EvictHook, Health, TierStats
+from preheat.kv.tier import Check, Encode, EvictHook, Health, TierStats, chunk_expect
 
 log = logging.getLogger("preheat.kv")
 
 SUFFIX = ".kvc"
 STALE_TEMP_S = 600.0  # a temporary file this old belongs to a dead writer
 SWEEP_FRACTION = 0.05
+T = TypeVar("T")
+
+
+class _NoRoomError(Exception):
+    """``read_split``'s caller had no memory for the value: a miss, nothing wrong with the file."""
 
 
 class FileTier:
-    """Chunks as files under ``root`` (which must exist: a missing mount marks the tier down, it is not created)."""
+    """Chunks as files under ``root`` (which must exist: a missing mount marks the tier down, it is not created).
+
+    ``get``/``put`` store the reference engine's chunks; ``read``/``write``/``contains`` are the same path for any
+    self-checking value (``kv/store.py`` stores engines' opaque values through them). ``expect`` says what a read
+    accepts: a chunk layout (``chunkfile.Expect``) or opaque values (``chunkfile.BlobExpect``); its fingerprint
+    names the directory.
+    """
 
     name = "l2"
 
     def __init__(
         self,
         root: str,
-        expect: chunkfile.Expect,
+        expect: chunkfile.AnyExpect,
         *,
         max_bytes: int | None = None,
         on_evict: EvictHook | None = None,
@@ -94,27 +106,96 @@ class FileTier:
         self.health.ok()
         return True
 
-    def path(self, key: str) -> str:
-        return os.path.join(self.dir, key[:2], key + SUFFIX)
+    def path(self, name: str) -> str:
+        """The file of ``name`` (a chunk key, or a blob store's file-safe name): ``DIR/<name[:2]>/<name>.kvc``."""
+        return os.path.join(self.dir, name[:2], name + SUFFIX)
 
     def _usable(self) -> bool:
         """Up, or down long enough to try again and the probe now succeeds."""
         return self.health.should_try() and (self.health.up or self._probe())
 
     def get(self, key: str) -> StoredChunk | None:
+        expect = chunk_expect(self.expect)
+        return self.read(key, lambda blob: decode_chunk(blob, key, expect))
+
+    def put(self, key: str, chunk: StoredChunk) -> bool:
+        expect = chunk_expect(self.expect)
+        return self.write(
+            key,
+            lambda: encode_chunk(key, expect.fingerprint, chunk, expect.mac_key),
+            lambda blob: decode_chunk(blob, key, expect),
+        )
+
+    # -- the one storage path: the reference engine's chunks (above) and the blob store (kv/store.py) --------------
+
+    def read(self, name: str, decode: Callable[[bytes | bytearray], T]) -> T | None:
+        """``decode`` of the bytes stored under ``name``, or None (absent, unreadable, refused by ``decode`` with
+        ``CorruptChunkError``, tier down); counts a hit or a miss, removes what ``decode`` refused, and refreshes
+        the file's recency on a hit."""
+
+        def whole() -> tuple[T, int]:
+            blob = self._read(path, name)
+            return decode(blob), len(blob)
+
+        path = self.path(name)
+        return self._counted(name, path, whole)
+
+    def read_split(
+        self,
+        name: str,
+        head_size: Callable[[bytes], int],
+        place: Callable[[bytes, int], list[memoryview] | None],
+        finish: Callable[[bytes, list[memoryview]], T],
+        *,
+        extra: int = 0,
+    ) -> T | None:
+        """``read`` without an intermediate buffer: the file's first bytes (``head_size`` of its first 16 says how
+        many), then the rest scattered straight into the buffers ``place(head, file_size)`` hands back (the caller's
+        own memory; None: no room, a miss), then ``finish(head, buffers)`` verifies them and makes the result.
+        ``head`` holds up to ``extra`` bytes after the header too (what the buffers will hold first, unverified).
+        ``head_size``, ``place`` and ``finish`` raise ``CorruptChunkError`` for bytes they refuse; counted and
+        removed as ``read`` does."""
+
+        def split() -> tuple[T, int]:
+            with self._open(path, name) as (fd, size):
+                first = os.pread(fd, min(size, chunkfile.HEAD_HINT), 0)
+                wanted = head_size(first)
+                need = min(size, wanted + extra)
+                head = first if need <= len(first) else os.pread(fd, need, 0)
+                if len(head) < wanted:
+                    raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, shorter than its header")
+                buffers = place(head, size)
+                if buffers is None:
+                    raise _NoRoomError
+                if sum(len(b) for b in buffers) != size - wanted:
+                    raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, not what its header says")
+                offset = wanted
+                for buffer in buffers:
+                    got = 0
+                    while got < len(buffer) and (n := os.preadv(fd, [buffer[got:]], offset + got)):
+                        got += n
+                    if got != len(buffer):
+                        raise chunkfile.CorruptChunkError(f"chunk {name}: truncated while read")
+                    offset += got
+            return finish(head, buffers), size
+
+        path = self.path(name)
+        return self._counted(name, path, split)
+
+    def _counted(self, name: str, path: str, reader: Callable[[], tuple[T, int]]) -> T | None:
+        """``reader()``'s value, counting a hit (with its size) or a miss, removing a file it refused."""
         if not self._usable():
             self.stats.add(misses=1)
             return None
-        path = self.path(key)
         start = time.perf_counter()
         try:
-            chunk, size = self._read(path, key)
-        except FileNotFoundError:
+            value, size = reader()
+        except (FileNotFoundError, _NoRoomError):
             self.stats.add(misses=1)
             return None
         except chunkfile.CorruptChunkError as exc:
             log.warning("KV L2: %s; removing %s", exc, path)
-            self._remove(path, key)
+            self._remove(path, name)
             self.stats.rejected(exc)
             return None
         except OSError as exc:
@@ -124,12 +205,32 @@ class FileTier:
         self.stats.hit(size, time.perf_counter() - start)
         with contextlib.suppress(OSError):
             os.utime(path)  # recency for the cross-process LRU sweep
-        return chunk
+        return value
 
-    def _read(self, path: str, key: str) -> tuple[StoredChunk, int]:
-        """The verified chunk at ``path`` and its size in bytes. Only regular files no larger than any chunk of the
-        layout are opened and read: a FIFO, device, socket or symlink planted under the chunk's name, or a huge
-        file, is refused without blocking or allocating (``CorruptChunkError``)."""
+    def read_many(self, names: Sequence[str], decodes: Sequence[Callable[[bytes | bytearray], T]]) -> list[T | None]:
+        """``read`` of every name, in order."""
+        return [self.read(name, decode) for name, decode in zip(names, decodes, strict=True)]
+
+    def contains_many(self, names: Sequence[str]) -> list[bool]:
+        """``contains`` of every name, in order."""
+        return [self.contains(name) for name in names]
+
+    def contains(self, name: str) -> bool:
+        """Whether a file that could hold ``name`` is there (a regular file no larger than ``expect.max_size``),
+        without reading it: a later ``read`` still verifies it and may miss."""
+        if not self._usable():
+            return False
+        try:
+            info = os.lstat(self.path(name))
+        except OSError:
+            return False
+        return stat.S_ISREG(info.st_mode) and info.st_size <= self.expect.max_size
+
+    @contextlib.contextmanager
+    def _open(self, path: str, key: str) -> Iterator[tuple[int, int]]:
+        """The open descriptor of ``path`` and its size. Only regular files no larger than any chunk of the layout
+        are opened: a FIFO, device, socket or symlink planted under the chunk's name, or a huge file, is refused
+        without blocking or allocating (``CorruptChunkError``)."""
         if not stat.S_ISREG(os.lstat(path).st_mode):
             raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file")
         try:
@@ -138,7 +239,7 @@ class FileTier:
             if exc.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a symlink or a socket since the lstat
                 raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file") from None
             raise
-        with open(fd, "rb", buffering=0) as handle:
+        try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file")
@@ -146,20 +247,28 @@ class FileTier:
                 raise chunkfile.CorruptChunkError(
                     f"chunk {key}: {info.st_size} bytes, more than any chunk of this layout ({self.expect.max_size})"
                 )
-            blob = bytearray(info.st_size)
-            view, got = memoryview(blob), 0
-            while got < len(blob) and (n := handle.readinto(view[got:])):
-                got += n
-        if got != len(blob):
-            raise chunkfile.CorruptChunkError(f"chunk {key}: read {got} of {len(blob)} bytes")
-        return decode_chunk(blob, key, self.expect), len(blob)
+            yield fd, info.st_size
+        finally:
+            os.close(fd)
 
-    def _holds(self, path: str, key: str) -> bool:
-        """Whether ``path`` already holds a valid ``key``: a store then only refreshes its recency. A file that
-        fails its checks is replaced by the store: a lookup stops at the first missing chunk, so damaged files
-        after it are never read, and must not be mistaken for stored chunks (they would never heal)."""
+    def _read(self, path: str, key: str) -> bytearray:
+        """The bytes at ``path``, unverified (``_open`` says which files are read at all)."""
+        with self._open(path, key) as (fd, size):
+            blob = bytearray(size)
+            view, got = memoryview(blob), 0
+            while got < size and (n := os.readv(fd, [view[got:]])):
+                got += n
+        if got != size:
+            raise chunkfile.CorruptChunkError(f"chunk {key}: read {got} of {size} bytes")
+        return blob
+
+    def _holds(self, path: str, key: str, check: Check) -> bool:
+        """Whether ``path`` already holds a valid ``key`` (``check`` accepts its bytes): a store then only refreshes
+        its recency. A file that fails its checks is replaced by the store: a lookup stops at the first missing
+        chunk, so damaged files after it are never read, and must not be mistaken for stored chunks (they would
+        never heal)."""
         try:
-            self._read(path, key)
+            check(self._read(path, key))
         except FileNotFoundError:
             return False
         except chunkfile.CorruptChunkError as exc:
@@ -172,14 +281,41 @@ class FileTier:
             os.utime(path)
         return True
 
-    def put(self, key: str, chunk: StoredChunk) -> bool:
+    def write_many(self, items: Sequence[tuple[str, Encode, Check]]) -> list[bool]:
+        """``write`` of every (name, encode, check), in order."""
+        return [self.write(name, encode, check) for name, encode, check in items]
+
+    def describe_namespace(self, description: bytes) -> None:
+        """Leave ``description`` (JSON) as ``namespace.json`` beside the values, unless it is there already."""
+        path = os.path.join(self.dir, "namespace.json")
+        if not self._usable() or os.path.lexists(path):
+            return
+        temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(description)
+            os.rename(temp, path)
+        except OSError as exc:
+            log.debug("KV L2: could not describe the namespace in %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+
+    def write(self, name: str, encode: Encode, check: Check) -> bool:
+        """Store the pieces ``encode`` makes under ``name`` (temporary file, then ``rename``), unless a file that
+        ``check`` accepts is there already (its recency is refreshed instead: keys name their contents). False when
+        nothing was stored: larger than the quota, tier down, disk full. Never raises ``OSError``."""
         if not self._usable():
             return False
-        path = self.path(key)
-        if self._holds(path, key):
+        path = self.path(name)
+        if self._holds(path, name, check):
             return True
-        pieces = encode_chunk(key, self.expect.fingerprint, chunk, self.expect.mac_key)
-        temp = os.path.join(os.path.dirname(path), f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        pieces = encode()
+        size = sum(len(p) for p in pieces)
+        if self.max_bytes is not None and size > self.max_bytes:
+            self.stats.add(refused=1)
+            log.debug("KV L2: %s is %d bytes, more than the whole quota (%d); not stored", name, size, self.max_bytes)
+            return False
+        temp = os.path.join(os.path.dirname(path), f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(temp, "wb") as handle:
@@ -189,13 +325,12 @@ class FileTier:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             self.stats.add(errors=1)
-            if exc.errno == errno.ENOSPC and self.max_bytes is not None:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and self.max_bytes is not None:
                 self.sweep()
-            elif exc.errno != errno.ENOSPC:
+            elif exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 self._failed(exc)
-            log.debug("KV L2: could not store %s: %s", key, exc)
+            log.debug("KV L2: could not store %s: %s", name, exc)
             return False
-        size = sum(len(p) for p in pieces)
         self.stats.add(stores=1, bytes_written=size)
         self.health.ok()
         if self.max_bytes is not None:
@@ -203,6 +338,13 @@ class FileTier:
             if self._written_since_sweep >= max(self.max_bytes * SWEEP_FRACTION, 1):
                 self.sweep()
         return True
+
+    def remove(self, name: str) -> bool:
+        """Remove what is stored under ``name``; False when nothing was."""
+        path = self.path(name)
+        existed = os.path.lexists(path)
+        self._remove(path, name)
+        return existed and not os.path.lexists(path)
 
     def _failed(self, exc: OSError) -> None:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ESTALE, errno.EIO, errno.ENOTDIR):
@@ -264,9 +406,28 @@ class FileTier:
         return removed
 
     def keys(self, limit: int) -> list[str]:
-        found = [(info.st_mtime, path) for path, info in _walk(self.dir) if path.endswith(SUFFIX)]
+        return [name for name, _size in self.entries(limit)]
+
+    def entries(self, limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` stored names with their sizes in bytes, most recently used first (the warm-up order)."""
+        found = [(info.st_mtime, info.st_size, path) for path, info in _walk(self.dir) if path.endswith(SUFFIX)]
         found.sort(reverse=True)
-        return [os.path.basename(path)[: -len(SUFFIX)] for _, path in found[:limit]]
+        return [(os.path.basename(path)[: -len(SUFFIX)], size) for _, size, path in found[:limit]]
+
+    def head(self, name: str, nbytes: int) -> bytes | None:
+        """The first ``nbytes`` stored under ``name``, unverified (listing reads the key a header claims), or None."""
+        try:
+            fd = os.open(self.path(name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return os.pread(fd, nbytes, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         return None

@@ -75,6 +75,10 @@ class MemoryTier:
         with self._lock:
             return list(reversed(self._chunks))[:limit]
 
+    def entries(self, limit: int) -> list[tuple[str, int]]:
+        with self._lock:
+            return [(key, self._chunks[key].nbytes) for key in reversed(self._chunks)][:limit]
+
     def __len__(self) -> int:
         return len(self._chunks)
 

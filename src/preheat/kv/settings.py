@@ -34,6 +34,7 @@ class KVSettings:
     kv_dtype: str = "auto"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     secret_file: str | None = None  # the fleet's MAC secret for L2 chunks (``kv/mac.py``)
+    warm: str | None = None  # before ready, load this much of L2's hottest chunks into L1 (a size, or "all")
 
     @property
     def enabled(self) -> bool:
@@ -62,8 +63,20 @@ class KVSettings:
             raise ConfigError(f"--kv-dtype {self.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
         if self.chunk_tokens < 16 or self.chunk_tokens % 16:
             raise ConfigError(f"--kv-chunk-tokens {self.chunk_tokens}: use a multiple of 16 (the KV block size)")
+        if self.warm is not None:
+            if self.l1 is None or self.l2 is None:
+                raise ConfigError("--kv-warm loads L2's hottest chunks into L1: give --kv-l1 and --kv-l2 too")
+            if self.warm.strip().lower() != "all":
+                parse_size(self.warm)
         if self.l2_ttl_s < 1:
             raise ConfigError(f"--kv-l2-ttl {self.l2_ttl_s}: must be at least 1 second")
+
+
+def warm_bytes(settings: KVSettings) -> int | None:
+    """``--kv-warm`` in bytes; None for ``all`` (as much as L1 takes) or when off."""
+    if settings.warm is None or settings.warm.strip().lower() == "all":
+        return None
+    return parse_size(settings.warm)
 
 
 def l1_bytes(spec: str) -> int:

@@ -15,12 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from preheat.errors import KVError
+from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk
 from preheat.kv.chunkfile import CorruptChunkError, MacError
 
 log = logging.getLogger("preheat.kv")
 
 EvictHook = Callable[[str, str], None]  # (tier name, key): a chunk left the tier (eviction, corruption, quota)
+Encode = Callable[[], "list[bytes | memoryview]"]  # the pieces of a value to store, made only when it is written
+Check = Callable[[bytes | bytearray], object]  # accepts a stored value's bytes, or raises CorruptChunkError
 
 
 @dataclass
@@ -37,6 +41,7 @@ class TierStats:
     corrupt: int = 0  # chunks that failed any check (the MAC included)
     mac_failures: int = 0  # of those, chunks refused by the keyed MAC (forged, other secret, keyed-ness mismatch)
     errors: int = 0
+    refused: int = 0  # values a store would not take: larger than the whole quota (fs://) or than any value may be
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def hit(self, nbytes: int, seconds: float) -> None:
@@ -67,6 +72,7 @@ class TierStats:
                 "corrupt": self.corrupt,
                 "mac_failures": self.mac_failures,
                 "errors": self.errors,
+                "refused": self.refused,
             }
 
 
@@ -128,4 +134,16 @@ class Tier(Protocol):
         """Up to ``limit`` keys this tier holds, most recently used first (for router snapshots)."""
         ...
 
+    def entries(self, limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` (key, stored bytes), most recently used first (the warm-up order)."""
+        ...
+
     def close(self) -> None: ...
+
+
+def chunk_expect(expect: chunkfile.AnyExpect) -> chunkfile.Expect:
+    """``expect`` of a tier holding the reference engine's chunks; ``KVError`` for a tier opened for opaque values
+    (a programming error: ``get``/``put`` of chunks on a blob store's storage)."""
+    if not isinstance(expect, chunkfile.Expect):
+        raise KVError(f"this tier holds opaque values of namespace {expect.fingerprint}, not KV chunks")
+    return expect

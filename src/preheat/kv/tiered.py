@@ -69,7 +69,7 @@ class TieredKV:
             chunk, tier = self._get(key)
             if chunk is None:
                 break
-            if tier == "l2" and self.l1 is not None and self.l1.put(key, self._for_l1(chunk)):
+            if tier == "l2" and self.l1 is not None and self.l1.put(key, self.for_l1(chunk)):
                 self.events.emit("store", "l1", key)
             found.append(chunk)
         return found
@@ -89,7 +89,8 @@ class TieredKV:
                 return chunk, "l2"
         return None, ""
 
-    def _for_l1(self, chunk: StoredChunk) -> StoredChunk:
+    def for_l1(self, chunk: StoredChunk) -> StoredChunk:
+        """``chunk`` (read from L2) as L1 keeps it: as it is, or copied to pinned memory on a CUDA engine."""
         if not self.pin:
             return chunk  # views of the bytes read from L2: kept as they are, no copy
         data = torch.empty(chunk.data.shape, dtype=chunk.data.dtype, pin_memory=True)

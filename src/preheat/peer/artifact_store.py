@@ -1,8 +1,11 @@
-"""Compiled artifacts at the edges: the node cache's ``compiled/`` directory and fetching blobs from peers.
+"""Compiled artifacts at the edges: the node cache's ``compiled/`` directory, fetching blobs from peers, and
+``find``, the one search (node cache, then peers) behind ``preheat serve --compile`` and ``preheat artifacts pull``.
 
 The format and the trust rules are in ``preheat.peer.artifacts`` (pure); this module stores only what passed them,
 re-checks before serving, and fetches with bounds: at most ``MAX_BLOB_BYTES`` read from a peer, at most 3 redirects,
-and the peer token never sent to another scheme, host or port than the one the registry named.
+and the peer token never sent to another scheme, host or port than the one the registry named. It holds blobs of
+every kind of key (``CompiledKey``: preheat's engine, vLLM's compile cache) side by side: the kind is a field of the
+key, so it is part of the blob's name.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from preheat.errors import PeerError
+from preheat.errors import PeerError, RegistryError
 from preheat.http.client import (
     AnswerTooLargeError,
     HTTPClientError,
@@ -23,13 +28,14 @@ from preheat.http.client import (
     Timeouts,
     get,
 )
-from preheat.peer.artifacts import MAX_BLOB_BYTES, ArtifactKey, Verified, verify
+from preheat.peer.artifacts import HOW_TO_TRUST, MAX_BLOB_BYTES, ArtifactKey, CompiledKey, Verified, verify
+from preheat.peer.registry import open_registry
 from preheat.peer.server import ARTIFACTS_ROUTE
 from preheat.peer.signing import TrustedKeys
 from preheat.store import durable
 
 log = logging.getLogger("preheat.peer")
-_KEY = re.compile(r"[0-9a-f]{32}")  # fullmatch: an ArtifactKey.hex
+_KEY = re.compile(r"[0-9a-f]{32}")  # fullmatch: a CompiledKey.hex
 
 
 class ArtifactStore:
@@ -76,7 +82,7 @@ class ArtifactStore:
         except OSError as exc:
             raise PeerError(f"{path}: cannot read ({exc.strerror})") from None
 
-    def load(self, key: ArtifactKey | str) -> Verified | None:
+    def load(self, key: CompiledKey | str) -> Verified | None:
         """The stored blob for ``key``, verified; None when there is none; ``PeerError`` when it is refused."""
         hex_key = key if isinstance(key, str) else key.hex
         found = self._read(hex_key)
@@ -154,7 +160,7 @@ class ArtifactStore:
 
 def fetch(
     address: str,
-    key: ArtifactKey,
+    key: CompiledKey,
     *,
     token: str | None,
     timeout: float = 5.0,
@@ -188,3 +194,62 @@ def fetch(
             log.warning("compile: peer %s refused artifacts: HTTP %d", address, answer.status)
         return None
     return answer.body
+
+
+@dataclass
+class Found:
+    """What ``find`` found: a blob this node may install (or None), where it came from (``node cache``,
+    ``peer HOST:PORT``), and why each refused candidate was refused."""
+
+    verified: Verified | None
+    source: str = ""
+    refused: list[str] = field(default_factory=list)
+
+
+def find(
+    key: CompiledKey,
+    store: ArtifactStore,
+    *,
+    peers: Sequence[str] = (),
+    registry: str | None = None,
+    identity: str | None = None,
+    token: str | None = None,
+) -> Found:
+    """Artifacts for ``key`` this node may install: its own node cache's, else the first that verifies against
+    ``store.trusted`` from ``peers`` (``host:port``) and then the registry's peers for ``identity``.
+
+    A node-cache blob that no longer verifies is discarded, with what was installed from it; peers are not asked at
+    all when no key is trusted (nothing they sent would be installed). A registry that cannot be read is a refusal
+    noted, not an error: explicit peers are still asked. The caller stores a peer's blob (``store.put``) once it
+    installed it, so this node serves it next."""
+    found = Found(None)
+    try:
+        found.verified = store.load(key)
+    except PeerError as exc:  # e.g. signed by a key no longer trusted: drop it and what it installed, start afresh
+        found.refused.append(str(exc))
+        store.discard(key.hex)
+    if found.verified is not None:
+        found.source = "node cache"
+        return found
+    if not peers and not registry:
+        return found
+    if not store.trusted:
+        found.refused.append(f"peers not asked for artifacts: no --trust-key given. {HOW_TO_TRUST}")
+        return found
+    addresses = list(dict.fromkeys(peers))
+    if registry and identity:
+        try:
+            addresses += [e.address for e in open_registry(registry).find(identity) if e.address not in addresses]
+        except RegistryError as exc:
+            found.refused.append(str(exc))
+    for address in addresses:
+        source = f"peer {address}"
+        raw = fetch(address, key, token=token)
+        if raw is None:
+            continue
+        try:
+            found.verified, found.source = verify(raw, key, store.trusted, where=source), source
+            return found
+        except PeerError as exc:  # another peer may hold artifacts someone trusted signed
+            found.refused.append(str(exc))
+    return found

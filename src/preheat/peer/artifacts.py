@@ -36,8 +36,9 @@ import platform
 import posixpath
 import struct
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import xxhash
 
@@ -72,6 +73,17 @@ HOW_TO_TRUST = (
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "fma", "asimd")
 
 
+class CompiledKey(Protocol):
+    """A key of any kind of compiled artifact: its fields (a JSON object; ``format`` names the kind, so keys of two
+    kinds never share a name) and its name, ``key_hex(fields())``. ``ArtifactKey`` is preheat's own engine's;
+    ``preheat.integrations.vllm.artifacts.VllmCacheKey`` is vLLM's compile cache's."""
+
+    @property
+    def hex(self) -> str: ...
+
+    def fields(self) -> dict[str, object]: ...
+
+
 @dataclass(frozen=True)
 class ArtifactKey:
     """What compiled code depends on. Two replicas share artifacts only when every field is equal."""
@@ -91,6 +103,9 @@ class ArtifactKey:
     def hex(self) -> str:
         """The key's name: xxh3-128 of its canonical JSON (32 hex digits), used in paths and URLs."""
         return key_hex(asdict(self))
+
+    def fields(self) -> dict[str, object]:
+        return asdict(self)
 
 
 def key_hex(fields: dict[str, object]) -> str:
@@ -149,24 +164,37 @@ def artifact_key(*, identity: str, device: str, dtype: str, max_model_len: int) 
 # -- the format (pure) -------------------------------------------------------------------------------------------
 
 
-def pack(key: ArtifactKey, directory: str) -> bytes:
-    """The unsigned blob of ``directory`` (an Inductor cache dir) for ``key``. Lock files are left out; so are
+def pack(key: CompiledKey, directory: str) -> bytes:
+    """The unsigned blob of ``directory`` (an Inductor cache dir) for ``key``: its entries at the payload's top."""
+    return pack_trees(key, [(name, os.path.join(directory, name)) for name in sorted(os.listdir(directory))])
+
+
+def pack_trees(key: CompiledKey, trees: Iterable[tuple[str, str]]) -> bytes:
+    """The unsigned blob of several paths for ``key``, each ``(name in the payload, path)``. Locks (``locks``
+    directories, ``*.lock`` files: Inductor's, valid only in the process that took them) are left out; so are
     symlinks and anything but files and directories, which the payload may not hold."""
     payload = io.BytesIO()
     with tarfile.open(fileobj=payload, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(os.listdir(directory)):
-            if name != "locks":
-                tar.add(os.path.join(directory, name), arcname=name, filter=_packable)
+        for arcname, path in trees:
+            if not _is_lock(arcname, os.path.isdir(path)):
+                tar.add(path, arcname=arcname, filter=_packable)
     return encode(key, payload.getvalue())
 
 
+def _is_lock(name: str, is_dir: bool) -> bool:
+    base = posixpath.basename(name)
+    return (is_dir and base == "locks") or (not is_dir and base.endswith(".lock"))
+
+
 def _packable(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    if _is_lock(info.name, info.isdir()):
+        return None
     return info if info.isdir() or info.type in _FILE_TYPES else None
 
 
-def encode(key: ArtifactKey, payload: bytes) -> bytes:
+def encode(key: CompiledKey, payload: bytes) -> bytes:
     """The unsigned blob of a tar ``payload`` for ``key``."""
-    header = {"key": asdict(key), "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    header = {"key": key.fields(), "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     data = json.dumps(header, sort_keys=True).encode()
     return MAGIC + _LENGTH.pack(len(data)) + data + payload
 
@@ -296,6 +324,13 @@ def check_payload(payload: memoryview | bytes, *, where: str) -> int:
         return len(members)
 
 
+def payload_names(payload: memoryview | bytes, *, where: str) -> list[str]:
+    """The normalized names of a tar payload's members (each checked, see ``_checked_tar``), in payload order: what
+    a kind of artifact checks its layout against before installing."""
+    with _checked_tar(payload, where=where) as (_, members):
+        return [posixpath.normpath(info.name) for info in members]
+
+
 # -- trust ---------------------------------------------------------------------------------------------------------
 
 
@@ -315,10 +350,13 @@ class Verified:
         return self.provenance == BUILT_HERE
 
 
-def _check_key(parsed: Parsed, key: ArtifactKey, *, where: str) -> None:
+def _check_key(parsed: Parsed, key: CompiledKey, *, where: str) -> None:
     if parsed.key_hex != key.hex:
-        theirs = parsed.key
-        differ = sorted(k for k, v in asdict(key).items() if theirs.get(k) != v or type(theirs.get(k)) is not type(v))
+        theirs, ours = parsed.key, key.fields()
+        if theirs.get("format") != ours.get("format"):
+            kind = str(theirs.get("format"))[:80]
+            raise PeerError(f"{where}: artifacts are of another kind ({kind!r}, not {ours.get('format')!r}); refused")
+        differ = sorted(k for k, v in ours.items() if theirs.get(k) != v or type(theirs.get(k)) is not type(v))
         raise PeerError(
             f"{where}: artifacts were compiled for another key (differs in {', '.join(differ) or 'extra fields'}); "
             "refused"
@@ -343,9 +381,9 @@ def _authorize(parsed: Parsed, trusted: TrustedKeys, *, built_here: str | None, 
 
 
 def verify(
-    raw: bytes, key: ArtifactKey | str, trusted: TrustedKeys, *, where: str, built_here: str | None = None
+    raw: bytes, key: CompiledKey | str, trusted: TrustedKeys, *, where: str, built_here: str | None = None
 ) -> Verified:
-    """Check ``raw`` for ``key`` (an ``ArtifactKey``, or just its hex name): structure, key, trust, payload.
+    """Check ``raw`` for ``key`` (a key of any kind, or just its hex name): structure, key, trust, payload.
 
     ``built_here`` is the body SHA-256 this node recorded when it packed the blob (the node cache's marker): such a
     blob needs no signature. Raises ``PeerError`` (``ArtifactTrustError`` when only trust is missing)."""
@@ -353,10 +391,10 @@ def verify(
 
 
 def _verify_parsed(
-    parsed: Parsed, raw: bytes, key: ArtifactKey | str, trusted: TrustedKeys, *, where: str, built_here: str | None
+    parsed: Parsed, raw: bytes, key: CompiledKey | str, trusted: TrustedKeys, *, where: str, built_here: str | None
 ) -> Verified:
     """``verify`` of a blob already parsed (parsing hashes the whole blob: once is enough)."""
-    if isinstance(key, ArtifactKey):
+    if not isinstance(key, str):
         _check_key(parsed, key, where=where)
     elif parsed.key_hex != key:
         raise PeerError(f"{where}: artifact blob names key {parsed.key_hex}, not {key}; refused")
@@ -365,7 +403,7 @@ def _verify_parsed(
     return Verified(parsed.key_hex, raw, parsed.payload, parsed.body_sha256, provenance)
 
 
-def built_here(key: ArtifactKey, raw: bytes) -> Verified:
+def built_here(key: CompiledKey, raw: bytes) -> Verified:
     """The blob this process just packed (``pack``), as a ``Verified`` of local provenance."""
     where = "artifacts packed here"
     parsed = parse(raw, where=where)

@@ -149,6 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="cpu",
         help="cuda[:N]: also hold the weights on that GPU and offer them over NIXL when nixl is installed",
     )
+    parser.add_argument(
+        "--artifacts",
+        action="store_true",
+        help="also serve the node cache's compiled artifacts (`preheat artifacts pack|push`): those built on this "
+        "node or signed by a PREHEAT_TRUST_KEY key, checked again before each is served",
+    )
+    parser.add_argument("--cache-dir", default=None, help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
     args = parser.parse_args(argv)
     token = os.environ.get("PREHEAT_PEER_TOKEN") or None  # never on the command line: `ps` shows it to everyone
     import signal
@@ -161,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = os.path.realpath(args.root)
         manifest = read_manifest(root)
         nixl = _gpu_export(root, manifest, args.device) if args.device != "cpu" else None
+        lookup = _artifact_lookup(args.cache_dir) if args.artifacts else None
         peering = start_peering(
             root,
             manifest=manifest,
@@ -173,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             origin=args.origin,
             ttl=args.ttl,
             nixl=nixl,
+            artifacts=lookup,
         )
     except (PreheatError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -187,6 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         peering.stop()
     return 0
+
+
+def _artifact_lookup(cache_dir: str | None) -> ArtifactLookup:
+    """The node cache's compiled artifacts, as the peer server looks them up (verified against PREHEAT_TRUST_KEY)."""
+    from preheat.peer.artifact_store import ArtifactStore
+    from preheat.peer.signing import TrustedKeys, trust_key_files
+    from preheat.store.cache import ModelCache
+
+    return ArtifactStore(str(ModelCache(cache_dir).root), TrustedKeys.from_files(trust_key_files(None))).lookup
 
 
 def _gpu_export(root: str, manifest: mf.Manifest, device: str) -> NixlExport | None:

@@ -18,7 +18,7 @@ import base64
 import binascii
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from preheat.errors import ConfigError
@@ -72,6 +72,15 @@ def _read_small(path: str) -> str:
 def read_public_key(path: str) -> bytes:
     """The raw Ed25519 public key in the PEM file at ``path``."""
     return public_key_from_pem(_read_small(path), where=path)
+
+
+def trust_key_files(given: Sequence[str] | None, env: Mapping[str, str] | None = None) -> list[str]:
+    """The trusted public key files: ``given`` (``--trust-key``, even empty), else ``PREHEAT_TRUST_KEY``
+    (comma-separated), as ``preheat serve`` reads them."""
+    if given is not None:
+        return list(given)
+    raw = (os.environ if env is None else env).get("PREHEAT_TRUST_KEY", "")
+    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,29 @@ phase       timeline stages                                        removed or sh
 provision   none (a node is not ours to time): ``--provision-s``   warm node pool
 image       ``platform`` (PREHEAT_T0 to process start) or          --
             ``--image-s`` when the timeline has no such stage
-start       ``imports``, ``config``, ``engine_imports``            --
+start       ``imports``, ``config``, ``engine_imports``            standby replica (gone)
 download    ``fetch`` (a remote model pulled into the node cache)  node-local model cache (gone); quantized
-load        ``weight_load``, ``model_build``                       quantized weights (x ``load_factor``)
+load        ``weight_load``, ``weight_handoff``, ``model_build``   quantized weights (x ``load_factor``)
 warmup      ``tokenizer``, ``warmup``                              --
 other       any other stage with a duration                        --
 ==========  =====================================================  =========================================
 
 Instants (``ready``, ``first_request_ttft``) have no duration and are not phases. The total of the phases is the
 time from asking for a replica to its ``ready``.
+
+Stages may overlap (``preheat serve`` reads the config, tokenizer and pages while torch imports, and builds the
+tokenizer while the weights load): each moment of the timeline counts once, for the stage that gates progress then,
+the covering stage that ends last (the critical path). So an overlapped ``tokenizer`` costs its phase nothing while
+``engine_imports`` still runs, and the phases still add up to the time to ``ready``.
+
+A **standby** replica (``preheat serve --standby``) has provisioned, pulled its image and started already: its
+activation pays ``download`` (unless the node cache has the model), ``load``, ``warmup`` and ``other``
+(``ColdStart.standby_seconds``).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from preheat.errors import PlanError, PreheatError
@@ -35,6 +45,7 @@ STAGE_PHASE = {
     "fetch": "download",
     "download": "download",
     "weight_load": "load",
+    "weight_handoff": "load",  # vLLM's --load-format preheat: the engine copying the mapped weights in
     "model_build": "load",
     "tokenizer": "warmup",
     "warmup": "warmup",
@@ -73,7 +84,9 @@ class ColdStart:
         for row in waterfall.rows:
             if row.duration < 0:
                 raise PlanError(f"{where}: stage {row.name!r} ends before it starts ({row.start} > {row.end})")
-            phases[STAGE_PHASE.get(row.name, "other")] += row.duration
+        spans = [(row.start, row.end, STAGE_PHASE.get(row.name, "other")) for row in waterfall.rows if row.duration]
+        for phase, seconds in critical_seconds(spans).items():
+            phases[phase] += seconds
         phases["provision"] = provision_s
         if not any(row.name == "platform" for row in waterfall.rows):
             phases["image"] = image_s
@@ -94,5 +107,30 @@ class ColdStart:
             total += p["download"] * load_factor
         return total
 
+    def standby_seconds(self, *, download: bool = True, load_factor: float = 1.0) -> float:
+        """Activation of a standby replica: what is left once the process is up with its engine imported."""
+        p = self.phases
+        total = p["warmup"] + p["other"] + p["load"] * load_factor
+        if download:
+            total += p["download"] * load_factor
+        return total
+
     def to_dict(self) -> dict[str, float]:
         return {**self.phases, "total": sum(self.phases.values())}
+
+
+def critical_seconds(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Seconds per label of ``spans`` (``(start, end, label)``, overlapping or not), each moment counted once, for
+    the span covering it that ends last (ties: the one that started last). Pure.
+
+    >>> critical_seconds([(0, 10, "start"), (1, 3, "warmup"), (10, 12, "load")])
+    {'start': 10.0, 'load': 2.0}
+    """
+    bounds = sorted({t for start, end, _ in spans for t in (start, end)})
+    out: dict[str, float] = {}
+    for left, right in itertools.pairwise(bounds):
+        covering = [(end, start, label) for start, end, label in spans if start <= left and end >= right]
+        if covering:
+            label = max(covering)[2]
+            out[label] = out.get(label, 0.0) + (right - left)
+    return out

@@ -14,8 +14,11 @@ The model (docs/plan.md has the formulas and the reasoning):
   ``min_replicas > 0`` keeps warm replicas (ready at t=0).
 - Cold start: the phases of a measured timeline (``ColdStart``). Node-local model cache: no download phase.
   Quantized weights: download and load x ``quantized_load_factor``. Warm node pool: ``warm_pool`` nodes are always
-  up (and always billed); a replica placed on a free one skips provisioning. Replicas beyond the pool go to burst
-  nodes, at the spot price with ``spot_burst`` (preemption is not modelled).
+  up (and always billed); a replica placed on a free one skips provisioning. Standby replicas: ``standby`` processes
+  are always up on their nodes (and always billed) with no model (``preheat serve --standby``); a replica placed on
+  a free one becomes ready after an activation only (``ColdStart.standby_seconds``), and its slot returns to
+  standby when it stops (the restart into standby is not modelled). Standby slots are used first, then pool nodes.
+  Replicas beyond them go to burst nodes, at the spot price with ``spot_burst`` (preemption is not modelled).
 - Cost: burst replicas are billed from the moment they are asked for until they stop; warm pool nodes for the whole
   horizon (first arrival to last completion). Idle cost is billed time with no request in flight.
 """
@@ -50,12 +53,13 @@ class Policy:
     quantized: bool = False
     warm_pool: int = 0
     spot_burst: bool = False
+    standby: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ConfigError(f"policy {self.name}: need 0 <= min ({self.min_replicas}) <= max ({self.max_replicas})")
-        if self.idle_timeout_s < 0 or self.warm_pool < 0:
-            raise ConfigError(f"policy {self.name}: idle timeout and warm pool must not be negative")
+        if self.idle_timeout_s < 0 or self.warm_pool < 0 or self.standby < 0:
+            raise ConfigError(f"policy {self.name}: idle timeout, warm pool and standby must not be negative")
 
 
 @dataclass(frozen=True)
@@ -121,18 +125,21 @@ class _Fleet:
         download = not policy.node_cache
         self.pool_start_s = cold.seconds(provision=False, download=download, load_factor=factor)
         self.burst_start_s = cold.seconds(provision=True, download=download, load_factor=factor)
+        self.standby_start_s = cold.standby_seconds(download=download, load_factor=factor)
         price = settings.gpu_cost_per_hour / 3600.0
         self.pool_price = price
         self.burst_price = price * (1.0 - settings.spot_discount) if policy.spot_burst else price
         self.state: list[int] = []
         self.in_flight: list[int] = []
         self.on_pool: list[bool] = []
+        self.on_standby: list[bool] = []
         self.asked_at: list[float] = []
         self.ended_at: list[float] = []
         self.busy_since: list[float] = []
         self.busy: list[float] = []
         self.epoch: list[int] = []
         self.pool_free = policy.warm_pool
+        self.standby_free = policy.standby
         self.alive = 0
         self.starting = 0
         self.peak = 0
@@ -141,12 +148,16 @@ class _Fleet:
     def add(self, now: float, *, warm: bool) -> tuple[int, float]:
         """A new replica asked for at ``now``; returns its id and when it is ready."""
         rid = len(self.state)
-        pool = self.pool_free > 0
+        standby = self.standby_free > 0
+        pool = not standby and self.pool_free > 0
+        self.standby_free -= standby
         self.pool_free -= pool
-        ready = now if warm else now + (self.pool_start_s if pool else self.burst_start_s)
+        start = self.standby_start_s if standby else self.pool_start_s if pool else self.burst_start_s
+        ready = now if warm else now + start
         self.state.append(_SERVING if warm else _STARTING)
         self.in_flight.append(0)
         self.on_pool.append(pool)
+        self.on_standby.append(standby)
         self.asked_at.append(now)
         self.ended_at.append(math.nan)
         self.busy_since.append(0.0)
@@ -163,16 +174,17 @@ class _Fleet:
         self.ended_at[rid] = now
         self.alive -= 1
         self.pool_free += self.on_pool[rid]
+        self.standby_free += self.on_standby[rid]
 
     def bill(self, horizon: float) -> tuple[float, float, float, float]:
         """(accelerator seconds, busy seconds, cost, idle cost) over ``[0, horizon]``."""
-        pool_seconds = self.policy.warm_pool * horizon
+        pool_seconds = (self.policy.warm_pool + self.policy.standby) * horizon  # standby nodes are billed alike
         seconds, cost = pool_seconds, pool_seconds * self.pool_price
         busy_total, idle_cost = 0.0, pool_seconds * self.pool_price
         for rid, state in enumerate(self.state):
             busy = self.busy[rid]
             busy_total += busy
-            if self.on_pool[rid]:
+            if self.on_pool[rid] or self.on_standby[rid]:
                 idle_cost -= busy * self.pool_price  # the node is paid for anyway; busy time is not idle
                 continue
             end = horizon if state != _GONE else self.ended_at[rid]
@@ -351,7 +363,11 @@ class _Simulation:
         seconds, busy_s, cost, idle_cost = fleet.bill(horizon)
         return SimResult(
             policy=fleet.policy,
-            cold_start_s={"warm_pool_node": fleet.pool_start_s, "new_node": fleet.burst_start_s},
+            cold_start_s={
+                "warm_pool_node": fleet.pool_start_s,
+                "new_node": fleet.burst_start_s,
+                "standby": fleet.standby_start_s,
+            },
             ttft=np.asarray(self.ttft, dtype=np.float64),
             served=np.asarray(self.served, dtype=np.int64),
             horizon_s=horizon,
@@ -389,12 +405,14 @@ PRESETS: dict[str, Policy] = {
     "quantized": Policy("quantized", quantized=True),
     "warm-pool": Policy("warm-pool", warm_pool=2, spot_burst=True),
     "all-four": Policy("all-four", min_replicas=1, node_cache=True, quantized=True, warm_pool=2, spot_burst=True),
+    "standby": Policy("standby", node_cache=True, standby=2),
 }
 _FIELDS = {
     "min": ("min_replicas", int),
     "max": ("max_replicas", int),
     "idle": ("idle_timeout_s", float),
     "pool": ("warm_pool", int),
+    "standby": ("standby", int),
 }
 _SWITCHES = {"cache": "node_cache", "quant": "quantized", "spot": "spot_burst"}
 
@@ -402,7 +420,7 @@ _SWITCHES = {"cache": "node_cache", "quant": "quantized", "spot": "spot_burst"}
 def parse_policy(text: str, *, max_replicas: int = 64, idle_timeout_s: float = 300.0) -> Policy:
     """A preset name (``PRESETS``), optionally with overrides, or a new named policy:
 
-    ``warm-replicas:min=2``, ``mine:min=1,max=8,idle=120,cache,quant,pool=2,spot``. ``max_replicas`` and
+    ``warm-replicas:min=2``, ``mine:min=1,max=8,idle=120,cache,quant,pool=2,spot,standby=1``. ``max_replicas`` and
     ``idle_timeout_s`` apply unless the text sets ``max=`` or ``idle=``.
 
     >>> policy = parse_policy("fast:min=1,cache,idle=60")

@@ -9,22 +9,24 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from preheat.config import resolve_settings
 from preheat.errors import ConfigError, RouterError
 from preheat.http.server import sigterm_interrupts
 from preheat.peer.access import is_loopback
+from preheat.router.activation import ColdSettings, ColdStarter
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
 from preheat.router.policies import POLICIES, LoadGuard, make_policy
-from preheat.router.prompts import PromptReader
+from preheat.router.prompts import PromptReader, tokenizer_from_replicas
 from preheat.router.proxy import Router, RouterHTTPServer
-from preheat.router.upstream import Replica, parse_url
+from preheat.router.upstream import Replica, join_replica_specs, parse_replica_spec, parse_url
 
 log = logging.getLogger("preheat.router")
 PREFIX = "PREHEAT_ROUTER_"
+FROM_REPLICAS = "@replicas"  # --model @replicas: the tokenizer is asked of the replicas at start
 SECONDS = (
     "health_interval",
     "health_timeout",
@@ -32,18 +34,22 @@ SECONDS = (
     "index_ttl",
     "kv_snapshot_interval",
     "upstream_timeout",
+    "activation_timeout",
 )
+NO = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class RouterSettings:
     """Everything ``preheat router`` needs (docs/router.md has the table of flags and variables)."""
 
+    # Each ``URL[,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT]]`` (upstream.parse_replica_spec): with events=, an
+    # engine replica (vLLM, SGLang) whose ZMQ KV events feed policy kv.
     replicas: tuple[str, ...]
     policy: str = "round-robin"
     host: str = "127.0.0.1"
     port: int = 8080
-    model: str | None = None  # tokenizer source for prefix and kv
+    model: str | None = None  # tokenizer source for prefix and kv: a directory, or FROM_REPLICAS
     chunk_tokens: int = 256  # prefix only: kv uses each replica's published chunk size
     health_interval: float = 1.0
     health_timeout: float = 2.0
@@ -58,6 +64,15 @@ class RouterSettings:
     # What the router sends the replicas (their --api-key) in place of the client's Authorization, and on its
     # KV-event polls; None: the client's passes through, and polls carry api_key (one key for the whole fleet).
     replica_api_key: str | None = None
+    # Cold capacity (docs/router.md, *Standby and sleeping replicas*): standby replicas the router may activate with
+    # standby_model (served as served_model_name), sleeping replicas it may wake (wake), when no replica is in
+    # rotation or every one has saturation requests in flight; a cold start may take activation_timeout seconds.
+    standby: tuple[str, ...] = ()
+    standby_model: str | None = None
+    served_model_name: str | None = None
+    saturation: int = 3
+    activation_timeout: float = 300.0
+    wake: bool = True
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -67,8 +82,12 @@ class RouterSettings:
         ('http://a:1', 'http://b:2')
         """
         values = resolve_settings(cls, flags, env, prefix=PREFIX, parse=_parse)
-        if not values.get("replicas"):
-            raise ConfigError(f"no replicas: pass --replica URL (repeat it) or set {PREFIX}REPLICAS=URL,URL")
+        if not values.get("replicas") and not values.get("standby"):
+            raise ConfigError(
+                f"no replicas: pass --replica URL (repeat it) or set {PREFIX}REPLICAS=URL,URL "
+                "(or give standby replicas: --standby URL --standby-model MODEL)"
+            )
+        values.setdefault("replicas", ())
         settings = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
         settings.check()
         return settings
@@ -77,10 +96,13 @@ class RouterSettings:
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.policy in ("prefix", "kv") and not self.model:
-            raise ConfigError(f"--policy {self.policy} tokenizes prompts: pass --model DIR (the replicas' model)")
+            raise ConfigError(
+                f"--policy {self.policy} tokenizes prompts: pass --model DIR (the replicas' model), "
+                f"or --model {FROM_REPLICAS} to ask the replicas for their tokenizer"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be 0-65535 (0 picks a free port)")
-        for number in ("chunk_tokens", "index_keys", "guard_gap", "hot_in_flight"):
+        for number in ("chunk_tokens", "index_keys", "guard_gap", "hot_in_flight", "saturation"):
             if int(getattr(self, number)) < 1:
                 raise ConfigError(f"--{number.replace('_', '-')} must be at least 1")
         for seconds in SECONDS:
@@ -90,16 +112,31 @@ class RouterSettings:
             value = getattr(self, secret)
             if value is not None and not value.strip():
                 raise ConfigError(f"--{secret.replace('_', '-')} is empty: give a key, or leave the flag out")
-        for url in self.replicas:
-            parse_url(url)
-        if len({parse_url(u).url for u in self.replicas}) != len(self.replicas):
+        urls = [parse_replica_spec(spec).url for spec in self.replicas] + [parse_url(u).url for u in self.standby]
+        if len(set(urls)) != len(urls):
             raise ConfigError("the same replica is given twice")
+        if self.standby and not self.activation_model:
+            raise ConfigError(
+                "--standby replicas need the model to activate them with: pass --standby-model MODEL (a directory or "
+                "URI each standby's --allow-model allows), or --model DIR"
+            )
+
+    @property
+    def activation_model(self) -> str | None:
+        """What a standby is told to load: ``standby_model``, else ``model`` when it is a directory."""
+        if self.standby_model:
+            return self.standby_model
+        return self.model if self.model and self.model != FROM_REPLICAS else None
 
 
 def _parse(name: str, variable: str, raw: str) -> object:
     if name == "replicas":
-        return tuple(u.strip() for u in raw.split(",") if u.strip())
+        return join_replica_specs(raw.split(","))
+    if name == "standby":
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
     kind = next(f.type for f in fields(RouterSettings) if f.name == name)
+    if kind == "bool":
+        return raw.lower() not in NO
     try:
         if kind == "int":
             return int(raw)
@@ -122,10 +159,23 @@ class RouterService:
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        replicas = [Replica(url, timeout=settings.upstream_timeout) for url in settings.replicas]
+        specs = [parse_replica_spec(spec) for spec in settings.replicas]
+        replicas = [Replica(spec.url, timeout=settings.upstream_timeout) for spec in specs]
+        sources = [(r, spec.events) for r, spec in zip(replicas, specs, strict=True) if spec.events is not None]
+        replicas += [Replica(url, timeout=settings.upstream_timeout, standby=True) for url in settings.standby]
+        if sources and settings.policy != "kv":
+            log.warning("--policy %s does not use KV events: the replicas' events= are ignored", settings.policy)
+            sources = []
         self.kv_index = KVIndex(max_keys=settings.index_keys, snapshot_interval=settings.kv_snapshot_interval)
         guard = LoadGuard(gap=settings.guard_gap, hot=settings.hot_in_flight)
         needs_model = settings.policy in ("prefix", "kv")
+        if needs_model and settings.model == FROM_REPLICAS:
+            # The replicas' own tokenizer: a preheat replica serves its files, vLLM names its local directory.
+            key = settings.replica_api_key or settings.api_key
+            model = tokenizer_from_replicas(settings.replicas, {"Authorization": f"Bearer {key}"} if key else {})
+            log.warning("tokenizer: from the replicas (%s)", model)
+            settings = replace(settings, model=model)
+            self.settings = settings
         policy = make_policy(
             settings.policy,
             fingerprint=prefix_fingerprint(settings.model, settings.chunk_tokens) if settings.model else None,
@@ -134,28 +184,62 @@ class RouterService:
             guard=guard,
             index_keys=settings.index_keys,
             index_ttl=settings.index_ttl,
+            engines=[r.url for r, _ in sources],
         )
         prompts = PromptReader.from_model(settings.model if needs_model else None)
         self.router = Router(
             replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key
         )
-        self.health = HealthChecker(
-            replicas, self.router.set_health, interval=settings.health_interval, timeout=settings.health_timeout
+        cold = ColdSettings(
+            model=settings.activation_model if settings.standby else None,
+            served_model_name=settings.served_model_name,
+            api_key=settings.replica_api_key or settings.api_key,
+            timeout=settings.activation_timeout,
+            wake=settings.wake,
+            saturation=settings.saturation,
         )
+        self.router.cold = ColdStarter(replicas, self._admit, self.router.metrics, cold)
+        self.health = HealthChecker(
+            replicas,
+            self.router.set_health,
+            interval=settings.health_interval,
+            timeout=settings.health_timeout,
+            on_phase=self.router.cold.observed,
+        )
+        engines = {r.url for r, _ in sources}
+        polled = [r for r in replicas if r.url not in engines]  # preheat replicas: GET /v1/kv/events
         self.poller = (
             KVEventPoller(
-                replicas,
+                polled,
                 self.kv_index,
                 interval=settings.kv_poll_interval,
                 api_key=settings.replica_api_key or settings.api_key,
             )
-            if settings.policy == "kv"
+            if settings.policy == "kv" and polled
             else None
         )
+        self.subscriber = None
+        if sources:
+            # Imported here: pyzmq and msgspec are the `engines` extra, needed only with engine replicas.
+            from preheat.router.zmq_events import EngineEventSubscriber, engine_events_counter
+
+            counter = engine_events_counter()
+            self.router.metrics.add(counter)
+            assert settings.model is not None  # resolved above: kv needs a tokenizer
+            self.subscriber = EngineEventSubscriber(
+                sources,
+                self.kv_index,
+                counter,
+                identity=os.path.realpath(settings.model),
+                max_keys=settings.index_keys,
+            )
         try:
             self.httpd = RouterHTTPServer((settings.host, settings.port), self.router)
         except OSError as exc:
             raise RouterError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+
+    def _admit(self, replica: Replica, why: str) -> None:
+        self.router.set_health(replica, True, why)
 
     @property
     def url(self) -> str:
@@ -169,6 +253,8 @@ class RouterService:
         if self.poller is not None:
             self.poller.tick_all()
             self.poller.start()
+        if self.subscriber is not None:
+            self.subscriber.start()
 
     def serve(self) -> None:
         self.httpd.serve_forever(poll_interval=0.25)
@@ -177,6 +263,8 @@ class RouterService:
         self.health.stop()
         if self.poller is not None:
             self.poller.stop()
+        if self.subscriber is not None:
+            self.subscriber.stop()
         self.httpd.server_close()
         for replica in self.router.replicas:
             replica.close_idle()
@@ -191,9 +279,10 @@ def run(flags: Mapping[str, object], announce: Callable[[str], None] | None = No
         with sigterm_interrupts():
             service.start()
             up = sum(r.healthy for r in service.router.replicas)
+            standby = f", {len(settings.standby)} standby" if settings.standby else ""
             say(
                 f"preheat router: listening on {service.url} (policy {settings.policy}, "
-                f"{up}/{len(settings.replicas)} replicas healthy)"
+                f"{up}/{len(settings.replicas)} replicas healthy{standby})"
             )
             if not settings.api_key and not is_loopback(settings.host):
                 say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")

@@ -94,10 +94,11 @@ class Cluster:
 
     replicas: list[Child] = field(default_factory=list)
     router: Child | None = None
+    standby: list[Child] = field(default_factory=list)
 
     @property
     def children(self) -> list[Child]:
-        return [*self.replicas, *([self.router] if self.router is not None else [])]
+        return [*self.replicas, *self.standby, *([self.router] if self.router is not None else [])]
 
     def stop(self, grace: float = GRACE_SECONDS) -> None:
         """SIGTERM every process group (the router first: no new requests), SIGKILL what is left after ``grace``."""
@@ -120,16 +121,28 @@ def start_cluster(
     router_args: Sequence[str],
     echo: Callable[[str], None],
     env: Mapping[str, str] | None = None,
+    standby: int = 0,
 ) -> Cluster:
-    """Start ``replicas`` replicas of ``model``, then a router in front of them; stopped again on any failure.
-    ``env``: the children's environment (None: this process's)."""
+    """Start ``replicas`` replicas of ``model`` and ``standby`` standby replicas allowed to load it (and nothing
+    else), then a router in front of them; stopped again on any failure. ``env``: the children's environment (None:
+    this process's)."""
     cluster = Cluster()
+    allowed = os.path.abspath(model) if "://" not in model else model
     try:
         for i in range(replicas):
             args = ["serve", model, "--port", "0", *replica_args]
             cluster.replicas.append(Child(f"replica {i + 1}", args, echo, env))
+        for i in range(standby):
+            args = ["serve", "--standby", "--allow-model", allowed, "--port", "0", *replica_args]
+            cluster.standby.append(Child(f"standby {i + 1}", args, echo, env))
         urls = [child.wait_address() for child in cluster.replicas]
-        args = ["router", *(arg for url in urls for arg in ("--replica", url)), *router_args]
+        waiting = [child.wait_address() for child in cluster.standby]
+        args = [
+            "router",
+            *(arg for url in urls for arg in ("--replica", url)),
+            *(arg for url in waiting for arg in ("--standby", url)),
+            *router_args,
+        ]
         cluster.router = Child("router", args, echo, env)
         cluster.router.wait_address()
     except BaseException:
@@ -138,25 +151,29 @@ def start_cluster(
     return cluster
 
 
-def wait_healthy(router_url: str, replicas: int, timeout: float, alive: Callable[[], bool]) -> None:
-    """Poll the router's ``/health`` until all ``replicas`` are in rotation; ``ProcessError`` on timeout or if a
-    child exits meanwhile."""
+def wait_healthy(router_url: str, replicas: int, timeout: float, alive: Callable[[], bool], standby: int = 0) -> None:
+    """Poll the router's ``/health`` until all ``replicas`` are in rotation and the router has seen all ``standby``
+    replicas waiting (or serving already); ``ProcessError`` on timeout or if a child exits meanwhile."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive():
             raise ProcessError("a child process exited while the cluster was starting; its output is above")
-        if _replicas_healthy(router_url + "/health") == replicas:
+        serving, waiting = _replicas_healthy(router_url + "/health")
+        if serving >= replicas and waiting >= standby:
             return
         time.sleep(0.2)
     raise ProcessError(f"the replicas were not all healthy after {timeout:.0f} s")
 
 
-def _replicas_healthy(url: str) -> int:
-    """How many replicas the router's ``/health`` (200 or 503, JSON either way) says are in rotation; 0 while it
-    does not answer."""
+def _replicas_healthy(url: str) -> tuple[int, int]:
+    """How many replicas the router's ``/health`` (200 or 503, JSON either way) says are in rotation (given with
+    ``--replica``), and how many standby replicas are waiting or serving; (0, 0) while it does not answer."""
     try:
         status = json.loads(request(url, timeouts=Timeouts.within(5.0), max_body=1 << 20).body)
     except (HTTPClientError, ValueError):
-        return 0
+        return 0, 0
     replicas = status.get("replicas", []) if isinstance(status, dict) else []
-    return sum(bool(r.get("healthy")) for r in replicas if isinstance(r, dict))
+    listed = [r for r in replicas if isinstance(r, dict)]
+    serving = sum(bool(r.get("healthy")) for r in listed if not r.get("standby"))
+    waiting = sum(bool(r.get("healthy")) or r.get("state") == "standby" for r in listed if r.get("standby"))
+    return serving, waiting

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from preheat.http.client import ConnectError, HTTPClientError, Timeouts, request
+from preheat.jsonsafe import JSONInputError, loads_bounded
+from preheat.router.capacity import NOT_SERVING
 from preheat.router.upstream import Replica
 
 log = logging.getLogger("preheat.router")
@@ -62,7 +64,8 @@ class HealthChecker(ReplicaLoop):
 
     ``on_change(replica, healthy, why)`` is called when a replica should enter or leave rotation; it sets the
     replica's flag (``Router.set_health``), so that a request that found the replica dead at the same moment does
-    not count a second ejection.
+    not count a second ejection. ``on_phase(replica, body)`` (optional) hears of every change of a replica's phase,
+    with the ``/health`` body that said so (the cold-capacity side learns a sleeping replica's wake cost from it).
     """
 
     def __init__(
@@ -73,9 +76,10 @@ class HealthChecker(ReplicaLoop):
         interval: float = 1.0,
         timeout: float = 2.0,
         failures: int = 2,
+        on_phase: Callable[[Replica, dict[str, object]], None] | None = None,
     ) -> None:
         super().__init__(replicas, interval, timeout)
-        self.on_change, self.failures = on_change, failures
+        self.on_change, self.failures, self.on_phase = on_change, failures, on_phase
         self._failed = {r.url: 0 for r in replicas}
 
     def tick(self, replica: Replica) -> float:
@@ -84,15 +88,22 @@ class HealthChecker(ReplicaLoop):
 
     def check(self, replica: Replica) -> None:
         """One check of ``replica``; ``on_change`` when it should enter or leave rotation."""
+        body: dict[str, object] = {}
         try:
-            status = request(
-                replica.url + "/health", timeouts=Timeouts.within(self.timeout), max_body=MAX_ANSWER
-            ).status
-            ok, why, definitive = status == 200, f"/health answered {status}", False
+            answer = request(replica.url + "/health", timeouts=Timeouts.within(self.timeout), max_body=MAX_ANSWER)
+            body = _json_object(answer.body)
+            phase = str(body.get("status", "ok" if answer.status == 200 else answer.status))
+            ok, why = answer.status == 200, f"/health answered {answer.status}"
+            # A replica that says it takes no requests (asleep, on standby, draining) means it: out at once.
+            definitive = answer.status == 503 and phase in NOT_SERVING
+            if definitive:
+                why += f" {phase}"
         except ConnectError as exc:
             ok, why, definitive = False, "connection refused" if exc.refused else str(exc), exc.refused
+            phase = "down"
         except HTTPClientError as exc:
-            ok, why, definitive = False, str(exc), False
+            ok, why, definitive, phase = False, str(exc), False, "down"
+        self._observe(replica, "ok" if ok else phase, body)
         if ok:
             self._failed[replica.url] = 0
             if not replica.healthy:
@@ -101,3 +112,20 @@ class HealthChecker(ReplicaLoop):
         self._failed[replica.url] += 1
         if replica.healthy and (definitive or self._failed[replica.url] >= self.failures):
             self.on_change(replica, False, why)
+
+    def _observe(self, replica: Replica, phase: str, body: dict[str, object]) -> None:
+        replica.prepared = body.get("prepared") is True
+        if phase == replica.phase:
+            return
+        replica.phase = phase
+        if self.on_phase is not None:
+            self.on_phase(replica, body)
+
+
+def _json_object(raw: bytes) -> dict[str, object]:
+    """``/health``'s JSON object; {} for anything else (a replica of another kind may answer plain text)."""
+    try:
+        value = loads_bounded(raw, max_bytes=MAX_ANSWER, max_depth=8)
+    except (JSONInputError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}

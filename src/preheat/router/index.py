@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from preheat.errors import RouterError
 
@@ -307,6 +307,9 @@ class ReplicaCache:
     # How many of this router's requests had finished on the replica when the answer was asked for: the ones that
     # finish later are still in ``load``, though over (see ``KVAware.estimate``).
     finished: int = 0
+    # Keys already in the accelerator's own cache: an engine replica's GPU medium (engine_index.py); preheat
+    # replicas publish L1 and L2 only, so theirs stays empty.
+    gpu: KeySet = field(default_factory=lambda: KeySet(1))
 
 
 class KVIndex:
@@ -413,10 +416,27 @@ class KVIndex:
         with self._lock:
             self._replicas.pop(replica, None)
 
+    def edit(self, replica: str, change: Callable[[], ReplicaCache | None]) -> None:
+        """Run ``change`` under the index's lock and make what it returns ``replica``'s cache (None: nothing known).
+
+        For replicas whose state the router builds itself from an engine's event stream (zmq_events.py): the
+        ``change`` mutates that state's key sets, which routing threads read under the same lock."""
+        with self._lock:
+            cache = change()
+            if cache is None:
+                self._replicas.pop(replica, None)
+            else:
+                self._replicas[replica] = cache
+
     def sizes(self) -> dict[str, tuple[int, int]]:
         """Per replica, how many keys its L1 and L2 hold (for ``/metrics``)."""
         with self._lock:
             return {name: (len(s.l1), len(s.l2)) for name, s in self._replicas.items()}
+
+    def gpu_sizes(self) -> dict[str, int]:
+        """Per engine replica, how many keys its GPU medium holds (for ``/metrics``)."""
+        with self._lock:
+            return {name: len(s.gpu) for name, s in self._replicas.items() if len(s.gpu)}
 
 
 class _Union:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from preheat.http.metrics import Counter, Gauge, Histogram, Samples, Series, render
 
 OVERHEAD_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+COLD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class RouterMetrics:
@@ -33,16 +34,36 @@ class RouterMetrics:
             "Seconds a request spends in the router itself (routing, forwarding), excluding the replica's time.",
             OVERHEAD_BUCKETS,
         )
+        self.activations = Counter(
+            "preheat_router_activations_total",
+            "Standby replicas the router activated (POST /v1/preheat/load), by replica and outcome "
+            "(ok, refused: model not allowed there, failed).",
+        )
+        self.wakes = Counter(
+            "preheat_router_wakes_total",
+            "Sleeping replicas the router woke (POST /v1/preheat/wake), by replica and outcome (ok, failed).",
+        )
+        self.activation_seconds = Histogram(
+            "preheat_router_activation_seconds",
+            "Seconds from the router's load request to the activated replica's first /health 200 (successes only).",
+            COLD_BUCKETS,
+        )
+        self.wake_seconds = Histogram(
+            "preheat_router_wake_seconds",
+            "Seconds from the router's wake request to the woken replica's first /health 200 (successes only).",
+            COLD_BUCKETS,
+        )
         up = Gauge("preheat_router_replica_up", "1 when a replica is in rotation, 0 when ejected.", self._up)
         flight = Gauge("preheat_router_in_flight", "Requests in flight through the router, per replica.", self._flight)
         index = Gauge(
             "preheat_router_index_keys",
             "Chunk keys the routing policy holds per replica and index (prefix: routed, in_flight; "
-            "kv: l1, l2, recent, in_flight).",
+            "kv: l1, l2, gpu (engine replicas), recent, routed (engine replicas' prefix fallback), in_flight).",
             self._index,
         )
         self._all: list[Series] = [
             self.routed, self.decisions, self.retries, self.ejections, self.errors, self.overhead, up, flight, index,
+            self.activations, self.wakes, self.activation_seconds, self.wake_seconds,
         ]  # fmt: skip
 
     def _up(self) -> Samples:
@@ -53,6 +74,10 @@ class RouterMetrics:
 
     def _index(self) -> Samples:
         return [({"replica": url, "index": index}, float(n)) for (url, index), n in self._index_sizes().items()]
+
+    def add(self, series: Series) -> None:
+        """One more series on ``/metrics`` (the engine-events counter, when the router subscribes to any)."""
+        self._all.append(series)
 
     def render(self) -> str:
         return render(self._all)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -231,15 +231,33 @@ class KVAware(Policy):
     name = "kv"
     needs_tokens = True
 
-    def __init__(self, index: KVIndex, guard: LoadGuard, recent: PrefixIndex) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        guard: LoadGuard,
+        recent: PrefixIndex,
+        *,
+        engines: Collection[str] = (),
+        fallback: tuple[str, int] | None = None,
+        routed: PrefixIndex | None = None,
+    ) -> None:
+        """``engines``: the replicas whose KV state comes from an engine's event stream (vLLM, SGLang); until one of
+        them has a mapped block (or while its events cannot be mapped) it is scored as ``prefix`` would: the keys
+        ``(fingerprint, chunk_tokens) = fallback`` of the prompts it answered, kept in ``routed``, as GPU hits."""
         super().__init__()
         self.index, self.guard, self.recent = index, guard, recent
+        self.engines = frozenset(engines)
+        self.fallback = fallback
+        self.routed = routed if routed is not None else PrefixIndex()
 
     def estimate(self, request: RouteRequest, candidate: Candidate) -> Estimate | None:
-        """``candidate``'s expected TTFT, or None when it has published no KV state yet."""
+        """``candidate``'s expected TTFT; None when it has published no KV state yet (an engine replica without
+        mapped events: what ``prefix`` would say, ``_by_prefix``)."""
         state = self.index.state(candidate.name)
-        if state is None or request.token_ids is None:
+        if request.token_ids is None:
             return None
+        if state is None:
+            return self._by_prefix(request, candidate)
         keys = request.keys(state.fingerprint, state.chunk_tokens)
         others = [c for c in self.index.all_costs() if c is not state.costs]
         costs = resolve_costs(state.costs, others)
@@ -252,11 +270,35 @@ class KVAware(Policy):
         # the one generating now is, on average, half done.
         wait = max(queued - 0.5, 0.0) * (candidate.service_seconds or 0.0)
         name = candidate.name
-        l1 = _Either(state.l1, lambda key: self.recent.contains(name, key) or self.in_flight.contains(name, key))
         l2 = self.index.l2_view(name)
+
+        def pending(key: str) -> bool:
+            return self.recent.contains(name, key) or self.in_flight.contains(name, key)
+
+        if name in self.engines:  # an engine computes a prompt into its GPU cache
+            return expected_ttft(
+                len(request.token_ids), keys, state.chunk_tokens, l1=state.l1, l2=l2, costs=costs,
+                queue_wait=wait, gpu=_Either(state.gpu, pending),
+            )  # fmt: skip
+        l1 = _Either(state.l1, pending)
         return expected_ttft(
             len(request.token_ids), keys, state.chunk_tokens, l1=l1, l2=l2, costs=costs, queue_wait=wait
         )
+
+    def _by_prefix(self, request: RouteRequest, candidate: Candidate) -> Estimate | None:
+        """An engine replica without mapped KV events: what ``prefix`` would say, priced as GPU hits."""
+        name = candidate.name
+        if name not in self.engines or self.fallback is None or request.token_ids is None:
+            return None
+        fingerprint, chunk_tokens = self.fallback
+        keys = request.keys(fingerprint, chunk_tokens)
+        costs = resolve_costs((None, None, None), self.index.all_costs())
+        wait = max(candidate.in_flight - 0.5, 0.0) * (candidate.service_seconds or 0.0)
+        held = _Either(frozenset(), lambda key: self.routed.contains(name, key) or self.in_flight.contains(name, key))
+        return expected_ttft(
+            len(request.token_ids), keys, chunk_tokens, l1=frozenset(), l2=frozenset(), costs=costs,
+            queue_wait=wait, gpu=held,
+        )  # fmt: skip
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         estimates = {c.name: self.estimate(request, c) for c in candidates}
@@ -273,18 +315,32 @@ class KVAware(Policy):
 
     def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
         state = self.index.state(replica)
-        return [] if state is None else request.keys(state.fingerprint, state.chunk_tokens)
+        if state is None:
+            if replica in self.engines and self.fallback is not None:
+                return request.keys(*self.fallback)
+            return []
+        return request.keys(state.fingerprint, state.chunk_tokens)
+
+    def answered(self, request: RouteRequest, replica: str, ok: bool) -> None:
+        super().answered(request, replica, ok)
+        # What an engine replica answered is its prefix fallback's index, kept while its events are also mapped:
+        # a restart of the engine (or of its events) then falls back on what it most likely still holds.
+        if ok and replica in self.engines and self.fallback is not None:
+            self.routed.record(replica, request.keys(*self.fallback))
 
     def learn(self, replica: str, keys: list[str]) -> None:
         self.recent.record(replica, keys)
 
     def forget(self, replica: str) -> None:
         self.recent.forget(replica)
+        self.routed.forget(replica)
 
     def index_sizes(self) -> dict[tuple[str, str], int]:
         sizes = super().index_sizes() | {(name, "recent"): n for name, n in self.recent.sizes().items()}
+        sizes |= {(name, "routed"): n for name, n in self.routed.sizes().items()}
         for name, (l1, l2) in self.index.sizes().items():
             sizes[(name, "l1")], sizes[(name, "l2")] = l1, l2
+        sizes |= {(name, "gpu"): n for name, n in self.index.gpu_sizes().items()}
         return sizes
 
 
@@ -311,6 +367,7 @@ def make_policy(
     guard: LoadGuard | None = None,
     index_keys: int = 100_000,
     index_ttl: float = 600.0,
+    engines: Collection[str] = (),
 ) -> Policy:
     """The policy called ``name`` (one of ``POLICIES``)."""
     guard = guard or LoadGuard()
@@ -326,5 +383,10 @@ def make_policy(
         return Prefix(fingerprint, chunk_tokens, PrefixIndex(max_keys=index_keys, ttl=index_ttl), guard)
     if name == "kv":
         # Keys answered there recently stand in for the replica's store events for a few poll intervals only.
-        return KVAware(kv_index or KVIndex(), guard, PrefixIndex(max_keys=index_keys, ttl=5.0))
+        return KVAware(
+            kv_index or KVIndex(), guard, PrefixIndex(max_keys=index_keys, ttl=5.0),
+            engines=engines,
+            fallback=(fingerprint, chunk_tokens) if fingerprint is not None else None,
+            routed=PrefixIndex(max_keys=index_keys, ttl=index_ttl),
+        )  # fmt: skip
     raise ConfigError(f"--policy {name!r}: use one of {', '.join(POLICIES)}")

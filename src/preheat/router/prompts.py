@@ -12,12 +12,16 @@ see one server's errors whether or not a router stands in front of it.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from preheat.errors import PreheatError, RouterError
 from preheat.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.policies import RouteRequest
+from preheat.router.upstream import parse_replica_spec
 from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, APIError, parse_body
 
 if TYPE_CHECKING:
@@ -82,3 +86,56 @@ class PromptReader:
         except PreheatError:
             return None  # e.g. a chat the template cannot render: the replica will say why
         return list(parsed.prompt or [])
+
+
+# The files GET /v1/preheat/tokenizer serves (preheat.server.app.TOKENIZER_FILES: the router may not import the
+# server, tests/test_router_engine_events.py checks the two agree).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+
+
+def tokenizer_from_replicas(urls: Sequence[str], headers: Mapping[str, str], timeout: float = 10.0) -> str:
+    """A local directory with the replicas' tokenizer, for ``--model @replicas``: the first replica that answers
+    ``GET /v1/preheat/tokenizer`` (a preheat replica: its files, written to a temporary directory), else whose
+    ``GET /v1/models`` names a ``root`` directory that exists on this machine (vLLM: the model's local path).
+    ``RouterError`` when none does.
+
+    An engine given a hub id (not a local path) names no directory here: pass ``--model DIR`` then.
+    """
+    from preheat.http.client import HTTPClientError, Timeouts, get
+
+    tried: list[str] = []
+    for url in urls:
+        base = parse_replica_spec(url).url
+        try:
+            answer = get(base + "/v1/preheat/tokenizer", timeouts=Timeouts.within(timeout), headers=headers,
+                         max_body=MAX_TOKENIZER_BYTES)  # fmt: skip
+            if answer.status == 200:
+                return _write_tokenizer(loads_bounded(answer.body, max_bytes=MAX_TOKENIZER_BYTES, max_containers=16))
+            models = get(base + "/v1/models", timeouts=Timeouts.within(timeout), headers=headers, max_body=1 << 20)
+            if models.status == 200:
+                data = loads_bounded(models.body, max_bytes=1 << 20, max_containers=10_000)
+                root = data["data"][0].get("root") if isinstance(data, dict) and data.get("data") else None
+                if isinstance(root, str) and os.path.isfile(os.path.join(root, "tokenizer.json")):
+                    return root
+                tried.append(f"{base}: its model {root!r} is not a directory with a tokenizer.json here")
+                continue
+            tried.append(f"{base}: answered {answer.status} and {models.status}")
+        except (HTTPClientError, JSONInputError, RouterError, KeyError, IndexError, AttributeError) as exc:
+            tried.append(f"{base}: {exc}")
+    raise RouterError(
+        "no tokenizer: pass --model DIR (the replicas' model), or start a replica first: " + "; ".join(tried)
+    )
+
+
+def _write_tokenizer(payload: object) -> str:
+    files = payload.get("files") if isinstance(payload, dict) else None
+    if not isinstance(files, dict) or not isinstance(files.get("tokenizer.json"), str):
+        raise RouterError("GET /v1/preheat/tokenizer: no tokenizer.json in the answer")
+    root = tempfile.mkdtemp(prefix="preheat-router-tokenizer-")
+    for name in TOKENIZER_FILES:  # only these names: the answer never chooses a path
+        text = files.get(name)
+        if isinstance(text, str):
+            with open(os.path.join(root, name), "w", encoding="utf-8") as handle:
+                handle.write(text)
+    return root

@@ -10,6 +10,11 @@ sent anywhere. With ``--replica-api-key`` the router presents its own key to the
 Failures: a request that fails before the replica sent anything (refused, reset, closed) ejects that replica and is
 retried once on another; one that fails after (the replica died mid-answer) gets a clear error: a 502 when nothing
 was sent yet, else a final ``data: {"error": ...}`` event and ``[DONE]``, as the replica itself ends a failed stream.
+A replica that answers a 503 saying it is not serving (asleep, on standby, draining: capacity.refused_code) never
+started the request: it is ejected and the request goes to another replica.
+
+Cold capacity (``ColdStarter``, activation.py): a request that finds no replica in rotation waits while a standby is
+activated or a sleeping replica woken; one that finds every replica saturated starts one and goes on at once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from typing import ParamSpec
 
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
+from preheat.jsonsafe import JSONInputError, loads_bounded
+from preheat.router.activation import ColdStarter
+from preheat.router.capacity import refused_code, saturated
 from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
@@ -41,6 +49,7 @@ HOP_HEADERS = frozenset(
 # Which replica answered, and why it was chosen: for clients, logs, benchmarks and tests (bodies stay unchanged).
 REPLICA_HEADER = "X-Preheat-Replica"
 REASON_HEADER = "X-Preheat-Route"
+REFUSAL_BYTES = 64 * 1024  # a 503 this long or shorter is read to see whether it says "not serving"
 
 
 class Router:
@@ -63,6 +72,7 @@ class Router:
         self.metrics = RouterMetrics(
             lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas], policy.index_sizes
         )
+        self.cold: ColdStarter | None = None  # standby and sleeping replicas to bring up (RouterService sets it)
 
     def healthy(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r not in exclude]
@@ -75,7 +85,7 @@ class Router:
             log.warning("replica %s is in rotation (%s)", replica.url, why)
             return
         replica.close_idle()
-        self.policy.forget(replica.url)  # back from the dead, its cache will have restarted empty
+        self.policy.forget(replica.url)  # back from the dead (or from sleep), its cache may have restarted empty
         self.metrics.ejections.inc(replica=replica.url)
         log.warning("replica %s ejected: %s", replica.url, why)
 
@@ -102,6 +112,7 @@ class RouterHandler(TrackedHandler):
     server_version = "preheat-router"
     timeout = 300  # an idle client connection loses its thread after this long
     server: RouterHTTPServer
+    last_refusal: bytes | None = None  # this request's last "not serving" 503, as the replica wrote it
 
     def do_GET(self) -> None:  # noqa: N802 - http.server dispatches on this name
         path = self.path.split("?", 1)[0]
@@ -148,10 +159,19 @@ class RouterHandler(TrackedHandler):
 
     def health(self) -> None:
         router = self.server.router
-        replicas = [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight} for r in router.replicas]
+        replicas: list[dict[str, object]] = []
+        for r in router.replicas:
+            replicas.append(
+                {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "state": r.phase, "standby": r.standby}
+            )
+            if r.wake_seconds is not None:
+                replicas[-1]["wake_seconds"] = round(r.wake_seconds, 3)
         up = any(r.healthy for r in router.replicas)
-        status = {"status": "ok" if up else "no_replica", "policy": router.policy.name, "replicas": replicas}
-        self.send_body(200 if up else 503, json.dumps(status).encode(), "application/json")
+        # No replica in rotation, but one can be activated or woken: requests are served (after a cold start).
+        cold = not up and router.cold is not None and router.cold.available()
+        state = "ok" if up else "cold" if cold else "no_replica"
+        status = {"status": state, "policy": router.policy.name, "replicas": replicas}
+        self.send_body(200 if up or cold else 503, json.dumps(status).encode(), "application/json")
 
     # -- forwarding -----------------------------------------------------------------------------------------------
     def read_body(self) -> bytes | None:
@@ -181,36 +201,10 @@ class RouterHandler(TrackedHandler):
             # The client's credential is for the router; the replicas get the router's own.
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = router.replica_authorization
-        tried: list[Replica] = []
-        while True:
-            pool = router.healthy(exclude=tried)
-            if not pool:
-                why = "no healthy replica" if not tried else f"replica {tried[-1].url} failed and no other is healthy"
-                self.send_error_json(503, f"{why}; retry later", "service_unavailable", "no_replica")
-                return
-            replica, decision = router.choose(request, pool, retry=bool(tried))
-            tried.append(replica)
-            replica.begin()
-            if generation:
-                router.policy.sent(request, replica.url)
-            sent = time.perf_counter()
-            try:
-                conn, response = replica.send(method, self.path, body, headers)
-            except UpstreamError as exc:
-                replica.end(None)
-                if generation:
-                    router.policy.answered(request, replica.url, ok=False)
-                if exc.before_first_byte:
-                    router.set_health(replica, False, str(exc))
-                if exc.before_first_byte and len(tried) == 1:
-                    router.metrics.retries.inc()
-                    continue
-                self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
-                return
-            if generation:
-                # Learnt only from a 2xx, before the client hears of it (its next request may share the prefix).
-                router.policy.answered(request, replica.url, ok=200 <= response.status < 300)
-            break
+        exchange = self.exchange(method, body, headers, request, generation)
+        if exchange is None:
+            return  # answered already (no replica, or a 502)
+        replica, sent = exchange.replica, exchange.sent
         # The request is over for the replica when its last byte arrives, and it is counted just before the client's
         # last byte goes out: a client that sends its next request, or scrapes /metrics, as soon as it has this
         # answer must find it neither still in flight nor not yet counted.
@@ -229,10 +223,88 @@ class RouterHandler(TrackedHandler):
             router.metrics.overhead.observe((sent - started) + max(time.perf_counter() - upstream_done[0], 0.0))
 
         try:
-            reason = "retry" if len(tried) > 1 else decision.reason
-            self.relay(replica, conn, response, reason, Ending(over, _once(count)))
+            reason = "retry" if exchange.tries > 1 else exchange.decision.reason
+            ending = Ending(over, _once(count))
+            self.relay(replica, exchange.conn, exchange.response, reason, ending, body=exchange.body)
         finally:
             over()  # when the relay ended some other way (an exception)
+
+    def exchange(
+        self, method: str, body: bytes, headers: dict[str, str], request: RouteRequest, generation: bool
+    ) -> Exchange | None:
+        """Send the request to a replica and wait for its answer's headers; None once the router has answered the
+        client itself. A replica that fails before answering is ejected and the request retried once elsewhere;
+        one that refuses it as not serving is ejected and the request goes to another (waiting for a cold start
+        when none is left)."""
+        router = self.server.router
+        failed: list[Replica] = []  # replicas that failed this request: not tried again
+        tries = 0
+        # A refusal as "not serving" ejects the replica, so the request goes elsewhere each time; the bound stops a
+        # replica whose /health says ok while its requests are refused from bouncing a request forever.
+        most = 2 * len(router.replicas) + 1
+        self.last_refusal = None
+        while True:
+            pool = router.healthy(exclude=failed)
+            cold = router.cold
+            if not pool and cold is not None and tries < most and cold.available():
+                # Wait while a standby is activated or a sleeping replica woken (one after another if one fails).
+                waited = cold.wait_for_replica(lambda: bool(router.healthy(exclude=failed)), "no replica in rotation")
+                if waited:
+                    continue
+            if not pool or tries >= most:
+                self.no_replica(failed)
+                return None
+            if cold is not None and not tries and saturated((r.in_flight for r in pool), cold.settings.saturation):
+                cold.need("every replica in rotation is saturated")
+            replica, decision = router.choose(request, pool, retry=bool(tries))
+            tries += 1
+            replica.begin()
+            if generation:
+                router.policy.sent(request, replica.url)
+            sent = time.perf_counter()
+            try:
+                conn, response = replica.send(method, self.path, body, headers)
+            except UpstreamError as exc:
+                replica.end(None)
+                failed.append(replica)
+                if generation:
+                    router.policy.answered(request, replica.url, ok=False)
+                if exc.before_first_byte:
+                    router.set_health(replica, False, str(exc))
+                if exc.before_first_byte and len(failed) == 1:
+                    router.metrics.retries.inc()
+                    continue
+                self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
+                return None
+            early = self.read_refusal(conn, response)
+            if isinstance(early, str):  # not serving: nothing started there, so it goes elsewhere
+                replica.end(None)
+                if generation:
+                    router.policy.answered(request, replica.url, ok=False)
+                replica.phase = early
+                router.set_health(replica, False, f"answered 503 {early}")
+                router.metrics.retries.inc()
+                continue
+            if generation:
+                # Learnt only from a 2xx, before the client hears of it (its next request may share the prefix).
+                router.policy.answered(request, replica.url, ok=200 <= response.status < 300)
+            return Exchange(replica, decision, conn, response, sent, tries, early)
+
+    def no_replica(self, failed: Sequence[Replica]) -> None:
+        """The 503 of a request no replica can take: why cold starts failed, else the last refusal as the replica
+        wrote it (asleep, on standby...), else who failed."""
+        cold = self.server.router.cold
+        if cold is not None and cold.errors:
+            why = f"no replica in rotation, and none could be brought up ({cold.why_none()})"
+        elif self.last_refusal is not None:
+            self.server.router.metrics.errors.inc(code="no_replica")
+            self.send_body(503, self.last_refusal, "application/json", {"Retry-After": "1"})
+            return
+        elif failed:
+            why = f"replica {failed[-1].url} failed and no other is healthy"
+        else:
+            why = "no healthy replica"
+        self.send_error_json(503, f"{why}; retry later", "service_unavailable", "no_replica")
 
     def relay(
         self,
@@ -241,14 +313,17 @@ class RouterHandler(TrackedHandler):
         response: http.client.HTTPResponse,
         reason: str,
         ending: Ending,
+        *,
+        body: bytes | None = None,
     ) -> None:
         """Send the replica's answer to the client, calling ``ending.over()`` once the replica's part is over and
-        ``ending.count(status)`` just before the client's last byte."""
+        ``ending.count(status)`` just before the client's last byte. ``body``: the answer's body when it was read
+        already (``read_refusal``)."""
         headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_HEADERS]
         headers += [(REPLICA_HEADER, replica.url), (REASON_HEADER, reason)]
         if not response.chunked:
             try:
-                body = response.read()
+                body = response.read() if body is None else body
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 ending.count(502)
@@ -312,6 +387,28 @@ class RouterHandler(TrackedHandler):
                 replica.release(conn, response)
                 return
 
+    def read_refusal(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> str | bytes | None:
+        """A short 503's body, read to see whether it says "not serving": then the replica's phase (its body kept
+        in ``last_refusal``, the connection closed); else the body read (bytes), to relay as it is; None for any
+        other answer (left unread)."""
+        length = response.getheader("Content-Length") or ""
+        if response.status != 503 or response.chunked or not length.isdigit() or int(length) > REFUSAL_BYTES:
+            return None
+        try:
+            raw = response.read()
+        except (OSError, http.client.HTTPException):
+            return None  # relay() reads again and answers 502 replica_failed
+        try:
+            answer = loads_bounded(raw, max_bytes=REFUSAL_BYTES, max_depth=8)
+        except (JSONInputError, UnicodeDecodeError):
+            answer = None
+        code = refused_code(response.status, answer if isinstance(answer, dict) else None)
+        if code is None:
+            return raw
+        conn.close()
+        self.last_refusal = raw
+        return "loading" if code == "model_loading" else code
+
     def write_chunk(self, data: bytes) -> bool:
         """One HTTP chunk (empty data: the last chunk); False when the client has gone away."""
         framed = f"{len(data):x}\r\n".encode("ascii") + data + b"\r\n" if data else b"0\r\n\r\n"
@@ -321,6 +418,20 @@ class RouterHandler(TrackedHandler):
         except OSError:
             return False
         return True
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A request sent and its answer's headers in: where (``replica``, ``decision``), on what (``conn``,
+    ``response``), when (``sent``), after how many ``tries``, and its ``body`` when it was read already."""
+
+    replica: Replica
+    decision: Decision
+    conn: http.client.HTTPConnection
+    response: http.client.HTTPResponse
+    sent: float
+    tries: int
+    body: bytes | None
 
 
 @dataclass(frozen=True)

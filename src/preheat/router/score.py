@@ -1,6 +1,10 @@
 """Expected time to first token of a prompt on one replica, from what that replica's KV tiers hold. Pure.
 
-``ttft = queue wait + recomputed tokens x prefill cost + L1 tokens x L1 cost + L2 tokens x L2 cost``
+``ttft = queue wait + recomputed tokens x prefill cost + (GPU, L1, L2) tokens x (GPU, L1, L2) cost``
+
+The GPU tier is an engine replica's own accelerator cache (vLLM/SGLang medium ``GPU``): its K/V is where attention
+reads it, so a hit there costs nothing (``Costs.gpu`` = 0). An engine's ``CPU`` medium is a host-to-device copy,
+priced as preheat's L1 (host DRAM); its ``STORAGE`` medium as L2. preheat replicas publish L1 and L2 only.
 
 Chunks are taken in order and the walk stops at the first chunk found in no tier: a chunk's K/V depend on every token
 before it, so a hit after a miss cannot be used (docs/kv-events.md). Only ``cacheable_chunks`` count: the last
@@ -19,11 +23,13 @@ __all__ = ["Costs", "Estimate", "expected_ttft", "resolve_costs", "split_hits"]
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds per token: computing a prompt token, and restoring one from L1 (host DRAM) or L2 (shared store)."""
+    """Seconds per token: computing a prompt token, restoring one from L1 (host DRAM) or L2 (shared store), and using
+    one already in the engine's GPU cache (free: nothing moves)."""
 
     prefill: float
     l1: float
     l2: float
+    gpu: float = 0.0
 
 
 # Priors until a replica has measured its own costs (the replica publishes null before its first request of each
@@ -41,10 +47,11 @@ class Estimate:
     l1_tokens: int
     l2_tokens: int
     queue_wait: float
+    gpu_tokens: int = 0
 
     @property
     def hit_tokens(self) -> int:
-        return self.l1_tokens + self.l2_tokens
+        return self.gpu_tokens + self.l1_tokens + self.l2_tokens
 
 
 def expected_ttft(
@@ -56,6 +63,7 @@ def expected_ttft(
     l2: Container[str],
     costs: Costs,
     queue_wait: float = 0.0,
+    gpu: Container[str] = frozenset(),
 ) -> Estimate:
     """The expected TTFT of an ``n_tokens`` prompt whose chunk keys are ``keys`` on a replica whose tiers hold
     ``l1`` and ``l2``, with ``queue_wait`` seconds of work ahead of it.
@@ -65,11 +73,29 @@ def expected_ttft(
     (256, 256, 488, 0.51616)
     """
     usable = list(keys[: cacheable_chunks(n_tokens, chunk_tokens)])
-    in_l1, in_l2 = split_hits(usable, l1, l2)
-    l1_tokens, l2_tokens = in_l1 * chunk_tokens, in_l2 * chunk_tokens
-    recompute = max(n_tokens - l1_tokens - l2_tokens, 0)
-    ttft = queue_wait + recompute * costs.prefill + l1_tokens * costs.l1 + l2_tokens * costs.l2
-    return Estimate(ttft, recompute, l1_tokens, l2_tokens, queue_wait)
+    in_gpu = 0
+    for key in usable:  # the cheapest tier first: a key held in several is restored from the fastest
+        if key not in gpu:
+            break
+        in_gpu += 1
+    if in_gpu < len(usable):
+        in_l1, in_l2 = split_hits(usable[in_gpu:], _Either(gpu, l1), l2)
+    else:
+        in_l1 = in_l2 = 0
+    gpu_tokens, l1_tokens, l2_tokens = in_gpu * chunk_tokens, in_l1 * chunk_tokens, in_l2 * chunk_tokens
+    recompute = max(n_tokens - gpu_tokens - l1_tokens - l2_tokens, 0)
+    ttft = queue_wait + recompute * costs.prefill + gpu_tokens * costs.gpu + l1_tokens * costs.l1 + l2_tokens * costs.l2
+    return Estimate(ttft, recompute, l1_tokens, l2_tokens, queue_wait, gpu_tokens)
+
+
+class _Either:
+    """A key in either of two sets (a GPU hit after the run of GPU hits broke counts at L1's price)."""
+
+    def __init__(self, first: Container[str], second: Container[str]) -> None:
+        self._first, self._second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._first or key in self._second
 
 
 def resolve_costs(own: Sequence[float | None], others: Sequence[Sequence[float | None]]) -> Costs:
@@ -77,7 +103,7 @@ def resolve_costs(own: Sequence[float | None], others: Sequence[Sequence[float |
     measurements, else ``DEFAULT_COSTS``'s: borrowing a peer's number keeps a fresh replica comparable with warm ones.
 
     >>> resolve_costs([1e-3, None, None], [[3e-3, 4e-5, None]])
-    Costs(prefill=0.001, l1=4e-05, l2=0.0002)
+    Costs(prefill=0.001, l1=4e-05, l2=0.0002, gpu=0.0)
     """
     defaults = (DEFAULT_COSTS.prefill, DEFAULT_COSTS.l1, DEFAULT_COSTS.l2)
     values: list[float] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import http.client
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -45,16 +45,87 @@ def parse_url(url: str) -> Address:
     return Address(parts.hostname, port, f"http://{parts.hostname}:{port}")
 
 
+@dataclass(frozen=True)
+class EventSource:
+    """Where an engine replica (vLLM, SGLang) publishes its KV events: ``endpoint`` (its ZMQ PUB socket) and
+    ``replay`` (its ROUTER socket for missed batches), as ``tcp://HOST:PORT``."""
+
+    endpoint: str
+    replay: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One ``--replica``: its URL and, for an engine replica, where its KV events come from."""
+
+    url: str
+    events: EventSource | None = None
+
+
+SPEC_OPTIONS = ("events", "replay")
+
+
+def parse_replica_spec(spec: str) -> ReplicaSpec:
+    """``URL[,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT]]`` (the form ``--kv-events`` builds, and the one
+    ``PREHEAT_ROUTER_REPLICAS`` takes).
+
+    >>> parse_replica_spec("http://a:8000,events=tcp://a:5557,replay=tcp://a:5558")
+    ReplicaSpec(url='http://a:8000', events=EventSource(endpoint='tcp://a:5557', replay='tcp://a:5558'))
+    """
+    url, *options = [part.strip() for part in spec.split(",")]
+    values: dict[str, str] = {}
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep or name not in SPEC_OPTIONS or not value or name in values:
+            raise RouterError(f"replica {spec!r}: options are events=tcp://HOST:PORT and replay=tcp://HOST:PORT")
+        if not value.startswith(("tcp://", "ipc://")) or "*" in value:
+            raise RouterError(f"replica {spec!r}: {name}={value!r} must be tcp://HOST:PORT (the replica's host)")
+        values[name] = value
+    address = parse_url(url)
+    if "replay" in values and "events" not in values:
+        raise RouterError(f"replica {spec!r}: replay= needs events=")
+    events = EventSource(values["events"], values.get("replay")) if "events" in values else None
+    return ReplicaSpec(address.url, events)
+
+
+def join_replica_specs(parts: Sequence[str]) -> tuple[str, ...]:
+    """Comma-separated items into specs: ``events=``/``replay=`` items belong to the URL before them.
+
+    >>> join_replica_specs(["http://a:1", "events=tcp://a:5557", "http://b:2"])
+    ('http://a:1,events=tcp://a:5557', 'http://b:2')
+    """
+    specs: list[str] = []
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        if part.partition("=")[0] in SPEC_OPTIONS and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return tuple(specs)
+
+
 class Replica:
     """One replica: ``healthy`` (set by the health checker and by failed requests), ``in_flight`` (requests through
     this router now), ``finished`` (requests it answered through this router so far), ``service_seconds`` (moving
-    mean of a request's duration there) and its connection pool."""
+    mean of a request's duration there) and its connection pool.
 
-    def __init__(self, url: str, *, timeout: float = 300.0, connect_timeout: float = CONNECT_SECONDS) -> None:
+    Its phase as last seen (``/health``'s ``status``: ``ok``, ``standby``, ``sleeping``, ``loading``...; ``down``
+    when nothing answered; ``unknown`` before the first check), ``prepared`` (a standby done with its imports),
+    ``standby`` (given with ``--standby``: the router may activate it) and ``wake_seconds`` (what its last wake took,
+    None while unknown) are what the router knows of it as cold capacity (capacity.py)."""
+
+    def __init__(
+        self, url: str, *, timeout: float = 300.0, connect_timeout: float = CONNECT_SECONDS, standby: bool = False
+    ) -> None:
         self.address = parse_url(url)
         self.url = self.address.url
         self.timeouts = Timeouts(connect=connect_timeout, read=timeout)
         self.healthy = False  # until the first health check says otherwise
+        self.standby = standby
+        self.phase = "unknown"
+        self.prepared = False
+        self.wake_seconds: float | None = None
         self.in_flight = 0
         self.finished = 0
         self.service_seconds: float | None = None
@@ -136,4 +207,4 @@ class Replica:
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     def __repr__(self) -> str:
-        return f"Replica({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
+        return f"Replica({self.url}, healthy={self.healthy}, phase={self.phase}, in_flight={self.in_flight})"

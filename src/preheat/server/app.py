@@ -28,6 +28,7 @@ from preheat.errors import ConfigError, PreheatError
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
 from preheat.server import openai, sse
+from preheat.server.lifecycle import LOADING, STANDBY, Lifecycle
 from preheat.server.metrics import ServerMetrics
 from preheat.server.settings import ServeSettings
 from preheat.text.request import MAX_BODY_BYTES, APIError
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("preheat.server")
 MAX_BODY = MAX_BODY_BYTES
 GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+# The model's tokenizer files, for a router started with --model @replicas (docs/router.md): it then reads prompts
+# exactly as this replica does.
+TOKENIZER_ROUTE = "/v1/preheat/tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+CONTROL_ROUTES = ("/v1/preheat/load", "/v1/preheat/sleep", "/v1/preheat/wake")  # lifecycle.py; docs/server.md
 
 
 class ServerState:
@@ -55,13 +61,21 @@ class ServerState:
         self.tokenize_lock = threading.Lock()  # tokenizer objects are not documented as thread-safe; encoding is cheap
         self._first_token_lock = threading.Lock()
         self._first_token_seen = False
-        self.metrics = ServerMetrics(timeline.stages, self._load)
+        # A lambda, not the bound method: an activation or a wake replaces the timeline (set_timeline).
+        self.metrics = ServerMetrics(lambda: self.timeline.stages(), self._load)  # noqa: PLW0108
+        # standby / loading / ready / sleeping ...: preheat.server.lifecycle
+        self.life = Lifecycle(STANDBY if settings.standby else LOADING)
+
+    def set_timeline(self, timeline: Timeline) -> None:
+        """Start a new timeline (an activation's or a wake's, from its request): its first token is marked anew."""
+        with self._first_token_lock:
+            self.timeline, self._first_token_seen = timeline, False
 
     def _load(self) -> tuple[int, int]:
         return self.worker.load() if self.worker is not None else (0, 0)
 
     def first_token(self, ttft: float) -> None:
-        """Mark the first request's first token on the timeline, once per process."""
+        """Mark the first request's first token on the timeline, once per timeline."""
         with self._first_token_lock:
             if self._first_token_seen:
                 return
@@ -79,6 +93,7 @@ class PreheatHTTPServer(TrackedServer):
 
     def __init__(self, address: tuple[str, int], state: ServerState) -> None:
         self.state = state
+        self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # run() sets its announcer
         super().__init__(address, Handler)
 
 
@@ -115,7 +130,8 @@ class Handler(TrackedHandler):
 
     def route(self) -> str:
         path = self.path.split("?", 1)[0]
-        known = ("/health", "/metrics", "/v1/models", "/v1/preheat/timeline", *GENERATION_ROUTES)
+        known = ("/health", "/metrics", "/v1/models", "/v1/preheat/timeline", TOKENIZER_ROUTE, *GENERATION_ROUTES,
+                 *CONTROL_ROUTES)  # fmt: skip
         return path if path in known else "other"  # bounded label values: never the raw path
 
     def authorized(self) -> bool:
@@ -160,6 +176,8 @@ class Handler(TrackedHandler):
             self.send_json(200, self.state.timeline.to_dict())
         elif path == "/v1/kv/events":
             self.kv_events()
+        elif path == TOKENIZER_ROUTE:
+            self.tokenizer_files()
         elif path in GENERATION_ROUTES:
             self.send_error_json(APIError(405, f"use POST for {path}", code="method_not_allowed"))
         else:
@@ -168,6 +186,9 @@ class Handler(TrackedHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server dispatches on this name
         path = self.path.split("?", 1)[0]
         if not self.authorized():
+            return
+        if path in CONTROL_ROUTES:
+            self.control(path)
             return
         kind = GENERATION_ROUTES.get(path)
         if kind is None:
@@ -186,8 +207,33 @@ class Handler(TrackedHandler):
             self.send_json(200, {"status": "ok", "model": state.settings.model_name})
         elif state.load_error is not None:
             self.send_json(503, {"status": "failed", "error": state.load_error})
+        elif state.life.phase != LOADING:  # standby, sleeping, waking, draining: never 200 (lifecycle.py)
+            self.send_json(503, state.life.health())
         else:
-            self.send_json(503, {"status": "loading", "stage": state.loading_stage()})
+            stage = state.loading_stage()  # kv_warm: --kv-warm fills L1 from L2 (server/kvtier.py)
+            self.send_json(503, {"status": "warming" if stage == "kv_warm" else "loading", "stage": stage})
+
+    def control(self, path: str) -> None:
+        """The control routes (``preheat.server.lifecycle``): activation, sleep, wake."""
+        from preheat.server import lifecycle
+
+        refused = lifecycle.control_refusal(self.state, self.client_address[0])
+        if refused is not None:
+            self.refuse_unread(refused)
+            return
+        body = self.read_body()
+        if body is None:
+            return
+        say = self.server.say
+        try:
+            if path == "/v1/preheat/load":
+                lifecycle.handle_load(self, self.state, body, say)
+            elif path == "/v1/preheat/sleep":
+                lifecycle.handle_sleep(self, self.state, body)
+            else:
+                lifecycle.handle_wake(self, self.state, body, say)
+        except APIError as exc:
+            self.send_error_json(exc)
 
     def kv_events(self) -> None:
         """What the KV tiers hold and what changed (docs/kv-events.md); 404 when this replica has no KV tiers."""
@@ -202,6 +248,23 @@ class Handler(TrackedHandler):
         from preheat.server.kvtier import events_payload
 
         self.send_json(200, events_payload(tiers, self.path.partition("?")[2], self.state._load))
+
+    def tokenizer_files(self) -> None:
+        """``{"model", "files": {name: text}}``: the loaded checkpoint's tokenizer files (``TOKENIZER_FILES``)."""
+        loaded = self.state.loaded
+        if loaded is None:
+            self.send_error_json(APIError(503, "the model is still loading", code="loading"))
+            return
+        import os
+
+        files: dict[str, str] = {}
+        for name in TOKENIZER_FILES:
+            try:
+                with open(os.path.join(loaded.path, name), encoding="utf-8") as handle:
+                    files[name] = handle.read()
+            except FileNotFoundError:
+                continue
+        self.send_json(200, {"model": self.state.settings.model_name, "files": files})
 
     # -- server.generation.Responder: where a generation's answer goes ------------------------------------------------
     def start_events(self, headers: dict[str, str]) -> None:
@@ -269,9 +332,16 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
             message = f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}; choose another --host/--port"
             raise ConfigError(message) from None
     host, port = httpd.socket.getsockname()[:2]
-    say(f"preheat serve: listening on http://{host}:{port} (loading {settings.model} in the background)")
-    loader = threading.Thread(target=_load_in_background, args=(httpd, say), name="preheat-load", daemon=True)
-    loader.start()
+    httpd.say = say
+    if settings.standby:
+        say(f"preheat serve: listening on http://{host}:{port} (standby: POST /v1/preheat/load to serve a model)")
+        from preheat.server.lifecycle import prepare_standby
+
+        target: Callable[..., None] = prepare_standby
+    else:
+        say(f"preheat serve: listening on http://{host}:{port} (loading {settings.model} in the background)")
+        target = _load_in_background
+    threading.Thread(target=target, args=(httpd, say), name="preheat-load", daemon=True).start()
     try:
         with sigterm_interrupts():  # SIGTERM (Kubernetes, the demo) shuts down like Ctrl-C
             httpd.serve_forever(poll_interval=0.25)
@@ -289,6 +359,7 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
             state.loaded.engine.kv_tiers.close()  # writes what is queued for L2 (bounded wait), then disconnects
         if state.loaded is not None and state.loaded.lease is not None:
             state.loaded.lease.close()
+        state.life.close()  # a sleeping replica's KV tiers and node-cache lease
     if state.load_error is not None:
         print(f"preheat serve: error: {state.load_error}", file=sys.stderr, flush=True)
         return 1
@@ -296,8 +367,8 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
 
 
 def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) -> None:
+    from preheat.server.lifecycle import install
     from preheat.server.loading import load
-    from preheat.server.worker import Worker
 
     state = httpd.state
     try:
@@ -308,19 +379,4 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
         state.load_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PreheatError) else str(exc)
         httpd.shutdown()
         return
-    if loaded.engine.kv_tiers is not None:
-        from preheat.server.kvtier import metric_families, summary
-
-        tiers = loaded.engine.kv_tiers
-        state.metrics.extra.append(lambda: metric_families(tiers))
-        say(f"preheat serve: {summary(tiers)}")
-    worker = Worker(loaded.engine, state.metrics, max_queue=state.settings.max_queue)
-    worker.start()
-    state.loaded, state.worker = loaded, worker
-    state.ready.set()
-    ready = next((s.start for s in state.timeline.stages() if s.name == "ready"), state.timeline.now())
-    say(f"preheat serve: ready ({loaded.engine.model_name}, {ready:.2f} s after {state.timeline.origin_source})")
-    if state.settings.peer:  # the replica becomes a peer once loaded (docs/peer.md)
-        from preheat.server.peering import start_peer
-
-        start_peer(state, loaded, say)
+    install(state, loaded, say)  # worker, ready, KV-tier metrics, the peer server (lifecycle.py)

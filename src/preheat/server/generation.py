@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from preheat.errors import PreheatError
 from preheat.server import openai, sse
-from preheat.server.worker import Job, QueueFullError
+from preheat.server.worker import Job, QueueFullError, WorkerPausedError
 from preheat.text.request import APIError, GenerationRequest, bad_request, parse_request
 
 if TYPE_CHECKING:
@@ -63,10 +63,8 @@ def handle_generation(responder: Responder, state: ServerState, kind: str, body:
     """Answer one generation request to ``responder``."""
     arrived = time.monotonic()
     loaded = state.loaded
-    if loaded is None or state.worker is None:
-        message = "the model is still loading; retry when GET /health answers 200"
-        error = APIError(503, message, type="service_unavailable", code="model_loading")
-        responder.send_error_json(error, {"Retry-After": "1"})
+    if loaded is None or state.worker is None or not state.ready.is_set():
+        responder.send_error_json(_unavailable(state), {"Retry-After": "1"})
         return
     try:
         request = parse_request(body, kind, state.settings.model_name)
@@ -75,6 +73,9 @@ def handle_generation(responder: Responder, state: ServerState, kind: str, body:
         state.worker.submit(job)
     except APIError as exc:
         responder.send_error_json(exc)
+        return
+    except WorkerPausedError:
+        responder.send_error_json(_unavailable(state), {"Retry-After": "1"})
         return
     except QueueFullError as exc:
         error = APIError(429, f"server busy: {exc}; retry later", type="rate_limit_error", code="queue_full")
@@ -94,6 +95,18 @@ def handle_generation(responder: Responder, state: ServerState, kind: str, body:
     finally:
         job.cancel()  # a no-op for a finished job; stops the worker for any other way out of here
         _observe(state, job)
+
+
+def _unavailable(state: ServerState) -> APIError:
+    """503 while the replica cannot generate: loading, or (preheat.server.lifecycle) standby, asleep, waking."""
+    phase = state.life.phase
+    if phase in ("loading", "ready"):  # ready: the worker is being paused for a sleep, or was just installed
+        message, code = "the model is still loading; retry when GET /health answers 200", "model_loading"
+    elif phase == "standby":
+        message, code = "this replica is on standby with no model: POST /v1/preheat/load first", "standby"
+    else:
+        message, code = f"this replica is {phase} (POST /v1/preheat/wake); retry when GET /health answers 200", phase
+    return APIError(503, message, type="service_unavailable", code=code)
 
 
 def _tokenize(state: ServerState, engine: Engine, request: GenerationRequest) -> list[int]:

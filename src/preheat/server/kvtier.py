@@ -17,6 +17,7 @@ from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
+    from preheat.kv.settings import KVSettings
     from preheat.kv.tiered import TieredKV
 
 log = logging.getLogger("preheat.kv")
@@ -47,6 +48,21 @@ def attach(engine: Engine, settings: ServeSettings, timeline: Timeline) -> None:
                 kv_dtype=kv.kv_dtype,
                 chunk_tokens=kv.chunk_tokens,
             )
+    if tiers is not None and kv.warm is not None:
+        warm(tiers, kv, timeline)
+
+
+def warm(tiers: TieredKV, kv: KVSettings, timeline: Timeline) -> None:
+    """``--kv-warm``: L2's hottest chunks into L1 before ``ready`` (stage ``kv_warm``: ``/health`` says warming)."""
+    from preheat.kv.settings import warm_bytes
+    from preheat.kv.warm import warm_tiers
+
+    with timeline.stage("kv_warm") as stage:
+        report = warm_tiers(tiers, max_bytes=warm_bytes(kv))
+        stage.nbytes = report.bytes
+        stage.detail.update(report.to_dict())
+    log.info("KV warm-up: %d chunks (%d bytes) from L2 into L1 in %.2f s", report.loaded, report.bytes,
+             report.seconds)
 
 
 def summary(tiers: TieredKV) -> str:
@@ -79,6 +95,7 @@ def metric_families(tiers: TieredKV | None) -> list[Family]:
         ("corrupt", "Chunks that failed their checks (the MAC included): treated as misses and removed."),
         ("mac_failures", "Of the corrupt chunks, those refused by the keyed MAC (--kv-secret-file)."),
         ("errors", "Failed reads and writes (I/O errors, unreachable server)."),
+        ("refused", "Chunks a tier would not store: larger than the whole fs:// quota."),
     ]
     snapshots = {tier.name: tier.stats.snapshot() for tier in tiers.tiers}
     families = [

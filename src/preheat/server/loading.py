@@ -1,13 +1,15 @@
 """Bring the engine up in the background while the socket already answers ``/health`` with 503.
 
-Stages recorded on the timeline, in order (docs/server.md): ``fetch`` (only for a URI: pulled through the node cache,
-``detail.cache`` is ``hit`` or ``miss``), ``engine_imports`` (torch, tokenizers: the largest fixed cost), then the
-engine's own ``weight_load``, ``model_build`` and ``tokenizer``, then ``warmup`` and the ``ready`` mark.
+Stages recorded on the timeline (docs/server.md): ``engine_imports`` (torch: the largest fixed cost) on a thread of
+its own from the start, and beside it ``fetch`` (only for a URI: pulled through the node cache, ``detail.cache`` is
+``hit`` or ``miss``), ``model_config``, ``tokenizer`` and ``page_in`` (``preheat.server.prepare``); then, once torch
+is there, the engine's ``weight_load`` and ``model_build``, then ``warmup`` and the ``ready`` mark.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,9 +19,26 @@ from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
+    from preheat.engine.config import ModelConfig
+    from preheat.kv.tiered import TieredKV
+    from preheat.server.prepare import EngineImports
     from preheat.store.cache import Lease
+    from preheat.text.tokenizer import TextTokenizer
 
 log = logging.getLogger("preheat.server")
+
+
+@dataclass
+class Kept:
+    """What a sleeping replica keeps of its engine: everything but the weights and the KV pool."""
+
+    config: ModelConfig
+    tokenizer: TextTokenizer
+    kv_tiers: TieredKV | None
+
+    @classmethod
+    def of(cls, engine: Engine) -> Kept:
+        return cls(engine.config, engine.tokenizer, engine.kv_tiers)
 
 
 @dataclass
@@ -58,12 +77,38 @@ def fetch(settings: ServeSettings, timeline: Timeline) -> tuple[str, Lease | Non
     return result.path, cache.lease(result.key)
 
 
-def load(settings: ServeSettings, timeline: Timeline) -> Loaded:
-    """Fetch, import the engine, load, warm up; mark ``ready``. Raises ``PreheatError`` for anything wrong."""
+def load(
+    settings: ServeSettings,
+    timeline: Timeline,
+    *,
+    imports: EngineImports | None = None,
+    keep: Kept | None = None,
+) -> Loaded:
+    """Fetch and prepare while the engine imports, then load, build, warm up; mark ``ready``. Raises
+    ``PreheatError`` for anything wrong.
+
+    ``imports``: the engine's import, already started (a standby replica did it before any model was asked for);
+    ``keep``: what a replica kept of its engine while asleep (a wake builds only the model).
+    """
+    from preheat.server.prepare import page_in, prepare, start_engine_imports, weight_files
+
+    imports = imports if imports is not None else start_engine_imports(timeline)
     path, lease = fetch(settings, timeline)
     try:
-        with timeline.stage("engine_imports"):
-            from preheat.engine import Engine
+        tokenizer: TextTokenizer | Future[TextTokenizer]
+        if keep is None:
+            prepared = prepare(path, timeline)
+            config, tokenizer = prepared.config, prepared.tokenizer
+        else:  # a wake: the tokenizer was kept; only the weights come back (their pages asked for at once)
+            page_in(weight_files(path), timeline)
+            config, tokenizer = keep.config, keep.tokenizer
+        imports.wait()
+        import os
+        if os.environ.get("EXP_TOK") == "late" and keep is None:
+            from preheat.server.prepare import start_tokenizer
+            start_tokenizer(path, config, timeline, tokenizer)
+        from preheat.engine import Engine
+
         engine = Engine.from_checkpoint(
             path,
             device=settings.device,
@@ -71,6 +116,8 @@ def load(settings: ServeSettings, timeline: Timeline) -> Loaded:
             max_model_len=settings.max_model_len,
             timeline=timeline,
             load_mode=LoaderSettings.from_env().mode,  # PREHEAT_LOAD_MODE, named in the weight_load stage
+            config=config,
+            tokenizer=tokenizer,
         )
         if settings.compile:  # compiles during one warm-up, with artifacts from the node cache or a peer
             from preheat.server.peering import compile_engine
@@ -78,9 +125,12 @@ def load(settings: ServeSettings, timeline: Timeline) -> Loaded:
             compile_engine(engine, settings, timeline)
         with timeline.stage("warmup"):
             engine.warmup()
-        from preheat.server import kvtier
+        if keep is not None and keep.kv_tiers is not None:
+            engine.attach_kv_tiers(keep.kv_tiers)  # the tiers outlive a sleep: same checkpoint, same keys
+        else:
+            from preheat.server import kvtier
 
-        kvtier.attach(engine, settings, timeline)
+            kvtier.attach(engine, settings, timeline)
     except BaseException:
         if lease is not None:
             lease.close()

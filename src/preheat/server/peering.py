@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from preheat.errors import ConfigError, PeerError, PreheatError, RegistryError
+from preheat.errors import ConfigError, PeerError, PreheatError
 from preheat.http.metrics import Family, Samples
 from preheat.server.settings import ServeSettings
 from preheat.timeline import Timeline
@@ -61,42 +61,12 @@ def find_artifacts(
     key: ArtifactKey, store: ArtifactStore, *, registry: str | None, identity: str, token: str | None
 ) -> tuple[Verified | None, str, list[str]]:
     """Artifacts for ``key`` this node may install: its own node cache's, else the first peer's (in the registry, for
-    ``identity``) that verifies against ``store.trusted``. Returns them (or None), where they came from, and why
-    each refused candidate was refused. A node-cache blob that no longer verifies is discarded with the Inductor
-    directory installed from it; peers are not asked at all when no key is trusted (nothing they sent would be
-    installed)."""
-    from preheat.peer import artifact_store
-    from preheat.peer.artifacts import HOW_TO_TRUST, verify
-    from preheat.peer.registry import open_registry
+    ``identity``) that verifies against ``store.trusted`` (``preheat.peer.artifact_store.find``). Returns them (or
+    None), where they came from, and why each refused candidate was refused."""
+    from preheat.peer.artifact_store import find
 
-    refused: list[str] = []
-    found = None
-    try:
-        found = store.load(key)
-    except PeerError as exc:  # e.g. signed by a key no longer trusted: drop it and what it installed, start afresh
-        refused.append(str(exc))
-        store.discard(key.hex)
-    if found is not None:
-        return found, "node cache", refused
-    if not registry:
-        return None, "", refused
-    if not store.trusted:
-        refused.append(f"peers not asked for artifacts: no --trust-key given. {HOW_TO_TRUST}")
-        return None, "", refused
-    try:
-        entries = open_registry(registry).find(identity)
-    except RegistryError as exc:
-        return None, "", [*refused, str(exc)]
-    for entry in entries:
-        source = f"peer {entry.address}"
-        raw = artifact_store.fetch(entry.address, key, token=token)
-        if raw is None:
-            continue
-        try:
-            return verify(raw, key, store.trusted, where=source), source, refused
-        except PeerError as exc:  # another peer may hold artifacts someone trusted signed
-            refused.append(str(exc))
-    return None, "", refused
+    found = find(key, store, registry=registry, identity=identity, token=token)
+    return found.verified, found.source, found.refused
 
 
 def compile_engine(engine: Engine, settings: ServeSettings, timeline: Timeline) -> None:

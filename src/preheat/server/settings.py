@@ -41,6 +41,7 @@ class ServeSettings:
     kv_dtype: str = "auto"
     kv_chunk_tokens: int = 256
     kv_secret_file: str | None = None  # the fleet's MAC secret: replicas load only L2 chunks signed with it
+    kv_warm: str | None = None  # before /health says ok: L2's hottest chunks into L1 (a size, or all)
     # Peers (docs/peer.md): serve the loaded checkpoint to new replicas, find peers for preheat:// models, and ship
     # torch.compile artifacts between them.
     peer: bool = False
@@ -53,6 +54,10 @@ class ServeSettings:
     compile: bool = False
     # Public keys whose signatures make peers' compiled artifacts installable (compiled artifacts are code).
     trust_key: tuple[str, ...] = ()
+    # Standby (docs/server.md, *Standby replicas*): start without a model, load one on POST /v1/preheat/load.
+    standby: bool = False
+    # Glob patterns of the models the control routes may load (preheat.server.allow); () = MODEL only.
+    allow_model: tuple[str, ...] = ()
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
@@ -64,9 +69,12 @@ class ServeSettings:
         9000
         """
         values = resolve_settings(cls, flags, env, prefix="PREHEAT_", parse=_parse)
+        if "model" not in values and values.get("standby"):
+            values["model"] = ""  # a standby replica learns its model from POST /v1/preheat/load
         if "model" not in values:
             raise ConfigError(
-                "no model: pass MODEL (a checkpoint directory or an http(s)://, s3:// URI) or set PREHEAT_MODEL"
+                "no model: pass MODEL (a checkpoint directory or an http(s)://, s3:// URI) or set PREHEAT_MODEL "
+                "(or start a standby replica: --standby --allow-model PATTERN)"
             )
         settings = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
         settings.check()
@@ -100,11 +108,40 @@ class ServeSettings:
 
             for path in self.trust_key:
                 read_public_key(path)  # ConfigError naming the file and what to pass instead
-        if not self.is_remote and not os.path.isdir(self.model):
+        if self.standby:
+            self.check_standby()
+        elif not self.is_remote and not os.path.isdir(self.model):
             raise ConfigError(
                 f"model {self.model!r} is not a directory: pass a preheat or Hugging Face checkpoint directory, "
                 "or an http(s):// or s3:// URI to pull through the node cache"
             )
+
+    def check_standby(self) -> None:
+        """A standby replica must be told what it may load, and must not take orders from the network unguarded."""
+        if not self.allow_model:
+            raise ConfigError(
+                "--standby without MODEL loads nothing unless told what it may load: pass --allow-model PATTERN "
+                "(a glob, e.g. 's3://models/*' or '/models/*'; repeatable) or PREHEAT_ALLOW_MODEL"
+            )
+        from preheat.peer.access import is_loopback  # torch-free
+
+        if not is_loopback(self.host) and not self.api_key:
+            raise ConfigError(
+                f"--standby on {self.host or '*'} would let anyone who reaches it choose the model it loads: set "
+                "PREHEAT_API_KEY (or --api-key), or bind to loopback (--host 127.0.0.1)"
+            )
+        if self.model:
+            raise ConfigError(
+                f"--standby with MODEL {self.model!r}: a standby replica starts without a model; allow it with "
+                "--allow-model and load it with POST /v1/preheat/load (or `preheat activate`)"
+            )
+
+    @property
+    def allowed_models(self) -> tuple[str, ...]:
+        """The patterns of ``--allow-model``; without any, the one MODEL the operator named (or nothing)."""
+        if self.allow_model:
+            return self.allow_model
+        return (self.model,) if self.model else ()
 
     @property
     def peer_bind_host(self) -> str:
@@ -134,6 +171,7 @@ class ServeSettings:
             kv_dtype=self.kv_dtype,
             chunk_tokens=self.kv_chunk_tokens,
             secret_file=self.kv_secret_file,
+            warm=self.kv_warm,
         )
 
     @property
@@ -143,9 +181,9 @@ class ServeSettings:
 
 
 def _parse(name: str, variable: str, raw: str) -> object:
-    if name == "trust_key":  # comma-separated files, like PREHEAT_PEERS
+    if name in ("trust_key", "allow_model"):  # comma-separated, like PREHEAT_PEERS
         return tuple(part.strip() for part in raw.split(",") if part.strip())
-    if name in ("peer", "compile"):
+    if name in ("peer", "compile", "standby"):
         if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ConfigError(f"{variable}={raw!r}: write 1 or 0")
         return raw.lower() in ("1", "true", "yes", "on")

@@ -35,6 +35,10 @@ class QueueFullError(PreheatError):
     """The waiting line is full; the request should be retried later (HTTP 429)."""
 
 
+class WorkerPausedError(PreheatError):
+    """The worker takes no new requests: the replica is going to sleep (HTTP 503)."""
+
+
 @dataclass
 class Job:
     """One generation request on its way through the worker."""
@@ -63,6 +67,7 @@ class Worker:
         self._running = 0
         self._cond = threading.Condition()
         self._stopping = False
+        self._paused = False
         self._current: Job | None = None
         self._thread = threading.Thread(target=self._loop, name="preheat-generate", daemon=True)
 
@@ -91,9 +96,23 @@ class Worker:
         with self._cond:
             return len(self._waiting), self._running
 
-    def submit(self, job: Job) -> None:
-        """Put ``job`` in line, or raise ``QueueFullError`` when ``max_queue`` jobs already wait."""
+    def drain(self, timeout: float) -> bool:
+        """Take no new jobs and wait up to ``timeout`` seconds for the running and waiting ones to finish. True when
+        the worker is idle (it stays closed to new jobs: ``stop`` it); False after the timeout, the worker then
+        takes jobs again as before (sleep's rule: docs/server.md, *Sleep and wake*)."""
         with self._cond:
+            self._paused = True
+            idle = self._cond.wait_for(lambda: not self._waiting and not self._running, timeout)
+            if not idle:
+                self._paused = False
+            return idle
+
+    def submit(self, job: Job) -> None:
+        """Put ``job`` in line, or raise ``QueueFullError`` when ``max_queue`` jobs already wait
+        (``WorkerPausedError`` while draining for a sleep)."""
+        with self._cond:
+            if self._paused:
+                raise WorkerPausedError("the replica is going to sleep and takes no new requests")
             if len(self._waiting) >= self.max_queue and (self._running or self._waiting):
                 raise QueueFullError(
                     f"{len(self._waiting)} request(s) already wait for the engine (--max-queue {self.max_queue})"
@@ -117,6 +136,7 @@ class Worker:
                 with self._cond:
                     self._running = 0
                     self._current = None
+                    self._cond.notify_all()  # drain() waits for the worker to be idle
                 job.events.put(None)
 
     def _run(self, job: Job) -> None:

@@ -1,0 +1,438 @@
+"""preheat's blob store as LMCache's remote storage and SGLang HiCache's storage backend, against each engine's own
+built-in store on the same disk (and Redis).
+
+    .venv-engines/lmcache/bin/python bench/kvstore.py [--sizes 1,4,16] [--mib-per-size 256] [--rounds 3]
+                                                      [--dir .bench/kvstore] [--json out.json]
+    .venv-engines/sglang/bin/python bench/kvstore.py --engine sglang [same options]
+
+Runs in the LMCache 0.5.6 venv. For each value size (an LMCache chunk of 1, 4 or 16 MiB: 1, 4 or 16 layers of
+256 tokens x 8 KV heads x 128 head dim in bf16), every store is driven through LMCache's own ``RemoteConnector``
+interface (``put``/``get`` coroutines on LMCache's event loop, as its ``RemoteBackend`` calls them), one value at a
+time: LMCache's ``fs://`` connector and preheat's ``fs://`` on directories of the same filesystem, LMCache's
+``redis://`` connector and preheat's ``redis://`` on one ``redis-server``. Prints put and get GB/s (bytes over the
+sum of per-value latencies) and p50/p99 latency, the median over ``--rounds`` rounds (stores alternate order each
+round: the machine is shared), preheat's ratio to the built-in store, and the cost of the XXH3-128 checksum alone on
+a value of that size (what preheat adds per put and per get, beside its header and the rename).
+
+Restart: after a round, a fresh connector (and a fresh LMCache local disk backend, which keeps its index in memory)
+is built on the same directory, as a restarted process would, and counts the values it still finds (``exists``)
+and can read (``get``, verified by preheat).
+
+``--engine sglang`` (in the SGLang 0.5.23 venv): SGLang's own ``file`` backend (``HiCacheFile``) and preheat's
+HiCache backend, both built by SGLang's ``StorageBackendFactory`` on the same directory, driven as HiCache's cache
+controller drives them without zero-copy (``batch_set`` of host-pool pages, ``batch_get`` into the flat page tensor
+the host pool hands out), one page of 1, 4 or 16 MiB per call. Restart: a fresh backend on the directory counts the
+pages ``batch_exists`` finds and those ``batch_get`` returns with the bytes stored; then one stored file of each
+store gets a flipped byte, and the table says whether the next ``get`` returns wrong bytes or misses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import xxhash
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from redisserver import RedisServer
+
+T = TypeVar("T")
+MODEL = "bench/model"
+
+
+@dataclass
+class Result:
+    store: str
+    size_mib: int
+    put_gbs: list[float] = field(default_factory=list)
+    get_gbs: list[float] = field(default_factory=list)
+    put_p50: list[float] = field(default_factory=list)
+    put_p99: list[float] = field(default_factory=list)
+    get_p50: list[float] = field(default_factory=list)
+    get_p99: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | str]:
+        med = statistics.median
+        return {"store": self.store, "size_mib": self.size_mib, "put_gbs": med(self.put_gbs),
+                "get_gbs": med(self.get_gbs), "put_p50_ms": med(self.put_p50) * 1e3,
+                "put_p99_ms": med(self.put_p99) * 1e3, "get_p50_ms": med(self.get_p50) * 1e3,
+                "get_p99_ms": med(self.get_p99) * 1e3}
+
+
+class Engine:
+    """LMCache's config, metadata, CPU backend and event loop for a model whose chunk is ``layers`` MiB."""
+
+    def __init__(self, layers: int, extra: dict[str, Any], *, local_disk: str | None = None) -> None:
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        self.kv_shape = (layers, 2, 256, 8, 128)
+        more = {"local_disk": local_disk, "max_local_disk_size": 8.0} if local_disk else {}
+        self.config = LMCacheEngineConfig.from_defaults(
+            chunk_size=256, local_cpu=False, max_local_cpu_size=(3 * layers + 8) / 1024, extra_config=extra,
+            remote_storage_plugins=["preheat"] if "remote_storage_plugin.preheat.url" in extra else None, **more)
+        self.metadata = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+                                        local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=self.kv_shape,
+                                        chunk_size=256)
+        self.backend = LocalCPUBackend(self.config, self.metadata)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def connector(self, url: str) -> Any:  # Any: LMCache's RemoteConnector
+        from lmcache.v1.storage_backend.connector import ConnectorManager
+
+        return ConnectorManager(url, self.loop, self.backend, self.config, self.metadata).create_connector()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def memory_obj(self, seed: int) -> Any:  # Any: LMCache's MemoryObj
+        obj = self.backend.allocate(self.metadata.get_shapes(), self.metadata.get_dtypes())
+        obj.tensor.view(torch.int16).fill_(seed)
+        obj.tensor.view(torch.int16).view(-1)[:8].copy_(torch.arange(8) + seed)
+        return obj
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def key(i: int) -> Any:  # Any: LMCache's CacheEngineKey
+    from lmcache.utils import CacheEngineKey
+
+    return CacheEngineKey(model_name=MODEL, world_size=1, worker_id=0, chunk_hash=0x5EED0000 + i,
+                          dtype=torch.bfloat16)
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def one_round(engine: Engine, connector: Any, count: int, result: Result, nbytes: int) -> None:
+    obj = engine.memory_obj(1)
+    puts, gets = [], []
+    for i in range(count):
+        start = time.perf_counter()
+        engine.run(connector.put(key(i), obj))
+        puts.append(time.perf_counter() - start)
+    for i in range(count):
+        start = time.perf_counter()
+        got = engine.run(connector.get(key(i)))
+        gets.append(time.perf_counter() - start)
+        if got is None:
+            raise SystemExit(f"{result.store}: value {i} not found")
+        got.ref_count_down()
+    obj.ref_count_down()
+    result.put_gbs.append(nbytes * count / sum(puts) / 1e9)
+    result.get_gbs.append(nbytes * count / sum(gets) / 1e9)
+    result.put_p50.append(p(puts, 0.5))
+    result.put_p99.append(p(puts, 0.99))
+    result.get_p50.append(p(gets, 0.5))
+    result.get_p99.append(p(gets, 0.99))
+
+
+def checksum_cost(nbytes: int, repeat: int = 20) -> float:
+    """Seconds of XXH3-128 over one value of ``nbytes`` (median of ``repeat``)."""
+    data = bytearray(os.urandom(1024)) * (nbytes // 1024)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        xxhash.xxh3_128_hexdigest(data)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def restart_counts(make: Callable[[], Any], engine: Engine, count: int) -> tuple[int, int]:
+    """(values a fresh connector says exist, values it returns) after a restart on the same storage."""
+    connector = make()
+    exists = sum(bool(engine.run(connector.exists(key(i)))) for i in range(count))
+    read = 0
+    for i in range(count):
+        got = engine.run(connector.get(key(i)))
+        if got is not None:
+            read += 1
+            got.ref_count_down()
+    return exists, read
+
+
+def local_disk_restart(directory: str, layers: int, count: int) -> tuple[int, int]:
+    """LMCache's local disk backend: store ``count`` values, build a fresh backend on the directory, count hits."""
+    from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+    os.makedirs(directory, exist_ok=True)
+    engine = Engine(layers, {}, local_disk=directory)
+    disk = LocalDiskBackend(engine.config, engine.loop, engine.backend, "cpu", None, engine.metadata)
+    obj = engine.memory_obj(3)
+    for i in range(count):
+        disk.submit_put_task(key(i), obj)
+    deadline = time.monotonic() + 120
+    while sum(disk.contains(key(i)) for i in range(count)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stored = sum(disk.contains(key(i)) for i in range(count))
+    files = sum(len(f) for _, _, f in os.walk(directory))
+    disk.close()
+    fresh = LocalDiskBackend(engine.config, engine.loop, engine.backend, "cpu", None, engine.metadata)
+    found = sum(fresh.contains(key(i)) for i in range(count))
+    fresh.close()
+    engine.close()
+    print(f"  local disk backend: {stored} stored, {files} files on disk, {found} found after a restart",
+          file=sys.stderr)
+    return stored, found
+
+
+def run_store(name: str, where: str, size: int, redis: RedisServer | None, result: Result, *, count: int,
+              restart: bool) -> str | None:
+    """One round of one store; with ``restart``, what a fresh connector on the same storage finds afterwards."""
+    is_fs = where.startswith("/")
+    if is_fs:
+        shutil.rmtree(where, ignore_errors=True)
+        os.makedirs(where)
+    elif redis is not None:
+        import redis as redis_py
+
+        redis_py.Redis.from_url(redis.url).flushdb()
+    extra: dict[str, Any] = {"save_chunk_meta": False} if name == "lmcache-redis" else {}
+    url = f"fs://localhost:0{where}" if is_fs else where  # LMCache's fs:// URL wants a host:port
+    if name.startswith("preheat"):
+        extra = {"remote_storage_plugin.preheat.module_path": "preheat.integrations.lmcache",
+                 "remote_storage_plugin.preheat.class_name": "PreheatConnector",
+                 "remote_storage_plugin.preheat.url": f"fs://{where}" if is_fs else where}
+        url = "plugin://preheat"
+    engine = Engine(size, extra)
+    connector = engine.connector(url)
+    one_round(engine, connector, count, result, size << 20)
+    text = None
+    if restart:
+        exists, read = restart_counts(lambda: engine.connector(url), engine, count)
+        text = f"{exists}/{count} exist, {read}/{count} read"
+    try:
+        engine.run(connector.close(), timeout=10)
+    except TimeoutError:
+        print(f"  {name}: close() did not return in 10 s", file=sys.stderr)
+    engine.close()
+    print(f"  {name} {size} MiB: put {result.put_gbs[-1]:.2f} GB/s, get {result.get_gbs[-1]:.2f} GB/s",
+          file=sys.stderr)
+    return text
+
+
+# -- SGLang HiCache ------------------------------------------------------------------------------------------------
+
+
+def sglang_backend(name: str, directory: str) -> Any:  # Any: SGLang's HiCacheStorage
+    """SGLang's ``file`` backend or preheat's (``dynamic``) on ``directory``, built by SGLang's own factory."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    extra: dict[str, Any] = {"file_storage_path": directory}
+    if name.startswith("preheat"):
+        extra = {"backend_name": "preheat", "module_path": "preheat.integrations.sglang",
+                 "class_name": "PreheatHiCacheStorage", "url": f"fs://{directory}"}
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                                  model_name=MODEL, extra_config=extra)
+    return StorageBackendFactory.create_backend("dynamic" if name.startswith("preheat") else "file", config, None)
+
+
+def sglang_key(i: int) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"bench-page-{i}".encode()).hexdigest()
+
+
+def sglang_page(size: int, seed: int) -> torch.Tensor:
+    """A flat bf16 host-pool page of ``size`` MiB."""
+    page = torch.full(((size << 20) // 2,), float(seed % 100), dtype=torch.bfloat16)
+    page.view(torch.int16)[:8].copy_(torch.arange(8) + seed)
+    return page
+
+
+def sglang_round(name: str, directory: str, size: int, count: int, result: Result, *,
+                 restart: bool) -> str | None:
+    """One round of one store: ``count`` pages put then got, one per call; with ``restart``, what a fresh backend
+    on the directory finds, and what a flipped byte in one stored file gives."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    backend = sglang_backend(name, directory)
+    page = sglang_page(size, 1)
+    target = torch.empty_like(page)
+    puts, gets = [], []
+    for i in range(count):
+        start = time.perf_counter()
+        ok = backend.batch_set([sglang_key(i)], [page])
+        puts.append(time.perf_counter() - start)
+        if not ok:
+            raise SystemExit(f"{name}: page {i} not stored")
+    for i in range(count):
+        start = time.perf_counter()
+        got = backend.batch_get([sglang_key(i)], [target])
+        gets.append(time.perf_counter() - start)
+        if got[0] is None:
+            raise SystemExit(f"{name}: page {i} not found")
+    nbytes = size << 20
+    result.put_gbs.append(nbytes * count / sum(puts) / 1e9)
+    result.get_gbs.append(nbytes * count / sum(gets) / 1e9)
+    result.put_p50.append(p(puts, 0.5))
+    result.put_p99.append(p(puts, 0.99))
+    result.get_p50.append(p(gets, 0.5))
+    result.get_p99.append(p(gets, 0.99))
+    close(backend)
+    print(f"  {name} {size} MiB: put {result.put_gbs[-1]:.2f} GB/s, get {result.get_gbs[-1]:.2f} GB/s",
+          file=sys.stderr)
+    if not restart:
+        return None
+    fresh = sglang_backend(name, directory)  # as a restarted process builds it
+    keys = [sglang_key(i) for i in range(count)]
+    found = fresh.batch_exists(keys)
+    read = sum(got is not None and torch.equal(got.view(torch.int16), page.view(torch.int16))
+               for got in fresh.batch_get(keys, [torch.empty_like(page) for _ in keys]))
+    victim = sglang_file(fresh, name, directory, keys[0])
+    with open(victim, "r+b") as handle:
+        handle.seek(os.path.getsize(victim) - 4096)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    got = fresh.batch_get([keys[0]], [torch.empty_like(page)])[0]
+    if got is None:
+        flipped = "a miss"
+    elif torch.equal(got.view(torch.int16), page.view(torch.int16)):
+        flipped = "the stored bytes"
+    else:
+        flipped = "WRONG BYTES"
+    close(fresh)
+    return f"{found}/{count} exist, {read}/{count} read back identical; a flipped byte gives {flipped}"
+
+
+def close(backend: Any) -> None:  # Any: SGLang's HiCacheStorage (its file backend has no close)
+    if hasattr(backend, "close"):
+        backend.close()
+
+
+def sglang_file(backend: Any, name: str, directory: str, key: str) -> str:  # Any: SGLang's HiCacheStorage
+    if name.startswith("preheat"):
+        from preheat.kv.store import storage_name
+
+        return str(backend.store.storage.path(storage_name(key)))
+    return os.path.join(directory, f"{backend._get_suffixed_key(key)}.bin")
+
+
+def main_sglang(args: argparse.Namespace) -> int:
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    directory = os.path.join(os.path.abspath(args.dir), "sglang")  # one directory for both stores, in turn
+    rows: list[dict[str, float | str]] = []
+    restart: dict[str, str] = {}
+    checksum: dict[int, float] = {}
+    stores = ("sglang-file", "preheat-fs")
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            count = max(16, args.mib_per_size // size)
+            checksum[size] = checksum_cost(size << 20)
+            results = {name: Result(name, size) for name in stores}
+            for r in range(args.rounds):
+                for name in stores if r % 2 == 0 else tuple(reversed(stores)):
+                    text = sglang_round(name, directory, size, count, results[name],
+                                        restart=r == args.rounds - 1 and size == 4)
+                    if text is not None:
+                        restart[name] = text
+                    gc.collect()
+            rows.extend(results[name].summary() for name in stores)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    print_table(rows, checksum, restart, peers={"preheat-fs": "sglang-file"})
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "checksum_s": checksum, "restart": restart}, handle, indent=1)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("lmcache", "sglang"), default="lmcache",
+                        help="whose built-in store preheat is measured against (run in that engine's venv)")
+    parser.add_argument("--sizes", default="1,4,16", help="value sizes in MiB")
+    parser.add_argument("--mib-per-size", type=int, default=256, help="MiB written per store, size and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=".bench/kvstore")
+    parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.engine == "sglang":
+        return main_sglang(args)
+    logging.getLogger("lmcache").setLevel(logging.ERROR)
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+    base = os.path.abspath(args.dir)
+    redis = None if args.no_redis else RedisServer()
+    rows: list[dict[str, float | str]] = []
+    restart: dict[str, str] = {}
+    checksum: dict[int, float] = {}
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            count = max(16, args.mib_per_size // size)
+            checksum[size] = checksum_cost(size << 20)
+            stores: dict[str, str] = {name: f"{base}/{name}-{size}" for name in ("lmcache-fs", "preheat-fs")}
+            if redis is not None:
+                stores["lmcache-redis"] = redis.url.replace("/0", "")
+                stores["preheat-redis"] = redis.url
+            results = {name: Result(name, size) for name in stores}
+            for r in range(args.rounds):
+                order = list(stores) if r % 2 == 0 else list(reversed(stores))
+                for name in order:
+                    text = run_store(name, stores[name], size, redis, results[name], count=count,
+                                     restart=r == args.rounds - 1 and size == 4)
+                    if text is not None:
+                        restart[name] = text
+                    gc.collect()  # the store's CPU backend buffer goes: one store's memory at a time
+            rows.extend(results[name].summary() for name in stores)
+        stored, found = local_disk_restart(f"{base}/lmcache-local-disk", 4, 16)
+        restart["lmcache-local-disk"] = f"{found}/{stored} found (index kept in memory)"
+    finally:
+        if redis is not None:
+            redis.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    print_table(rows, checksum, restart)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "checksum_s": checksum, "restart": restart}, handle, indent=1)
+    return 0
+
+
+def print_table(rows: list[dict[str, float | str]], checksum: dict[int, float], restart: dict[str, str], *,
+                peers: dict[str, str] | None = None) -> None:
+    """The table; ``peers`` names each preheat store's built-in peer (default: the ``lmcache-`` store)."""
+    by = {(r["store"], r["size_mib"]): r for r in rows}
+    print(f"{'store':<15}{'MiB':>4}{'put GB/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'get GB/s':>10}{'p50 ms':>8}"
+          f"{'p99 ms':>8}{'put x':>7}{'get x':>7}")
+    for r in rows:
+        name = str(r["store"])
+        peer = by.get(((peers or {}).get(name, name.replace("preheat", "lmcache")), r["size_mib"]))
+        ratio_put = ratio_get = ""
+        if str(r["store"]).startswith("preheat") and peer is not None:
+            ratio_put = f"{float(r['put_gbs']) / float(peer['put_gbs']):.2f}"
+            ratio_get = f"{float(r['get_gbs']) / float(peer['get_gbs']):.2f}"
+        print(f"{r['store']:<15}{r['size_mib']:>4}{float(r['put_gbs']):>10.2f}{float(r['put_p50_ms']):>8.1f}"
+              f"{float(r['put_p99_ms']):>8.1f}{float(r['get_gbs']):>10.2f}{float(r['get_p50_ms']):>8.1f}"
+              f"{float(r['get_p99_ms']):>8.1f}{ratio_put:>7}{ratio_get:>7}")
+    print()
+    for size, seconds in checksum.items():
+        print(f"checksum (XXH3-128) of one {size} MiB value: {seconds * 1e3:.2f} ms "
+              f"({(size << 20) / seconds / 1e9:.1f} GB/s), paid once per put and once per get")
+    print()
+    for name, text in restart.items():
+        print(f"after a restart, {name}: {text}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""preheat's blob store as SGLang HiCache's L3 storage backend: checksummed pages, an index that survives restarts,
+quotas and cross-process LRU behind SGLang's own ``HiCacheStorage`` interface (SGLang 0.5.23).
+
+SGLang configuration::
+
+    python -m sglang.launch_server --model-path org/model --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "preheat",
+            "module_path": "preheat.integrations.sglang", "class_name": "PreheatHiCacheStorage",
+            "url": "fs:///shared/kv", "max_bytes": "200GiB"}'
+
+Optional keys beside ``url``: ``max_bytes`` (``fs://`` quota), ``ttl_s`` (Redis expiry after the last read),
+``secret_file`` (fleet MAC, docs/kv-cache.md), ``model_identity`` (``repo@revision``; defaults to SGLang's model
+name). SGLang builds the backend itself (``StorageBackendFactory`` → ``cls(storage_config, kwargs)``). Each value
+is one HiCache page as SGLang's host pool hands it over (its flat bytes), stored by ``preheat.kv.store`` under
+SGLang's own page hash in a namespace of the model identity, the engine and the layout (TP/PP/CP/DCP rank and
+size, MLA, page-first layout; and, once SGLang registers its host pool, the pool's dtype, page size, layout and KV
+geometry), so another model's or another rank's pages never answer. A damaged page, a dead Redis, a full disk are
+misses (logged, counted in ``store.stats``), never an exception into HiCache's I/O threads. On ``fs://`` a page is
+read straight into the tensor HiCache allocates for it and verified there.
+
+Implemented: ``get``/``set``/``exists``, ``batch_get``/``batch_set``, ``batch_exists`` (the leading run of pages
+present, one stat or one Redis round trip per page batch), ``clear``. **Not** implemented, on purpose: the
+zero-copy ``batch_get_v1``/``batch_set_v1`` (``"interface_v1": 1``; a backend that declares them and leaves one
+out stops HiCache's prefetch thread silently, so the backend refuses that key) and the ``*_v2`` pool-transfer
+methods that sidecar pools (Mamba, DSA, SWA state) need: models with those pools are not supported.
+
+SGLang is imported only when ``PreheatHiCacheStorage`` is first looked up (SGLang's factory does that).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from preheat.errors import ConfigError
+from preheat.integrations.store_settings import StoreSettings
+from preheat.kv.store import DEFAULT_MAX_VALUE, BlobStore, Namespace
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("preheat.integrations.sglang")
+
+ENGINE = "sglang-hicache"
+SUPPORTED = ("0.5.23",)  # SGLang versions this module is tested against (tests/engines/test_sglang_hicache.py)
+_SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+_PAGE_MARGIN = 64 << 10  # bytes a stored page may exceed the host pool's page by before it is refused unread
+
+
+def settings_from(extra: Mapping[str, Any] | None) -> StoreSettings:  # Any: SGLang's JSON
+    """preheat's part of ``--hicache-storage-backend-extra-config``; ``ConfigError`` for a missing URL, an unknown
+    key, a bad value or ``"interface_v1"`` (this backend does not implement the zero-copy methods).
+
+    >>> settings_from({"backend_name": "preheat", "url": "fs:///kv", "max_bytes": "1GiB"}).max_bytes
+    1073741824
+    """
+    extra = dict(extra or {})
+    if extra.get("interface_v1"):
+        raise ConfigError("SGLang HiCache: preheat's backend does not implement the zero-copy v1 methods; "
+                          "remove \"interface_v1\" from --hicache-storage-backend-extra-config")
+    return StoreSettings.from_mapping(extra, where="SGLang HiCache extra config", others=_SGLANG_KEYS)
+
+
+def storage_layout(config: Any) -> dict[str, object]:  # Any: SGLang's HiCacheStorageConfig
+    """What of SGLang's storage config changes a page's bytes: the shard (TP, PP, attention CP, DCP) and the
+    page layout. MLA KV is the same on every TP rank (SGLang's own file backend shares it too), so its TP rank is
+    left out."""
+    mla = bool(config.is_mla_model)
+    layout: dict[str, object] = {
+        "mla": mla,
+        "page_first": bool(config.is_page_first_layout),
+        "pp": [int(config.pp_rank), int(config.pp_size)],
+        "attn_cp": [int(getattr(config, "attn_cp_rank", 0)), int(getattr(config, "attn_cp_size", 1))],
+        "dcp": [int(getattr(config, "dcp_rank", 0)), int(getattr(config, "dcp_size", 1))],
+    }
+    layout["tp"] = [None if mla else int(config.tp_rank), int(config.tp_size)]
+    return layout
+
+
+def pool_layout(pool: Any) -> dict[str, object]:  # Any: SGLang's HostKVCache
+    """What of SGLang's host pool changes a page's bytes: dtype, page size, layout and KV geometry (whatever
+    attributes the pool has)."""
+    out: dict[str, object] = {"pool": type(pool).__name__}
+    for name in ("dtype", "page_size", "layout", "layer_num", "head_num", "head_dim", "v_head_dim",
+                 "kv_lora_rank", "qk_rope_head_dim", "storage_format_tag"):
+        found = getattr(pool, name, None)
+        if isinstance(found, bool | int | float):
+            out[name] = found
+        elif found is not None:  # a torch.dtype, an enum, a string: its text (the namespace is JSON)
+            out[name] = str(found).removeprefix("torch.")
+    return out
+
+
+def namespace_for(config: Any, settings: StoreSettings, pool: Any = None) -> Namespace:  # Any: SGLang's
+    """The store namespace of one SGLang rank: the model identity, ``sglang-hicache`` and the page layout
+    (``storage_layout``, plus ``pool_layout`` once the host pool is known)."""
+    model = settings.model_identity or config.model_name
+    if not model:
+        raise ConfigError("SGLang HiCache: no model name in the storage config; set \"model_identity\"")
+    layout = storage_layout(config)
+    if pool is not None:
+        layout["host_pool"] = pool_layout(pool)
+    return Namespace(model=str(model), engine=ENGINE, layout=layout)
+
+
+def _page_bytes(pool: Any) -> int | None:  # Any: SGLang's HostKVCache
+    try:
+        page = pool.get_dummy_flat_data_page()
+        return int(page.numel() * page.element_size())
+    except Exception:  # a pool without flat pages (or one that cannot build one): keep the default limit
+        return None
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A byte view of a CPU tensor's memory (made contiguous first when it is not)."""
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs lack Buffer
+
+
+class _Backend:
+    """What ``PreheatHiCacheStorage`` does (it adds SGLang's ``HiCacheStorage`` as a base when first looked up)."""
+
+    def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:  # Any: SGLang's
+        self.storage_config = storage_config
+        self.settings = settings_from(storage_config.extra_config)
+        self.store: BlobStore = self.settings.open(namespace_for(storage_config, self.settings), DEFAULT_MAX_VALUE)
+        log.info("SGLang HiCache storage: preheat %s", self.store.describe())
+
+    # -- SGLang's interface ------------------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:  # Any: SGLang's HostKVCache
+        """SGLang hands over its host pool before any I/O: its dtype and geometry join the namespace, and a stored
+        page may be at most one of its pages."""
+        super().register_mem_pool_host(mem_pool_host)  # type: ignore[misc]
+        page = _page_bytes(mem_pool_host)
+        namespace = namespace_for(self.storage_config, self.settings, mem_pool_host)
+        self.store.close()
+        self.store = self.settings.open(namespace, page + _PAGE_MARGIN if page is not None else DEFAULT_MAX_VALUE)
+        log.info("SGLang HiCache storage: preheat %s (host pool %s)", self.store.describe(),
+                 type(mem_pool_host).__name__)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Each page read into its target tensor (HiCache's flat dummy page), or None: absent, damaged, of
+        another size, storage down. Without targets, a new uint8 tensor per page."""
+        targets: Sequence[Any] = target_locations if target_locations is not None else [None] * len(keys)
+        out: list[torch.Tensor | None] = []
+        for key, target in zip(keys, targets, strict=False):
+            try:
+                out.append(self._get_one(key, target))
+            except Exception:  # never an exception into HiCache's prefetch thread: a miss
+                log.exception("SGLang HiCache get of %s failed; a miss", key)
+                out.append(None)
+        return out + [None] * (len(keys) - len(out))
+
+    def _get_one(self, key: str, target: Any) -> torch.Tensor | None:
+        import torch
+
+        if target is None:
+            found = self.store.get(key)
+            return None if found is None else torch.frombuffer(bytearray(found), dtype=torch.uint8)
+        direct = target.is_contiguous() and target.device.type == "cpu"
+        buffer = target if direct else torch.empty(target.shape, dtype=target.dtype)
+        view = _bytes_of(buffer)
+
+        def allocate(n: int, peek: bytes) -> memoryview | None:
+            return view if n == len(view) else None  # a page of another size is not this layout's page: a miss
+
+        if self.store.get_into(key, allocate) is None:
+            return None
+        if not direct:
+            target.copy_(buffer)
+        return buffer if direct else target
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store every page (tensors from the host pool); True only when all of them are stored (HiCache stops
+        backing up the rest of the request on False)."""
+        if values is None or len(values) != len(keys):
+            return False
+        try:
+            done = self.store.put_many([(key, _bytes_of(value)) for key, value in zip(keys, values, strict=True)])
+        except Exception:  # never an exception into HiCache's backup thread: not stored
+            log.exception("SGLang HiCache set of %d pages failed", len(keys))
+            return False
+        return all(done)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages are stored (a page is only usable after every page before it)."""
+        try:
+            return self.store.prefix_length(keys)
+        except Exception:  # never an exception into HiCache: nothing found
+            log.exception("SGLang HiCache exists of %d pages failed", len(keys))
+            return 0
+
+    def clear(self) -> bool:
+        """Remove every page of this rank's namespace (other namespaces on the same store stay)."""
+        try:
+            while keys := self.store.keys(4096):
+                if not any(self.store.remove(key) for key in keys):
+                    break
+        except Exception:
+            log.exception("SGLang HiCache clear of %s failed", self.store.describe())
+            return False
+        return True
+
+    def close(self) -> None:
+        self.store.close()
+
+
+@functools.cache
+def backend_class() -> type:
+    """``PreheatHiCacheStorage``: ``_Backend`` with SGLang's ``HiCacheStorage`` as a base, built on first use."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    return type("PreheatHiCacheStorage", (_Backend, HiCacheStorage), {"__module__": __name__, "__doc__": __doc__})
+
+
+def __getattr__(name: str) -> Any:  # Any: the class SGLang's backend factory looks up
+    if name == "PreheatHiCacheStorage":
+        return backend_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

