@@ -155,6 +155,18 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture(params=["fs", "redis"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A KV store URL, once a fresh ``fs://`` directory and once the session's real Redis, flushed."""
+    if request.param == "fs":
+        return f"fs://{tmp_path}"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    import redis
+
+    redis.Redis.from_url(server.url).flushdb()
+    return server.url
+
+
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A ``redis-server`` of this test alone, which it may kill and restart."""

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import torch
 
 from preheat.kv import chunkfile
@@ -51,3 +57,17 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``64k``) mounted at ``mount``, a disk that is full after a few writes, unmounted
+    afterwards; skips the test where it cannot be mounted (it needs root)."""
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                      check=False).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -1,6 +1,6 @@
-"""The engine-free parts of the SGLang HiCache backend and the vLLM offloading tier (preheat.integrations.sglang,
-preheat.integrations.vllm_offload): their settings, namespaces and keys. The engines themselves are exercised in
-tests/engines/test_sglang_hicache.py and tests/engines/test_vllm_offload.py."""
+"""The engine-free parts of the LMCache connector, the SGLang HiCache backend and the vLLM offloading tier
+(preheat.integrations.lmcache, .sglang, .vllm_offload): their settings, namespaces and keys. The engines themselves
+are exercised in tests/engines/."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from preheat.errors import ConfigError
-from preheat.integrations import sglang, vllm_offload
+from preheat.integrations import lmcache, sglang, vllm_offload
 from preheat.integrations.store_settings import StoreSettings
 
 
 def test_importing_the_integrations_imports_no_engine() -> None:
-    code = ("import sys, preheat.integrations.sglang, preheat.integrations.vllm_offload; "
+    code = ("import sys, preheat.integrations.lmcache, preheat.integrations.sglang, preheat.integrations.vllm_offload; "
             "print(sorted(m for m in ('sglang', 'vllm', 'lmcache') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == "[]"
@@ -38,6 +38,20 @@ def test_sglang_settings_read_preheats_keys_beside_sglangs() -> None:
 def test_sglang_settings_refuse_what_would_fail_later(extra: dict[str, object], says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         sglang.settings_from(extra)
+
+
+def test_lmcache_settings_are_the_plugins_keys_read_as_every_engines() -> None:
+    settings = lmcache.settings_from({
+        "remote_storage_plugin.preheat.module_path": "preheat.integrations.lmcache",
+        "remote_storage_plugin.preheat.class_name": "PreheatConnector",
+        "remote_storage_plugin.preheat.url": "fs:///kv", "remote_storage_plugin.preheat.max_bytes": "1GiB",
+        "remote_storage_plugin.other.url": "redis://elsewhere:6379/0", "chunk_size": 256})
+    assert settings == StoreSettings(url="fs:///kv", max_bytes=1 << 30)
+    with pytest.raises(ConfigError, match="url"):
+        lmcache.settings_from({"remote_storage_plugin.other.url": "fs:///kv"})
+    with pytest.raises(ConfigError, match="unknown key"):  # a typo is refused, not ignored
+        lmcache.settings_from({"remote_storage_plugin.preheat.url": "fs:///kv",
+                               "remote_storage_plugin.preheat.max_byte": "1GiB"})
 
 
 def hicache_config(**changes: object) -> SimpleNamespace:

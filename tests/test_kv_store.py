@@ -5,18 +5,21 @@ survival, and two processes sharing one store."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import resource
 import signal
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from kvchunks import Clock
+from kvchunks import Clock, tiny_tmpfs
 from preheat.errors import ConfigError
 from preheat.kv import chunkfile
 from preheat.kv.redis_tier import RedisTier
@@ -33,18 +36,6 @@ KEYS = ["vllm@org/model@1@0@5f3a9c@bfloat16", "9f86d081884c7d659a2feaa0c55ad015a
 
 def value(seed: int, size: int = 64 << 10) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-@pytest.fixture(params=["fs", "redis"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An fs:// directory or a real Redis (flushed), one test each."""
-    if request.param == "fs":
-        return f"fs://{tmp_path}"
-    server: RedisServer = request.getfixturevalue("redis_server")
-    import redis
-
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
 
 
 def into(buffer: bytearray) -> Callable[[int, bytes], memoryview]:
@@ -82,8 +73,8 @@ def damage(store: BlobStore, key: str, how: str) -> None:
 # -- round trips ---------------------------------------------------------------------------------------------------
 
 
-def test_values_round_trip_under_engine_keys(url: str) -> None:
-    store = open_store(url, NS)
+def test_values_round_trip_under_engine_keys(store_url: str) -> None:
+    store = open_store(store_url, NS)
     for i, key in enumerate(KEYS):
         assert store.put(key, value(i))
     for i, key in enumerate(KEYS):
@@ -100,8 +91,8 @@ def test_values_round_trip_under_engine_keys(url: str) -> None:
     store.close()
 
 
-def test_batches_keep_order_and_report_each_value(url: str) -> None:
-    store = open_store(url, NS)
+def test_batches_keep_order_and_report_each_value(store_url: str) -> None:
+    store = open_store(store_url, NS)
     items = [(f"page-{i:03d}", value(i, 1000 + i)) for i in range(20)]
     assert store.put_many(items[:15]) == [True] * 15
     keys = [k for k, _ in items]
@@ -114,8 +105,8 @@ def test_batches_keep_order_and_report_each_value(url: str) -> None:
     assert store.put_many([]) == []
 
 
-def test_an_empty_value_and_a_bad_key_are_handled(url: str) -> None:
-    store = open_store(url, NS)
+def test_an_empty_value_and_a_bad_key_are_handled(store_url: str) -> None:
+    store = open_store(store_url, NS)
     assert store.put("empty", b"")
     empty = store.get("empty")
     assert empty is not None
@@ -138,8 +129,8 @@ def test_a_put_keeps_a_valid_value_and_replaces_a_damaged_one(tmp_path: Path) ->
 # -- namespaces ----------------------------------------------------------------------------------------------------
 
 
-def test_namespaces_never_answer_for_each_other(url: str) -> None:
-    store, other = open_store(url, NS), open_store(url, OTHER)
+def test_namespaces_never_answer_for_each_other(store_url: str) -> None:
+    store, other = open_store(store_url, NS), open_store(store_url, OTHER)
     store.put("shared-key", value(1))
     other.put("shared-key", value(2))
     assert bytes(store.get("shared-key") or b"") == value(1)
@@ -173,8 +164,8 @@ def test_the_namespace_is_described_beside_its_values(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
-def test_a_damaged_value_is_a_miss_counted_and_removed(url: str, how: str) -> None:
-    store = open_store(url, NS)
+def test_a_damaged_value_is_a_miss_counted_and_removed(store_url: str, how: str) -> None:
+    store = open_store(store_url, NS)
     for key in ("a", "b"):
         store.put(key, value(7))
     damage(store, "a", how)
@@ -227,12 +218,8 @@ def test_the_quota_evicts_least_recently_used_values(tmp_path: Path) -> None:
 
 
 def test_a_full_disk_is_a_failed_put_not_an_exception(tmp_path: Path) -> None:
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
-                      check=False).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); the RLIMIT_FSIZE test covers a failing write")
-    try:
+    # Without root, the RLIMIT_FSIZE test below still covers a failing write.
+    with tiny_tmpfs(tmp_path / "tiny", "256k") as mount:
         store = open_store(f"fs://{mount}", NS)
         results = [store.put(f"k{i}", value(i, 64 << 10)) for i in range(8)]
         assert results[0]
@@ -241,8 +228,6 @@ def test_a_full_disk_is_a_failed_put_not_an_exception(tmp_path: Path) -> None:
         assert store.up  # a full disk is not a dead mount: reads go on
         assert bytes(store.get("k0") or b"") == value(0, 64 << 10)
         assert not list(mount.rglob("*.tmp"))  # no partial file left behind
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 FSIZE = """
@@ -345,10 +330,10 @@ def python(code: str, *args: str) -> subprocess.Popen[str]:
                             env={**os.environ, "PYTHONPATH": TESTS})
 
 
-def test_a_restarted_process_finds_every_entry(url: str) -> None:
-    writer = python(WRITER, url, "0", "40")
+def test_a_restarted_process_finds_every_entry(store_url: str) -> None:
+    writer = python(WRITER, store_url, "0", "40")
     assert writer.communicate()[0].strip() == "40"
-    reader = python(READER, url, "40")  # a new process: the directory (or Redis) is the index
+    reader = python(READER, store_url, "40")  # a new process: the directory (or Redis) is the index
     assert reader.communicate()[0].strip() == "40"
 
 
@@ -385,10 +370,10 @@ def test_a_writer_killed_mid_write_leaves_no_value(tmp_path: Path) -> None:
     assert counters(reader_store)["corrupt"] == 0  # a partial write is never under a value's name
 
 
-def test_get_into_scatters_a_value_by_the_header_it_peeks_at(url: str) -> None:
+def test_get_into_scatters_a_value_by_the_header_it_peeks_at(store_url: str) -> None:
     # An engine keeping a small header at the front of its value (LMCache's RemoteMetadata) sizes its buffers from
     # it, then receives the rest straight into its own memory.
-    store = open_store(url, NS)
+    store = open_store(store_url, NS)
     body = value(3, 100_000)
     store.put("k", len(body).to_bytes(8, "little") + body)
     header, data = bytearray(8), bytearray(200_000)
@@ -401,3 +386,72 @@ def test_get_into_scatters_a_value_by_the_header_it_peeks_at(url: str) -> None:
     assert bytes(data[: len(body)]) == body
     assert store.get_into("k", lambda _n, _peek: [memoryview(bytearray(8))]) is None  # no room: a miss
     assert store.get("k") is not None  # and nothing was removed
+
+
+def test_get_into_without_a_peek_reads_header_and_value_at_once_and_checks_both(tmp_path: Path) -> None:
+    # SGLang and vLLM size their buffers from the length alone: header and value are then read in one call.
+    store = open_store(f"fs://{tmp_path}", NS)
+    for key in ("k", "header", "room"):
+        store.put(key, value(5))
+    buffer = bytearray(len(value(5)))
+    assert store.get_into("k", lambda n, peek: memoryview(buffer), peek=False) == len(buffer)
+    assert bytes(buffer) == value(5)
+    assert store.get_into("room", lambda n, peek: None, peek=False) is None  # no room: a miss, the value stays
+    assert store.exists("room")
+    path = stored_path(store, "header")
+    blob = bytearray(path.read_bytes())
+    blob[70] ^= 0x01  # inside the JSON header, after the checksum
+    path.write_bytes(bytes(blob))
+    assert store.get_into("header", lambda n, peek: memoryview(bytearray(n)), peek=False) is None
+    assert counters(store)["corrupt"] == 1
+    assert not path.exists()
+
+
+def test_a_value_whose_header_is_laid_out_otherwise_still_reads(tmp_path: Path) -> None:
+    # Another writer of the format (an older or newer preheat) may lay the JSON header out differently: the
+    # one-call read cannot place its value, so the header is read first, and the value is found all the same.
+    store = open_store(f"fs://{tmp_path}", NS)
+    store.put("k", value(6))
+    path = stored_path(store, "k")
+    blob = path.read_bytes()
+    head = chunkfile.head_length(blob)
+    header = json.loads(blob[16:head])
+    raw = json.dumps(header, indent=2).encode()  # valid, longer, keys in another layout
+    raw += b" " * (-(16 + len(raw)) % 64)
+    path.write_bytes(blob[:8] + struct.pack("<II", 1, len(raw)) + raw + blob[head:])
+    assert bytes(store.get("k") or b"") == value(6)
+    buffer = bytearray(len(value(6)))
+    assert store.get_into("k", lambda n, peek: memoryview(buffer), peek=False) == len(buffer)
+    assert bytes(buffer) == value(6)
+    assert counters(store)["corrupt"] == 0
+
+
+def test_a_hit_refreshes_the_lru_recency_to_the_second(tmp_path: Path) -> None:
+    # Recency is the file's mtime, shared by every process: a hit sets it to now unless it is under a second
+    # old already (a hot value is not re-stamped on every read).
+    store = open_store(f"fs://{tmp_path}", NS)
+    store.put("k", value(1))
+    path = stored_path(store, "k")
+    os.utime(path, (1000, 1000))
+    assert store.get("k") is not None
+    refreshed = path.stat().st_mtime
+    assert refreshed > 1000 + 86400
+    recent = time.time() - 0.25
+    os.utime(path, (recent, recent))
+    assert store.get_into("k", lambda n, peek: memoryview(bytearray(n)), peek=False) is not None
+    assert path.stat().st_mtime == pytest.approx(recent, abs=1e-3)
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_large_value_read_in_one_call_is_checked_all_the_same(tmp_path: Path, how: str) -> None:
+    store = open_store(f"fs://{tmp_path}", NS)
+    big = value(8, (9 << 20) + 123)
+    for key in ("good", "bad"):
+        assert store.put(key, big)
+    buffer = bytearray(len(big))
+    assert store.get_into("good", lambda n, peek: memoryview(buffer), peek=False) == len(big)
+    assert bytes(buffer) == big
+    damage(store, "bad", how)
+    assert store.get_into("bad", lambda n, peek: memoryview(bytearray(n)), peek=False) is None
+    assert bytes(store.get("good") or b"") == big
+    assert counters(store)["corrupt"] == 1

@@ -338,6 +338,21 @@ def test_what_runs_while_torch_imports_needs_no_torch(tiny_model: str) -> None:
     assert done.stdout.strip() == "False"
 
 
+def test_a_pull_through_the_node_cache_needs_no_torch(tiny_model: str, tmp_path: Path) -> None:
+    # A URI's fetch runs while torch imports; importing torch there would wait for that import to finish.
+    code = (
+        "import sys, preheat.server.loading, preheat.server.peering\n"
+        "from preheat.sources.fileserver import FileServer\n"
+        "from preheat.store.cache import ModelCache\n"
+        "from preheat.store.pull import pull\n"
+        f"with FileServer({tiny_model!r}) as origin:\n"
+        f"    pulled = pull(origin.url, ModelCache({str(tmp_path)!r}))\n"
+        "print(pulled.bytes_fetched > 0, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["True", "False"]
+
+
 # -- API key and the bounded queue ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def guarded(tiny_model: str) -> Iterator[ServerProcess]:

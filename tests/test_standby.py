@@ -151,6 +151,15 @@ def test_preheat_activate_loads_a_directory_and_says_so(kv_model: Path) -> None:
         assert complete(Client(server.url)) == 200
 
 
+def test_an_activation_that_names_no_served_name_keeps_the_replicas_own(kv_model: Path) -> None:
+    with standby("--allow-model", str(kv_model), "--served-model-name", "fleet-model") as server:
+        client = Client(server.url)
+        status, body = load(client, str(kv_model))
+        assert status == 200, body
+        names = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert names == ["fleet-model"]
+
+
 # -- one activation at a time, and failures go back to standby -----------------------------------------------------
 def test_a_second_activation_while_loading_gets_409(origin_dir: Path, tmp_path: Path) -> None:
     with FileServer(origin_dir) as origin, Gate(origin.port) as gate:

@@ -4,6 +4,7 @@ process finds every entry, and every fault is a miss (never wrong bytes, never a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,21 +16,11 @@ import pytest
 
 from engines.enginekit import needs_lmcache
 from engines.lmcachekit import KV_SHAPE, Side, key, side
+from kvchunks import tiny_tmpfs
 from redisserver import RedisServer
 
 pytestmark = needs_lmcache
 TESTS = os.path.dirname(os.path.dirname(__file__))
-
-
-@pytest.fixture(params=["fs", "redis"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "fs":
-        return f"fs://{tmp_path}"
-    server: RedisServer = request.getfixturevalue("redis_server")
-    import redis
-
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
 
 
 @pytest.fixture
@@ -59,9 +50,9 @@ def test_lmcache_builds_preheat_from_its_plugin_config(tmp_path: Path, sides: li
     assert lm.connector.store.describe().startswith(f"fs://{tmp_path}#")
 
 
-def test_memory_objects_round_trip(url: str, sides: list[Side]) -> None:
+def test_memory_objects_round_trip(store_url: str, sides: list[Side]) -> None:
 
-    lm = make(sides, url)
+    lm = make(sides, store_url)
     conn = lm.connector
     full, partial = lm.memory_obj(1), lm.memory_obj(2, tokens=100)
     assert not lm.run(conn.exists(key(0)))
@@ -120,9 +111,9 @@ def python(code: str, *args: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def test_a_restarted_process_finds_every_entry(url: str) -> None:
-    assert python(WRITER, url, "0", "12") == "written"  # this process exits: nothing of it stays in memory
-    assert python(READER, url, "12") == "12"
+def test_a_restarted_process_finds_every_entry(store_url: str) -> None:
+    assert python(WRITER, store_url, "0", "12") == "written"  # this process exits: nothing of it stays in memory
+    assert python(READER, store_url, "12") == "12"
 
 
 def test_two_processes_share_one_fs_store(tmp_path: Path, sides: list[Side]) -> None:
@@ -234,13 +225,9 @@ def test_a_full_disk_and_a_tiny_quota_drop_puts(tmp_path: Path, sides: list[Side
     tiny.run(tiny.connector.put(key(0), obj))
     assert tiny.run(tiny.connector.get(key(0))) is None
     assert tiny.connector.store.stats.snapshot()["refused"] == 1
-    mount = tmp_path / "full"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True,
-                      check=False).returncode != 0:
-        obj.ref_count_down()
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(obj.ref_count_down)
+        mount = cleanup.enter_context(tiny_tmpfs(tmp_path / "full", "600k"))
         full = make(sides, f"fs://{mount}")
         for i in range(4):  # the third does not fit
             full.run(full.connector.put(key(i), obj))
@@ -249,9 +236,6 @@ def test_a_full_disk_and_a_tiny_quota_drop_puts(tmp_path: Path, sides: list[Side
         assert got is not None
         assert same(got, obj)
         got.ref_count_down()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-    obj.ref_count_down()
 
 
 def test_warm_fills_lmcaches_cpu_backend_with_the_hottest_values(tmp_path: Path, sides: list[Side]) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from engines.enginekit import needs_sglang
 from engines.sglangkit import PAGE_BYTES, backend, dummy_page, key, page
+from kvchunks import tiny_tmpfs
 from redisserver import RedisServer
 
 pytestmark = needs_sglang
@@ -185,6 +186,21 @@ def test_a_quota_smaller_than_one_page_stores_nothing(tmp_path: Path, backends: 
     assert store.batch_exists([key(0)]) == 0
     assert store.get(key(0), dummy_page()) is None
     assert store.store.stats.snapshot()["refused"] == 1
+
+
+def test_a_full_disk_is_a_failed_set_never_an_exception(tmp_path: Path, backends: list[Any]) -> None:
+    with tiny_tmpfs(tmp_path / "full", "64k") as mount:  # room for three 16 KiB pages and their headers
+        store = make(backends, f"fs://{mount}")
+        stored = [store.batch_set([key(i)], [page(i)]) for i in range(6)]
+        assert stored[0]
+        assert not all(stored)  # the disk filled up: HiCache is told, nothing raised
+        assert store.store.stats.snapshot()["errors"] >= 1
+        assert store.store.up  # a full disk is not a dead mount: reads go on
+        assert store.batch_exists([key(i) for i in range(6)]) == stored.index(False)
+        got = store.batch_get([key(i) for i in range(6)], [dummy_page() for _ in range(6)])
+        for i, ok in enumerate(stored):
+            assert same(got[i], page(i)) if ok else got[i] is None
+        assert not list(mount.rglob("*.tmp"))  # no partial file left behind
 
 
 def test_clear_removes_this_namespace_only(tmp_path: Path, backends: list[Any]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from engines.enginekit import needs_vllm_033
+from kvchunks import tiny_tmpfs
 from redisserver import RedisServer
 
 pytestmark = needs_vllm_033
@@ -259,6 +260,23 @@ def test_a_quota_smaller_than_one_chunk_stores_nothing(tmp_path: Path, engines: 
     fill_and_evict(eng, ks, contents(ks))
     assert eng.read(ks) == [None, None]
     assert eng.stats["refused"] >= 2
+
+
+def test_a_full_disk_fails_cascades_not_vllm(tmp_path: Path, engines: list[Engine]) -> None:
+    with tiny_tmpfs(tmp_path / "full", "48k") as mount:  # room for two 16 KiB chunks and their headers
+        eng = make(engines, f"fs://{mount}")
+        ks = keys(0, 4)
+        data = contents(ks)
+        eng.write(ks, data)  # four chunks cascade; the disk fills up after the first ones
+        assert eng.stats["errors"] >= 1
+        assert eng.tier.store.up  # a full disk is not a dead mount: lookups go on
+        stored = eng.tier.store.exists_many([k.hex() for k in ks])
+        assert stored[0]
+        assert not all(stored)
+        assert all(eng.in_primary(k) for k, ok in zip(ks, stored, strict=True) if not ok)  # vLLM keeps those
+        assert not list(mount.rglob("*.tmp"))  # no partial file left behind
+        restarted = make(engines, f"fs://{mount}")  # an empty primary: what reached the disk loads back
+        assert restarted.read(ks) == [data[k] if ok else None for k, ok in zip(ks, stored, strict=True)]
 
 
 def test_a_bad_tier_config_fails_at_start_up(tmp_path: Path) -> None:

@@ -31,14 +31,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from preheat.config import parse_size
-from preheat.errors import ConfigError
+from preheat.integrations.store_settings import StoreSettings
 from preheat.kv.chunkfile import CorruptChunkError
-from preheat.kv.store import BlobStore, Namespace, open_store
+from preheat.kv.store import BlobStore, Namespace
 from preheat.kv.warm import WarmReport, warm_into
 
 if TYPE_CHECKING:
@@ -50,39 +48,21 @@ log = logging.getLogger("preheat.integrations.lmcache")
 PLUGIN = "preheat"
 ENGINE = "lmcache"
 SUPPORTED = ("0.5.6",)  # LMCache versions this module is tested against (tests/engines/test_lmcache_store.py)
+_VALUE_MARGIN = 64 << 10  # bytes a stored value may exceed one full chunk by (LMCache's metadata) before it is refused
+_LMCACHE_KEYS = frozenset({"module_path", "class_name"})  # LMCache's own keys of a plugin, read by its loader
 
 
-@dataclass(frozen=True)
-class PluginSettings:
-    """The connector's part of LMCache's ``extra_config`` (keys ``remote_storage_plugin.<name>.<field>``)."""
+def settings_from(extra: Mapping[str, Any] | None, name: str = PLUGIN) -> StoreSettings:  # Any: LMCache's config
+    """The connector's part of LMCache's ``extra_config`` (keys ``remote_storage_plugin.<name>.<field>``, fields as
+    ``StoreSettings``); ``ConfigError`` for a missing URL, a bad value or an unknown field.
 
-    url: str
-    max_bytes: int | None = None
-    ttl_s: int | None = None
-    secret_file: str | None = None
-    model_identity: str | None = None
-
-    @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None, name: str = PLUGIN) -> PluginSettings:
-        """Read the settings of plugin ``name``; ``ConfigError`` when the URL is missing or a value is wrong."""
-        extra = extra or {}
-
-        def value(field: str) -> str | None:
-            found = extra.get(f"remote_storage_plugin.{name}.{field}")
-            return None if found is None else str(found)
-
-        url = value("url")
-        if url is None:
-            raise ConfigError(f"LMCache extra_config: remote_storage_plugin.{name}.url is missing (fs:///dir or "
-                              "redis://host:port/db)")
-        max_bytes, ttl = value("max_bytes"), value("ttl_s")
-        return cls(
-            url=url,
-            max_bytes=parse_size(max_bytes) if max_bytes is not None else None,
-            ttl_s=int(ttl) if ttl is not None else None,
-            secret_file=value("secret_file"),
-            model_identity=value("model_identity"),
-        )
+    >>> settings_from({"remote_storage_plugin.preheat.url": "fs:///kv",
+    ...                "remote_storage_plugin.preheat.max_bytes": "1GiB"}).max_bytes
+    1073741824
+    """
+    prefix = f"remote_storage_plugin.{name}."
+    mine = {k[len(prefix) :]: v for k, v in (extra or {}).items() if isinstance(k, str) and k.startswith(prefix)}
+    return StoreSettings.from_mapping(mine, where=f"LMCache extra_config {prefix}*", others=_LMCACHE_KEYS)
 
 
 def namespace_for(metadata: Any, config: Any, model_identity: str | None = None) -> Namespace:  # Any: LMCache's
@@ -104,15 +84,9 @@ def namespace_for(metadata: Any, config: Any, model_identity: str | None = None)
 
 def open_for(local_cpu_backend: Any, config: Any, name: str = PLUGIN) -> BlobStore:  # Any: LMCache's objects
     """The blob store an LMCache engine with this config and CPU backend writes to."""
-    settings = PluginSettings.from_extra_config(getattr(config, "extra_config", None), name)
-    metadata = local_cpu_backend.metadata
-    namespace = namespace_for(metadata, config, settings.model_identity)
-    full = int(local_cpu_backend.get_full_chunk_size_bytes())
-    kwargs: dict[str, Any] = {}
-    if settings.ttl_s is not None:
-        kwargs["ttl_s"] = settings.ttl_s
-    return open_store(settings.url, namespace, max_value_bytes=full + (64 << 10), max_bytes=settings.max_bytes,
-                      secret_file=settings.secret_file, **kwargs)
+    settings = settings_from(getattr(config, "extra_config", None), name)
+    namespace = namespace_for(local_cpu_backend.metadata, config, settings.model_identity)
+    return settings.open(namespace, int(local_cpu_backend.get_full_chunk_size_bytes()) + _VALUE_MARGIN)
 
 
 class _Connector:

@@ -174,7 +174,7 @@ class _Backend:
         def allocate(n: int, peek: bytes) -> memoryview | None:
             return view if n == len(view) else None  # a page of another size is not this layout's page: a miss
 
-        if self.store.get_into(key, allocate) is None:
+        if self.store.get_into(key, allocate, peek=False) is None:
             return None
         if not direct:
             target.copy_(buffer)

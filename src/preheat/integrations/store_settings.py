@@ -1,5 +1,5 @@
-"""The store keys an engine's own configuration carries for preheat (SGLang's HiCache extra config, a vLLM
-offloading tier's entry): one parser and one ``open_store`` call for every integration that takes a plain mapping.
+"""The store keys an engine's own configuration carries for preheat (LMCache's plugin keys, SGLang's HiCache extra
+config, a vLLM offloading tier's entry): one parser and one ``open_store`` call for every integration.
 
 >>> StoreSettings.from_mapping({"url": "fs:///kv", "max_bytes": "1GiB", "ttl_s": 60}, where="tier").max_bytes
 1073741824

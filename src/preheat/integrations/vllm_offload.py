@@ -223,7 +223,7 @@ class _Tier:
             def allocate(n: int, peek: bytes, row: memoryview = row) -> memoryview | None:
                 return row if n == len(row) else None  # a value of another size is not this layout's chunk
 
-            out.append(self.store.get_into(key, allocate) is not None)
+            out.append(self.store.get_into(key, allocate, peek=False) is not None)
         return out
 
 

@@ -6,16 +6,19 @@ Safe for many processes on many nodes sharing one directory (an NVMe mount, NFS)
   POSIX filesystems and NFS). A reader never sees a partial file; a writer killed mid-write leaves only a temporary
   file, removed by the next quota sweep once it is old. Two writers of the same chunk both rename complete, identical
   files: the last rename wins and one valid file remains.
-- **Reads** open only regular files no larger than a chunk of the layout can be (a planted FIFO or huge file never
-  blocks or fills memory), and verify the header, checksum and, with a fleet secret, the MAC (``chunk.decode_chunk``);
-  a file that fails is a miss and is removed.
+- **Reads** read only regular files no larger than a chunk of the layout can be (a planted FIFO or huge file never
+  blocks or fills memory: files are opened non-blocking, without following symlinks, and checked by ``fstat``), and
+  verify the header, checksum and, with a fleet secret, the MAC (``chunk.decode_chunk``); a file that fails is a
+  miss and is removed.
 - **Stores** of a chunk whose file exists check that file first: a valid one is kept (its recency refreshed), a
   damaged one is replaced, so one recompute heals every damaged chunk of a prompt.
 - **The index is the directory**: nothing lives only in memory, so a restarted replica hits its chunks at once.
-- **LRU across processes**: a hit sets the file's mtime to now; the quota sweep (``--kv-l2-max-bytes``) removes the
-  files with the oldest mtimes, whoever wrote them, until the directory is at 90% of the quota. A sweep runs after
-  every 5% of the quota written by this process, under a non-blocking ``flock`` so only one process sweeps at a time;
-  the quota can therefore be exceeded briefly by what other processes write between sweeps.
+- **LRU across processes**: a hit sets the file's mtime to now, unless it is under ``RECENCY_S`` (a second) old
+  already: a hot file is not re-stamped on every read, so recency is kept to the second. The quota sweep
+  (``--kv-l2-max-bytes``) removes the files with the oldest mtimes, whoever wrote them, until the directory is at
+  90% of the quota. A sweep runs after every 5% of the quota written by this process, under a non-blocking ``flock``
+  so only one process sweeps at a time; the quota can therefore be exceeded briefly by what other processes write
+  between sweeps.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from preheat.kv import chunkfile
@@ -41,7 +44,13 @@ log = logging.getLogger("preheat.kv")
 SUFFIX = ".kvc"
 STALE_TEMP_S = 600.0  # a temporary file this old belongs to a dead writer
 SWEEP_FRACTION = 0.05
+RECENCY_S = 1.0  # a hit re-stamps a file's mtime only when it is at least this old (LRU by the second)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 T = TypeVar("T")
+# read_split's head_size, place and finish
+_SplitParts = tuple[
+    Callable[[bytes], int], Callable[[bytes, int], "list[memoryview] | None"], Callable[[bytes, "list[memoryview]"], T]
+]
 
 
 class _NoRoomError(Exception):
@@ -71,6 +80,7 @@ class FileTier:
     ) -> None:
         self.root = os.path.abspath(root)
         self.expect = expect
+        self._max_size = expect.max_size
         self.max_bytes = max_bytes
         self.stats = TierStats()
         self.health = Health("l2 " + self.describe(), retry_s, clock)
@@ -108,7 +118,7 @@ class FileTier:
 
     def path(self, name: str) -> str:
         """The file of ``name`` (a chunk key, or a blob store's file-safe name): ``DIR/<name[:2]>/<name>.kvc``."""
-        return os.path.join(self.dir, name[:2], name + SUFFIX)
+        return f"{self.dir}/{name[:2]}/{name}{SUFFIX}"  # not os.path.join: ~1 us less per read
 
     def _usable(self) -> bool:
         """Up, or down long enough to try again and the probe now succeeds."""
@@ -133,12 +143,10 @@ class FileTier:
         ``CorruptChunkError``, tier down); counts a hit or a miss, removes what ``decode`` refused, and refreshes
         the file's recency on a hit."""
 
-        def whole() -> tuple[T, int]:
-            blob = self._read(path, name)
-            return decode(blob), len(blob)
+        def whole(fd: int, size: int) -> T:
+            return decode(_read_all(fd, size, name))
 
-        path = self.path(name)
-        return self._counted(name, path, whole)
+        return self._counted(name, whole)
 
     def read_split(
         self,
@@ -155,41 +163,48 @@ class FileTier:
         ``head`` holds up to ``extra`` bytes after the header too (what the buffers will hold first, unverified).
         ``head_size``, ``place`` and ``finish`` raise ``CorruptChunkError`` for bytes they refuse; counted and
         removed as ``read`` does."""
+        return self._counted(name, lambda fd, size: _split(fd, size, name, (head_size, place, finish), extra))
 
-        def split() -> tuple[T, int]:
-            with self._open(path, name) as (fd, size):
-                first = os.pread(fd, min(size, chunkfile.HEAD_HINT), 0)
-                wanted = head_size(first)
-                need = min(size, wanted + extra)
-                head = first if need <= len(first) else os.pread(fd, need, 0)
-                if len(head) < wanted:
-                    raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, shorter than its header")
-                buffers = place(head, size)
-                if buffers is None:
-                    raise _NoRoomError
-                if sum(len(b) for b in buffers) != size - wanted:
-                    raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, not what its header says")
-                offset = wanted
-                for buffer in buffers:
-                    got = 0
-                    while got < len(buffer) and (n := os.preadv(fd, [buffer[got:]], offset + got)):
-                        got += n
-                    if got != len(buffer):
-                        raise chunkfile.CorruptChunkError(f"chunk {name}: truncated while read")
-                    offset += got
-            return finish(head, buffers), size
+    def read_framed(
+        self,
+        name: str,
+        frame: Callable[[int], tuple[int, list[memoryview]]],
+        finish: Callable[[bytearray, list[memoryview]], T],
+        split: Callable[[], _SplitParts[T]],
+    ) -> T | None:
+        """``read_split`` in one ``preadv`` when the header's length can be told from the file's size:
+        ``frame(file_size)`` says how long the header should be and hands back the buffers for the rest; header and
+        rest are read at once, then ``finish(head, buffers)`` verifies them. Either raises ``chunkfile.Reframe`` to
+        have the file read as ``read_split(name, *split())`` does instead: ``frame`` when it cannot predict the
+        header or has no buffers for that size (the header then says whether the file is damaged or there is no
+        room), ``finish`` when the header is valid but not as long as predicted (a file of another writer)."""
 
-        path = self.path(name)
-        return self._counted(name, path, split)
+        def framed(fd: int, size: int) -> T:
+            try:
+                head_len, buffers = frame(size)
+                head = bytearray(head_len)
+                _fill(fd, [memoryview(head), *buffers], 0, size, name)
+                return finish(head, buffers)
+            except chunkfile.Reframe:
+                return _split(fd, size, name, split(), 0)
 
-    def _counted(self, name: str, path: str, reader: Callable[[], tuple[T, int]]) -> T | None:
-        """``reader()``'s value, counting a hit (with its size) or a miss, removing a file it refused."""
+        return self._counted(name, framed)
+
+    def _counted(self, name: str, reader: Callable[[int, int], T]) -> T | None:
+        """``reader(fd, size)``'s value of the opened file of ``name``, counting a hit (with its size) or a miss,
+        removing a file it refused, and refreshing the file's recency on a hit."""
         if not self._usable():
             self.stats.add(misses=1)
             return None
         start = time.perf_counter()
+        path = self.path(name)
         try:
-            value, size = reader()
+            fd, info = self._open(path, name)
+            try:
+                value = reader(fd, info.st_size)
+                _touch(fd, info)
+            finally:
+                os.close(fd)
         except (FileNotFoundError, _NoRoomError):
             self.stats.add(misses=1)
             return None
@@ -202,9 +217,7 @@ class FileTier:
             self.stats.add(misses=1, errors=1)
             self._failed(exc)
             return None
-        self.stats.hit(size, time.perf_counter() - start)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recency for the cross-process LRU sweep
+        self.stats.hit(info.st_size, time.perf_counter() - start)
         return value
 
     def read_many(self, names: Sequence[str], decodes: Sequence[Callable[[bytes | bytearray], T]]) -> list[T | None]:
@@ -226,41 +239,37 @@ class FileTier:
             return False
         return stat.S_ISREG(info.st_mode) and info.st_size <= self.expect.max_size
 
-    @contextlib.contextmanager
-    def _open(self, path: str, key: str) -> Iterator[tuple[int, int]]:
-        """The open descriptor of ``path`` and its size. Only regular files no larger than any chunk of the layout
-        are opened: a FIFO, device, socket or symlink planted under the chunk's name, or a huge file, is refused
-        without blocking or allocating (``CorruptChunkError``)."""
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file")
+    def _open(self, path: str, key: str) -> tuple[int, os.stat_result]:
+        """The open descriptor of ``path`` and its ``fstat``. Only regular files no larger than any chunk of the
+        layout are read: a FIFO, device or socket planted under the chunk's name is opened without blocking
+        (``O_NONBLOCK``, ``O_NOCTTY``) and refused by its ``fstat``, a symlink is not followed (``O_NOFOLLOW``), a
+        huge file is refused before anything is allocated (``CorruptChunkError``). The caller closes it."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a symlink or a socket since the lstat
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink, or a socket, under the chunk's name
                 raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file") from None
             raise
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file")
-            if info.st_size > self.expect.max_size:
+            if info.st_size > self._max_size:
                 raise chunkfile.CorruptChunkError(
                     f"chunk {key}: {info.st_size} bytes, more than any chunk of this layout ({self.expect.max_size})"
                 )
-            yield fd, info.st_size
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd, info
 
     def _read(self, path: str, key: str) -> bytearray:
         """The bytes at ``path``, unverified (``_open`` says which files are read at all)."""
-        with self._open(path, key) as (fd, size):
-            blob = bytearray(size)
-            view, got = memoryview(blob), 0
-            while got < size and (n := os.readv(fd, [view[got:]])):
-                got += n
-        if got != size:
-            raise chunkfile.CorruptChunkError(f"chunk {key}: read {got} of {size} bytes")
-        return blob
+        fd, info = self._open(path, key)
+        try:
+            return _read_all(fd, info.st_size, key)
+        finally:
+            os.close(fd)
 
     def _holds(self, path: str, key: str, check: Check) -> bool:
         """Whether ``path`` already holds a valid ``key`` (``check`` accepts its bytes): a store then only refreshes
@@ -452,3 +461,54 @@ def _walk(top: str) -> list[tuple[str, os.stat_result]]:
             except OSError:
                 continue
     return out
+
+
+def _touch(fd: int, info: os.stat_result) -> None:
+    """Recency for the cross-process LRU sweep: a hit sets the file's mtime to now, unless it is less than
+    ``RECENCY_S`` old already (a hot value is not re-stamped on every read; the sweep's order is by the second)."""
+    if time.time() - info.st_mtime >= RECENCY_S:
+        with contextlib.suppress(OSError):
+            os.utime(fd)
+
+
+def _fill(fd: int, buffers: list[memoryview], offset: int, size: int, name: str) -> None:
+    """Read ``fd`` from ``offset`` to ``size`` into ``buffers`` (their lengths summing to that), ``CorruptChunkError``
+    when the file ends early (truncated since its ``fstat``)."""
+    if sum(len(b) for b in buffers) != size - offset:
+        raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, not what its header says")
+    got = os.preadv(fd, buffers, offset)  # one call for the whole file on a local filesystem
+    if got == size - offset:
+        return
+    for buffer in buffers:  # a short read (a network filesystem, a signal): finish buffer by buffer
+        if got >= len(buffer):
+            got -= len(buffer)
+            offset += len(buffer)
+            continue
+        while got < len(buffer) and (n := os.preadv(fd, [buffer[got:]], offset + got)):
+            got += n
+        if got != len(buffer):
+            raise chunkfile.CorruptChunkError(f"chunk {name}: truncated while read")
+        offset += got
+        got = 0
+
+
+def _read_all(fd: int, size: int, name: str) -> bytearray:
+    blob = bytearray(size)
+    _fill(fd, [memoryview(blob)], 0, size, name)
+    return blob
+
+
+def _split(fd: int, size: int, name: str, parts: _SplitParts[T], extra: int) -> T:
+    """``FileTier.read_split`` on an open file (``parts``: its ``head_size``, ``place`` and ``finish``)."""
+    head_size, place, finish = parts
+    first = os.pread(fd, min(size, chunkfile.HEAD_HINT), 0)
+    wanted = head_size(first)
+    need = min(size, wanted + extra)
+    head = first if need <= len(first) else os.pread(fd, need, 0)
+    if len(head) < wanted:
+        raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, shorter than its header")
+    buffers = place(head, size)
+    if buffers is None:
+        raise _NoRoomError
+    _fill(fd, buffers, wanted, size, name)
+    return finish(head, buffers)

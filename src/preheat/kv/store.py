@@ -35,6 +35,7 @@ so an integration must treat a ``get`` miss after a positive ``exists`` as an or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -137,6 +138,7 @@ class Namespace:
         return xxhash.xxh3_128_hexdigest(canonical.encode())
 
 
+@functools.lru_cache(maxsize=1 << 16)  # engines read the keys they wrote: the mapping is paid once per key
 def storage_name(key: str) -> str:
     """The file- and Redis-safe name of an engine key: two hex characters of its hash (the shard directory), then
     the key with every character outside ``[A-Za-z0-9-_@=+,.]`` (and a leading ``.``) %-escaped as UTF-8 bytes, or
@@ -177,6 +179,9 @@ class BlobStore:
         self.namespace = namespace
         self.expect = expect
         self._described = threading.Event()
+        from preheat.kv.fs import FileTier  # here: the file tier imports torch (for the reference engine's chunks)
+
+        self._files = storage if isinstance(storage, FileTier) else None  # fs://: reads straight into buffers
 
     @property
     def stats(self) -> TierStats:
@@ -209,7 +214,7 @@ class BlobStore:
         and counted as corrupt), of another namespace, storage down."""
         return self.get_many([key])[0]
 
-    def get_into(self, key: str, allocate: Allocate) -> int | None:
+    def get_into(self, key: str, allocate: Allocate, *, peek: bool = True) -> int | None:
         """Read the value of ``key`` into the caller's memory, and return its length ``n``; None for a miss
         (absent, damaged, another namespace, no room, storage down).
 
@@ -217,7 +222,10 @@ class BlobStore:
         or None when there is no room (a miss). ``peek`` is the value's first bytes (up to ``PEEK_BYTES``), *not
         yet verified*: enough to read a small header the engine keeps at the front of its value, to size its
         buffers. On ``fs://`` the value is read straight into those buffers (no intermediate copy) and verified
-        there: after a None, the buffers (if any were allocated) hold garbage and are the caller's to free.
+        there: after a None, the buffers (if any were allocated) hold garbage and are the caller's to free. With
+        ``peek=False`` (an engine that sizes its buffers from ``n`` alone) ``allocate`` gets ``b""``, and on ``fs://``
+        header and value are read in one system call (``allocate`` may then be called twice for a file whose header
+        is not where this preheat puts it: the last buffers it hands back are filled).
 
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as root:
@@ -230,15 +238,16 @@ class BlobStore:
         if name is None:
             self.stats.add(misses=1)
             return None
-        from preheat.kv.fs import FileTier
-
-        if isinstance(self.storage, FileTier):
-            place, finish = self._split_reader(key, allocate)
-            return self.storage.read_split(name, chunkfile.head_length, place, finish, extra=PEEK_BYTES)
+        if self._files is not None:
+            if peek:
+                return self._files.read_split(name, chunkfile.head_length, *self._split_reader(key, allocate),
+                                              extra=PEEK_BYTES)
+            return self._files.read_framed(name, *self._framed_reader(key, allocate),
+                                           lambda: (chunkfile.head_length, *self._split_reader(key, allocate)))
         value = self.get(key)
         if value is None:
             return None
-        buffers = _fitted(allocate(len(value), bytes(value[:PEEK_BYTES])), len(value))
+        buffers = _fitted(allocate(len(value), bytes(value[:PEEK_BYTES]) if peek else b""), len(value))
         if buffers is None:
             return None
         offset = 0
@@ -283,6 +292,8 @@ class BlobStore:
 
     def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
         """``get`` of every key, in order; one round trip on Redis."""
+        if self._files is not None:  # one read per value, into a buffer of its own
+            return [self._get_file(key) for key in keys]
         out: list[memoryview | None] = [None] * len(keys)
         names = [(i, self._name(key), key) for i, key in enumerate(keys)]
         valid = [(i, name, key) for i, name, key in names if name is not None]
@@ -349,6 +360,54 @@ class BlobStore:
         expect = self.expect
         return lambda blob: chunkfile.decode_blob(blob, key, expect).toreadonly()
 
+    def _get_file(self, key: str) -> memoryview | None:
+        """``get`` on ``fs://``: the value read (in one call with its header) into a buffer of its size, verified."""
+        found: list[bytearray] = []
+
+        def allocate(n: int, peek: bytes) -> memoryview:
+            found.append(bytearray(n))
+            return memoryview(found[-1])
+
+        n = self.get_into(key, allocate, peek=False)
+        return None if n is None else memoryview(found[-1]).toreadonly()
+
+    def _framed_reader(
+        self, key: str, allocate: Allocate
+    ) -> tuple[Callable[[int], tuple[int, list[memoryview]]], Callable[[bytearray, list[memoryview]], int]]:
+        """``FileTier.read_framed``'s ``frame`` and ``finish`` for ``get_into(peek=False)``: the header's length is
+        predicted from the file's size (``chunkfile.blob_frame``), header and value are read at once, and ``finish``
+        compares the header with the one this key's value must have, byte for byte (a JSON parse only when it
+        differs: to say what is wrong, or where the value starts in a file of another writer)."""
+        expect = self.expect
+        keyed = expect.mac_key is not None
+        frames: list[chunkfile.BlobFrame] = []
+
+        def frame(size: int) -> tuple[int, list[memoryview]]:
+            found = chunkfile.blob_frame(key, expect.fingerprint, size, keyed)
+            if found is None:  # no value of this key fits the file: read its header first to say why
+                raise chunkfile.Reframe
+            frames.append(found)
+            fitted = _fitted(allocate(found.payload_bytes, b""), found.payload_bytes)
+            if fitted is None:  # no room, or a damaged file whose size says another length: its header tells
+                raise chunkfile.Reframe
+            buffers = [*fitted, memoryview(bytearray(mac.TAG_BYTES))] if keyed else fitted
+            return found.offset, buffers
+
+        def finish(head: bytearray, buffers: list[memoryview]) -> int:
+            found = frames[-1]
+            checksum = found.checksum_in(head)
+            if checksum is None:
+                parsed = chunkfile.blob_head(head, key, expect)  # raises for what is wrong
+                if parsed.offset != found.offset:
+                    raise chunkfile.Reframe
+            else:
+                parsed = chunkfile.BlobHead(found.offset, found.payload_bytes, checksum, keyed)
+            payload, tag = (buffers[:-1], buffers[-1].tobytes()) if keyed else (buffers, b"")
+            chunkfile.check_blob(head, payload, tag=tag, parsed=parsed, key=key, expect=expect)
+            return parsed.payload_bytes
+
+        return frame, finish
+
     def _split_reader(
         self, key: str, allocate: Allocate
     ) -> tuple[Callable[[bytes, int], list[memoryview] | None], Callable[[bytes, list[memoryview]], int]]:
@@ -357,7 +416,12 @@ class BlobStore:
         parsed_by_place: list[chunkfile.BlobHead] = []
 
         def place(head: bytes, size: int) -> list[memoryview] | None:
-            parsed = chunkfile.blob_head(head, key, self.expect)
+            frame = chunkfile.blob_frame(key, self.expect.fingerprint, size, self.expect.mac_key is not None)
+            checksum = frame.checksum_in(head[: frame.offset]) if frame is not None else None
+            if frame is not None and checksum is not None:  # exactly the header this key's value has: no parse
+                parsed = chunkfile.BlobHead(frame.offset, frame.payload_bytes, checksum, frame.keyed)
+            else:
+                parsed = chunkfile.blob_head(head, key, self.expect)
             if parsed.size != size:
                 raise chunkfile.CorruptChunkError(f"value {key!r}: {size} bytes, its header says {parsed.size}")
             parsed_by_place.append(parsed)

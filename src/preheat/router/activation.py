@@ -135,9 +135,11 @@ class ColdStarter:
 
     def why_none(self) -> str:
         """What the last cold starts said, for the 503 a request gets when none succeeded."""
-        if not self.errors:
+        with self._cond:  # cold starts end on their own threads
+            errors = list(self.errors.items())
+        if not errors:
             return "no standby or sleeping replica to bring up"
-        return "; ".join(f"{url}: {error}" for url, error in self.errors.items())
+        return "; ".join(f"{url}: {error}" for url, error in errors)
 
     # -- one cold start ------------------------------------------------------------------------------------------
     def _bring_up(self, replica: Replica, kind: str) -> None:

@@ -225,7 +225,9 @@ def handle_load(responder: ControlResponder, state: ServerState, body: bytes, sa
     blocking = life.begin((STANDBY,), LOADING)
     if blocking is not None:
         raise conflict(blocking, "load a model")
-    settings = replace(state.settings, model=model, served_model_name=name if isinstance(name, str) else None)
+    # A body that names no served name keeps the one the replica was started with (--served-model-name).
+    served = name if isinstance(name, str) else state.settings.served_model_name
+    settings = replace(state.settings, model=model, served_model_name=served)
     timeline = Timeline(arrived, origin_source="load request")
     timeline.add("load_request", 0.0, 0.0, model=model)
     state.set_timeline(timeline)

@@ -103,10 +103,6 @@ def load(
             page_in(weight_files(path), timeline)
             config, tokenizer = keep.config, keep.tokenizer
         imports.wait()
-        import os
-        if os.environ.get("EXP_TOK") == "late" and keep is None:
-            from preheat.server.prepare import start_tokenizer
-            start_tokenizer(path, config, timeline, tokenizer)
         from preheat.engine import Engine
 
         engine = Engine.from_checkpoint(

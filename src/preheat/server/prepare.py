@@ -89,16 +89,11 @@ def prepare(path: str, timeline: Timeline) -> Prepared:
         config = ModelConfig.from_dict(read_model_config(path), where=path)
         stage.detail["manifest"] = check_manifest(path)
     tokenizer: Future[TextTokenizer] = Future()
-    if os.environ.get("EXP_TOK") != "late":
-        start_tokenizer(path, config, timeline, tokenizer)
-    page_in(weight_files(path), timeline)  # here: the loading thread has nothing else to do until torch is there
-    return Prepared(path, config, tokenizer)
-
-
-def start_tokenizer(path, config, timeline, tokenizer):
     threading.Thread(
         target=_build_tokenizer, args=(path, config, timeline, tokenizer), name="preheat-tokenizer", daemon=True
     ).start()
+    page_in(weight_files(path), timeline)  # here: the loading thread has nothing else to do until torch is there
+    return Prepared(path, config, tokenizer)
 
 
 def _build_tokenizer(path: str, config: ModelConfig, timeline: Timeline, out: Future[TextTokenizer]) -> None:
