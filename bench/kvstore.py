@@ -64,6 +64,15 @@ class Result:
     get_p50: list[float] = field(default_factory=list)
     get_p99: list[float] = field(default_factory=list)
 
+    def record(self, nbytes: int, count: int, puts: list[float], gets: list[float]) -> None:
+        """One round: ``count`` values of ``nbytes`` each, put then got, with each call's seconds."""
+        self.put_gbs.append(nbytes * count / sum(puts) / 1e9)
+        self.get_gbs.append(nbytes * count / sum(gets) / 1e9)
+        self.put_p50.append(p(puts, 0.5))
+        self.put_p99.append(p(puts, 0.99))
+        self.get_p50.append(p(gets, 0.5))
+        self.get_p99.append(p(gets, 0.99))
+
     def summary(self) -> dict[str, float | str]:
         med = statistics.median
         return {"store": self.store, "size_mib": self.size_mib, "put_gbs": med(self.put_gbs),
@@ -137,12 +146,7 @@ def one_round(engine: Engine, connector: Any, count: int, result: Result, nbytes
             raise SystemExit(f"{result.store}: value {i} not found")
         got.ref_count_down()
     obj.ref_count_down()
-    result.put_gbs.append(nbytes * count / sum(puts) / 1e9)
-    result.get_gbs.append(nbytes * count / sum(gets) / 1e9)
-    result.put_p50.append(p(puts, 0.5))
-    result.put_p99.append(p(puts, 0.99))
-    result.get_p50.append(p(gets, 0.5))
-    result.get_p99.append(p(gets, 0.99))
+    result.record(nbytes, count, puts, gets)
 
 
 def checksum_cost(nbytes: int, repeat: int = 20) -> float:
@@ -283,12 +287,7 @@ def sglang_round(name: str, directory: str, size: int, count: int, result: Resul
         if got[0] is None:
             raise SystemExit(f"{name}: page {i} not found")
     nbytes = size << 20
-    result.put_gbs.append(nbytes * count / sum(puts) / 1e9)
-    result.get_gbs.append(nbytes * count / sum(gets) / 1e9)
-    result.put_p50.append(p(puts, 0.5))
-    result.put_p99.append(p(puts, 0.99))
-    result.get_p50.append(p(gets, 0.5))
-    result.get_p99.append(p(gets, 0.99))
+    result.record(nbytes, count, puts, gets)
     close(backend)
     print(f"  {name} {size} MiB: put {result.put_gbs[-1]:.2f} GB/s, get {result.get_gbs[-1]:.2f} GB/s",
           file=sys.stderr)
