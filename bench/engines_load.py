@@ -24,7 +24,6 @@ import mmap
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the vLLM launcher the engine tests use
+
+from engines.vllmserver import cpu_env, free_port, serve_command  # after the path above
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from preheat.config import parse_size
@@ -46,7 +48,6 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")
 # vLLM 0.32's runai_streamer loader prints no such line: its progress bar's elapsed time (whole seconds) stands in.
 RUNAI = re.compile(r"Runai Model Streamer: 100% Completed \| [0-9]+/[0-9]+ \[([0-9]+):([0-9]+)<")
-VLLM = Path(sys.executable).with_name("vllm")
 
 
 @dataclass
@@ -122,44 +123,14 @@ def warm_pages(files: list[Path]) -> None:
                 pass
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def serve_first_token(model: Path, load_format: str, extra: dict[str, object] | None, log: Path) -> tuple[float, str]:
     """Spawn ``vllm serve``, wait for /health, ask for one token; seconds from spawn to that token, and the log."""
     port = free_port()
-    command = [
-        str(VLLM),
-        "serve",
-        str(model),
-        "--load-format",
-        load_format,
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "512",
-        "--block-size",
-        "32",
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--served-model-name",
-        "bench",
-    ]
+    options = ["--load-format", load_format]
     if extra is not None:
-        command += ["--model-loader-extra-config", json.dumps(extra)]
-    env = {
-        **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PREHEAT_T0": str(time.time()),
-    }
+        options += ["--model-loader-extra-config", json.dumps(extra)]
+    command = serve_command(model, port, name="bench", max_model_len=512, extra=options)
+    env = cpu_env(PREHEAT_T0=str(time.time()))
     started = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

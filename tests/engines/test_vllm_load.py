@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engines.enginekit import needs_vllm_cpu
+from engines.vllmserver import cpu_env, free_port, serve_command
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
@@ -193,42 +194,12 @@ def test_smollm2_serves_the_same_tokens_as_safetensors(smollm2: SmolLM2) -> None
 @pytest.fixture
 def served(tiny: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``vllm serve TINY --load-format preheat`` on a free port: the CLI path, entry-point discovery included."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     timeline = tmp_path / "serve-timeline.json"
-    env = {
-        **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PREHEAT_VLLM_TIMELINE": str(timeline),
-        "PREHEAT_T0": str(time.time()),
-    }
+    env = cpu_env(PREHEAT_VLLM_TIMELINE=str(timeline), PREHEAT_T0=str(time.time()))
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
-        [
-            str(VENV_BIN / "vllm"),
-            "serve",
-            str(tiny),
-            "--load-format",
-            "preheat",
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            "512",
-            "--block-size",
-            "32",
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--served-model-name",
-            "tiny",
-        ],
+        serve_command(tiny, port, name="tiny", max_model_len=512, extra=["--load-format", "preheat"]),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

