@@ -9,17 +9,27 @@ Runs in the LMCache 0.5.6 venv. For each value size (an LMCache chunk of 1, 4 or
 256 tokens x 8 KV heads x 128 head dim in bf16), every store is driven through LMCache's own ``RemoteConnector``
 interface (``put``/``get`` coroutines on LMCache's event loop, as its ``RemoteBackend`` calls them), one value at a
 time: LMCache's ``fs://`` connector and preheat's ``fs://`` on directories of the same filesystem, LMCache's
-``redis://`` connector and preheat's ``redis://`` on one ``redis-server``. Prints put and get GB/s (bytes over the
-sum of per-value latencies) and p50/p99 latency, the median over ``--rounds`` rounds (stores alternate order each
-round: the machine is shared), preheat's ratio to the built-in store, and the cost of the XXH3-128 checksum alone on
-a value of that size (what preheat adds per put and per get, beside its header and the rename).
+``redis://`` connector and preheat's ``redis://`` on one ``redis-server``. In a round, value ``i`` goes into every
+store before value ``i+1`` (the stores' order rotating), then every store's value ``i`` is got back the same way:
+whatever else the (shared) machine runs meanwhile slows all stores alike. Each round starts after an
+``os.sync()`` (not timed); no store syncs its own writes (LMCache's ``fs://``, SGLang's ``file`` and preheat all
+write a temporary file and rename it, no fsync). Prints put and get GB/s (bytes over the sum of per-value
+latencies) and p50/p99 latency, the median over ``--rounds`` rounds, and preheat's ratio to the built-in store:
+*paired*, the median over every value of the built-in store's time over preheat's for that value (two calls one
+right after the other: what load disturbs least), and in brackets the median and range of the rounds' throughput
+ratios. Then the cost of the XXH3-128 checksum alone on a value of that size.
+
+``preheat-fs-nosum`` is preheat's ``fs://`` store run with its checksum replaced by a constant (patched into
+``preheat.kv.chunkfile`` by this benchmark for that store's calls only; preheat itself has no such mode): the
+same run's difference between it and ``preheat-fs`` is what the checksum costs, like for like.
 
 Restart: after a round, a fresh connector (and a fresh LMCache local disk backend, which keeps its index in memory)
 is built on the same directory, as a restarted process would, and counts the values it still finds (``exists``)
 and can read (``get``, verified by preheat).
 
 ``--engine sglang`` (in the SGLang 0.5.23 venv): SGLang's own ``file`` backend (``HiCacheFile``) and preheat's
-HiCache backend, both built by SGLang's ``StorageBackendFactory`` on the same directory, driven as HiCache's cache
+HiCache backend, both built by SGLang's ``StorageBackendFactory`` on directories of one filesystem (calls
+interleaved as above, ``preheat-fs-nosum`` beside them), driven as HiCache's cache
 controller drives them without zero-copy (``batch_set`` of host-pool pages, ``batch_get`` into the flat page tensor
 the host pool hands out), one page of 1, 4 or 16 MiB per call. Restart: a fresh backend on the directory counts the
 pages ``batch_exists`` finds and those ``batch_get`` returns with the bytes stored; then one stored file of each
@@ -30,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import gc
 import json
 import logging
@@ -39,7 +51,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -51,6 +63,50 @@ from redisserver import RedisServer
 
 T = TypeVar("T")
 MODEL = "bench/model"
+NO_CHECKSUM = "-nosum"  # the suffix of a preheat store measured without its checksum (see the module's docstring)
+
+
+class _ConstantHasher:
+    def update(self, data: object) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0" * 32
+
+
+class _NoChecksum:
+    """Stands in for ``xxhash`` inside ``preheat.kv.chunkfile`` while a ``-nosum`` store runs: every checksum is
+    the same constant, so a put writes it and a get accepts it (``xxh3_128`` and ``xxh3_128_hexdigest`` are all
+    the chunk format calls)."""
+
+    def xxh3_128(self) -> _ConstantHasher:
+        return _ConstantHasher()
+
+    def xxh3_128_hexdigest(self, data: object) -> str:
+        return "0" * 32
+
+
+@contextlib.contextmanager
+def checksum_for(name: str) -> Iterator[None]:
+    """The checksum as preheat computes it, or (for a ``-nosum`` store) a constant, while ``name`` runs."""
+    if not name.endswith(NO_CHECKSUM):
+        yield
+        return
+    from preheat.kv import chunkfile
+
+    names = vars(chunkfile)  # the module's own binding of xxhash, which its functions look up on every call
+    real = names["xxhash"]
+    names["xxhash"] = _NoChecksum()
+    try:
+        yield
+    finally:
+        names["xxhash"] = real
+
+
+def settle() -> None:
+    """Before a store's round: write back what earlier rounds left dirty, so this round's puts do not wait for it."""
+    gc.collect()
+    os.sync()
 
 
 @dataclass
@@ -63,6 +119,8 @@ class Result:
     put_p99: list[float] = field(default_factory=list)
     get_p50: list[float] = field(default_factory=list)
     get_p99: list[float] = field(default_factory=list)
+    put_calls: list[float] = field(default_factory=list)  # every call's seconds, rounds one after the other
+    get_calls: list[float] = field(default_factory=list)
 
     def record(self, nbytes: int, count: int, puts: list[float], gets: list[float]) -> None:
         """One round: ``count`` values of ``nbytes`` each, put then got, with each call's seconds."""
@@ -72,13 +130,27 @@ class Result:
         self.put_p99.append(p(puts, 0.99))
         self.get_p50.append(p(gets, 0.5))
         self.get_p99.append(p(gets, 0.99))
+        self.put_calls.extend(puts)
+        self.get_calls.extend(gets)
 
-    def summary(self) -> dict[str, float | str]:
+    def summary(self, peer: Result | None = None) -> dict[str, float | str]:
+        """Medians over the rounds; with ``peer`` (the built-in store, run in the same rounds), the median and the
+        range of the rounds' put and get ratios (each round's two runs were back to back), and the median of the
+        ratios of the calls that were made one right after the other (``*_paired``: the same value's put or get by
+        both stores; the statistic a noisy machine disturbs least)."""
         med = statistics.median
-        return {"store": self.store, "size_mib": self.size_mib, "put_gbs": med(self.put_gbs),
-                "get_gbs": med(self.get_gbs), "put_p50_ms": med(self.put_p50) * 1e3,
-                "put_p99_ms": med(self.put_p99) * 1e3, "get_p50_ms": med(self.get_p50) * 1e3,
-                "get_p99_ms": med(self.get_p99) * 1e3}
+        row: dict[str, float | str] = {
+            "store": self.store, "size_mib": self.size_mib, "put_gbs": med(self.put_gbs),
+            "get_gbs": med(self.get_gbs), "put_p50_ms": med(self.put_p50) * 1e3,
+            "put_p99_ms": med(self.put_p99) * 1e3, "get_p50_ms": med(self.get_p50) * 1e3,
+            "get_p99_ms": med(self.get_p99) * 1e3}
+        if peer is not None:
+            for way, ours, theirs in (("put", self.put_gbs, peer.put_gbs), ("get", self.get_gbs, peer.get_gbs)):
+                ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+                row[f"{way}_x"], row[f"{way}_x_min"], row[f"{way}_x_max"] = med(ratios), min(ratios), max(ratios)
+            for way, mine, peers in (("put", self.put_calls, peer.put_calls), ("get", self.get_calls, peer.get_calls)):
+                row[f"{way}_paired"] = med([b / a for a, b in zip(mine, peers, strict=True)])
+        return row
 
 
 class Engine:
@@ -131,24 +203,6 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def one_round(engine: Engine, connector: Any, count: int, result: Result, nbytes: int) -> None:
-    obj = engine.memory_obj(1)
-    puts, gets = [], []
-    for i in range(count):
-        start = time.perf_counter()
-        engine.run(connector.put(key(i), obj))
-        puts.append(time.perf_counter() - start)
-    for i in range(count):
-        start = time.perf_counter()
-        got = engine.run(connector.get(key(i)))
-        gets.append(time.perf_counter() - start)
-        if got is None:
-            raise SystemExit(f"{result.store}: value {i} not found")
-        got.ref_count_down()
-    obj.ref_count_down()
-    result.record(nbytes, count, puts, gets)
-
-
 def checksum_cost(nbytes: int, repeat: int = 20) -> float:
     """Seconds of XXH3-128 over one value of ``nbytes`` (median of ``repeat``)."""
     data = bytearray(os.urandom(1024)) * (nbytes // 1024)
@@ -198,18 +252,11 @@ def local_disk_restart(directory: str, layers: int, count: int) -> tuple[int, in
     return stored, found
 
 
-def run_store(name: str, where: str, size: int, redis: RedisServer | None, result: Result, *, count: int,
-              restart: bool) -> str | None:
-    """One round of one store; with ``restart``, what a fresh connector on the same storage finds afterwards."""
-    is_fs = where.startswith("/")
-    if is_fs:
-        shutil.rmtree(where, ignore_errors=True)
-        os.makedirs(where)
-    elif redis is not None:
-        import redis as redis_py
-
-        redis_py.Redis.from_url(redis.url).flushdb()
+def lmcache_connector(name: str, where: str, size: int) -> tuple[Engine, Any, str]:  # Any: LMCache's connector
+    """A fresh engine (LMCache's config, CPU backend, event loop) and the connector of store ``name`` on ``where``
+    (a directory or a Redis URL), and the URL it was built from (a restarted process builds it again)."""
     extra: dict[str, Any] = {"save_chunk_meta": False} if name == "lmcache-redis" else {}
+    is_fs = where.startswith("/")
     url = f"fs://localhost:0{where}" if is_fs else where  # LMCache's fs:// URL wants a host:port
     if name.startswith("preheat"):
         extra = {"remote_storage_plugin.preheat.module_path": "preheat.integrations.lmcache",
@@ -217,20 +264,61 @@ def run_store(name: str, where: str, size: int, redis: RedisServer | None, resul
                  "remote_storage_plugin.preheat.url": f"fs://{where}" if is_fs else where}
         url = "plugin://preheat"
     engine = Engine(size, extra)
-    connector = engine.connector(url)
-    one_round(engine, connector, count, result, size << 20)
-    text = None
-    if restart:
-        exists, read = restart_counts(lambda: engine.connector(url), engine, count)
-        text = f"{exists}/{count} exist, {read}/{count} read"
-    try:
-        engine.run(connector.close(), timeout=10)
-    except TimeoutError:
-        print(f"  {name}: close() did not return in 10 s", file=sys.stderr)
-    engine.close()
-    print(f"  {name} {size} MiB: put {result.put_gbs[-1]:.2f} GB/s, get {result.get_gbs[-1]:.2f} GB/s",
-          file=sys.stderr)
-    return text
+    return engine, engine.connector(url), url
+
+
+def lmcache_round(stores: dict[str, str], size: int, redis: RedisServer | None, results: dict[str, Result], *,
+                  count: int, restart: bool) -> dict[str, str]:
+    """One round: ``count`` values put into every store (``stores``: name -> directory or Redis URL), then got
+    back, one value per call, the stores' calls interleaved value by value (their order rotating), so that whatever
+    else the machine runs meanwhile slows them alike. With ``restart``, what a fresh connector of each store on the
+    same storage finds afterwards."""
+    for where in stores.values():
+        if where.startswith("/"):
+            shutil.rmtree(where, ignore_errors=True)
+            os.makedirs(where)
+    if redis is not None:
+        import redis as redis_py
+
+        redis_py.Redis.from_url(redis.url).flushdb()
+    settle()
+    opened = {name: lmcache_connector(name, where, size) for name, where in stores.items()}
+    objs = {name: engine.memory_obj(1) for name, (engine, _, _) in opened.items()}
+    names = list(stores)
+    puts: dict[str, list[float]] = {name: [] for name in names}
+    gets: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(count):
+        for name in rotated(names, i):
+            engine, connector, _ = opened[name]
+            with checksum_for(name):
+                start = time.perf_counter()
+                engine.run(connector.put(key(i), objs[name]))
+                puts[name].append(time.perf_counter() - start)
+    for i in range(count):
+        for name in rotated(names, i):
+            engine, connector, _ = opened[name]
+            with checksum_for(name):
+                start = time.perf_counter()
+                got = engine.run(connector.get(key(i)))
+                gets[name].append(time.perf_counter() - start)
+            if got is None:
+                raise SystemExit(f"{name}: value {i} not found")
+            got.ref_count_down()
+    texts: dict[str, str] = {}
+    for name, (engine, connector, url) in opened.items():
+        objs[name].ref_count_down()
+        results[name].record(size << 20, count, puts[name], gets[name])
+        if restart and NO_CHECKSUM not in name:
+            exists, read = restart_counts(functools.partial(engine.connector, url), engine, count)
+            texts[name] = f"{exists}/{count} exist, {read}/{count} read"
+        try:
+            engine.run(connector.close(), timeout=10)
+        except TimeoutError:
+            print(f"  {name}: close() did not return in 10 s", file=sys.stderr)
+        engine.close()
+        print(f"  {name} {size} MiB: put {results[name].put_gbs[-1]:.2f} GB/s, "
+              f"get {results[name].get_gbs[-1]:.2f} GB/s", file=sys.stderr)
+    return texts
 
 
 # -- SGLang HiCache ------------------------------------------------------------------------------------------------
@@ -264,36 +352,56 @@ def sglang_page(size: int, seed: int) -> torch.Tensor:
     return page
 
 
-def sglang_round(name: str, directory: str, size: int, count: int, result: Result, *,
-                 restart: bool) -> str | None:
-    """One round of one store: ``count`` pages put then got, one per call; with ``restart``, what a fresh backend
-    on the directory finds, and what a flipped byte in one stored file gives."""
-    shutil.rmtree(directory, ignore_errors=True)
-    os.makedirs(directory)
-    backend = sglang_backend(name, directory)
+def sglang_round(stores: Sequence[str], base: str, size: int, count: int, results: dict[str, Result], *,
+                 restart: bool) -> dict[str, str]:
+    """One round: ``count`` pages put into every store, then got back, one page per call, the stores' calls
+    interleaved page by page (their order rotating), so that whatever else the machine runs meanwhile slows them
+    alike. Each store has its own directory under ``base`` (one filesystem). With ``restart``, what a fresh backend
+    of each store finds, and what a flipped byte in one stored file gives."""
+    shutil.rmtree(base, ignore_errors=True)
+    directories = {name: os.path.join(base, name) for name in stores}
+    for directory in directories.values():
+        os.makedirs(directory)
+    settle()
+    backends = {name: sglang_backend(name, directories[name]) for name in stores}
     page = sglang_page(size, 1)
     target = torch.empty_like(page)
-    puts, gets = [], []
+    puts: dict[str, list[float]] = {name: [] for name in stores}
+    gets: dict[str, list[float]] = {name: [] for name in stores}
     for i in range(count):
-        start = time.perf_counter()
-        ok = backend.batch_set([sglang_key(i)], [page])
-        puts.append(time.perf_counter() - start)
-        if not ok:
-            raise SystemExit(f"{name}: page {i} not stored")
+        for name in rotated(stores, i):
+            with checksum_for(name):
+                start = time.perf_counter()
+                ok = backends[name].batch_set([sglang_key(i)], [page])
+                puts[name].append(time.perf_counter() - start)
+            if not ok:
+                raise SystemExit(f"{name}: page {i} not stored")
     for i in range(count):
-        start = time.perf_counter()
-        got = backend.batch_get([sglang_key(i)], [target])
-        gets.append(time.perf_counter() - start)
-        if got[0] is None:
-            raise SystemExit(f"{name}: page {i} not found")
-    nbytes = size << 20
-    result.record(nbytes, count, puts, gets)
-    close(backend)
-    print(f"  {name} {size} MiB: put {result.put_gbs[-1]:.2f} GB/s, get {result.get_gbs[-1]:.2f} GB/s",
-          file=sys.stderr)
-    if not restart:
-        return None
-    fresh = sglang_backend(name, directory)  # as a restarted process builds it
+        for name in rotated(stores, i):
+            with checksum_for(name):
+                start = time.perf_counter()
+                got = backends[name].batch_get([sglang_key(i)], [target])
+                gets[name].append(time.perf_counter() - start)
+            if got[0] is None:
+                raise SystemExit(f"{name}: page {i} not found")
+    for name in stores:
+        results[name].record(size << 20, count, puts[name], gets[name])
+        close(backends[name])
+        print(f"  {name} {size} MiB: put {results[name].put_gbs[-1]:.2f} GB/s, "
+              f"get {results[name].get_gbs[-1]:.2f} GB/s", file=sys.stderr)
+    return {name: sglang_restart(name, directories[name], page, count) for name in stores
+            if restart and NO_CHECKSUM not in name}
+
+
+def rotated(stores: Sequence[str], i: int) -> list[str]:
+    """The stores in the order of call ``i``: each goes first as often as the others."""
+    return [*stores[i % len(stores):], *stores[: i % len(stores)]]
+
+
+def sglang_restart(name: str, directory: str, page: torch.Tensor, count: int) -> str:
+    """What a fresh backend on ``directory`` (a restarted process) finds and reads back of the ``count`` pages
+    stored there, and what it returns for a page whose file then gets a flipped byte."""
+    fresh = sglang_backend(name, directory)
     keys = [sglang_key(i) for i in range(count)]
     found = fresh.batch_exists(keys)
     read = sum(got is not None and torch.equal(got.view(torch.int16), page.view(torch.int16))
@@ -330,27 +438,24 @@ def sglang_file(backend: Any, name: str, directory: str, key: str) -> str:  # An
 
 def main_sglang(args: argparse.Namespace) -> int:
     logging.getLogger("sglang").setLevel(logging.ERROR)
-    directory = os.path.join(os.path.abspath(args.dir), "sglang")  # one directory for both stores, in turn
+    base = os.path.join(os.path.abspath(args.dir), "sglang")  # a directory per store, on one filesystem
     rows: list[dict[str, float | str]] = []
     restart: dict[str, str] = {}
     checksum: dict[int, float] = {}
-    stores = ("sglang-file", "preheat-fs")
+    stores = ("sglang-file", "preheat-fs", f"preheat-fs{NO_CHECKSUM}")
     try:
         for size in (int(s) for s in args.sizes.split(",")):
             count = max(16, args.mib_per_size // size)
             checksum[size] = checksum_cost(size << 20)
             results = {name: Result(name, size) for name in stores}
             for r in range(args.rounds):
-                for name in stores if r % 2 == 0 else tuple(reversed(stores)):
-                    text = sglang_round(name, directory, size, count, results[name],
-                                        restart=r == args.rounds - 1 and size == 4)
-                    if text is not None:
-                        restart[name] = text
-                    gc.collect()
-            rows.extend(results[name].summary() for name in stores)
+                restart.update(sglang_round(stores, base, size, count, results,
+                                            restart=r == args.rounds - 1 and size == 4))
+            rows.extend(results[name].summary(results["sglang-file"] if name != "sglang-file" else None)
+                        for name in stores)
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    print_table(rows, checksum, restart, peers={"preheat-fs": "sglang-file"})
+        shutil.rmtree(base, ignore_errors=True)
+    print_table(rows, checksum, restart)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"rows": rows, "checksum_s": checksum, "restart": restart}, handle, indent=1)
@@ -381,20 +486,18 @@ def main() -> int:
         for size in (int(s) for s in args.sizes.split(",")):
             count = max(16, args.mib_per_size // size)
             checksum[size] = checksum_cost(size << 20)
-            stores: dict[str, str] = {name: f"{base}/{name}-{size}" for name in ("lmcache-fs", "preheat-fs")}
+            stores: dict[str, str] = {name: f"{base}/{name}-{size}"
+                                      for name in ("lmcache-fs", "preheat-fs", f"preheat-fs{NO_CHECKSUM}")}
             if redis is not None:
                 stores["lmcache-redis"] = redis.url.replace("/0", "")
                 stores["preheat-redis"] = redis.url
             results = {name: Result(name, size) for name in stores}
             for r in range(args.rounds):
-                order = list(stores) if r % 2 == 0 else list(reversed(stores))
-                for name in order:
-                    text = run_store(name, stores[name], size, redis, results[name], count=count,
-                                     restart=r == args.rounds - 1 and size == 4)
-                    if text is not None:
-                        restart[name] = text
-                    gc.collect()  # the store's CPU backend buffer goes: one store's memory at a time
-            rows.extend(results[name].summary() for name in stores)
+                restart.update(lmcache_round(stores, size, redis, results, count=count,
+                                             restart=r == args.rounds - 1 and size == 4))
+                gc.collect()  # the stores' CPU backend buffers go before the next round's are made
+            rows.extend(results[name].summary(results[peer_of(name)] if name.startswith("preheat") else None)
+                        for name in stores)
         stored, found = local_disk_restart(f"{base}/lmcache-local-disk", 4, 16)
         restart["lmcache-local-disk"] = f"{found}/{stored} found (index kept in memory)"
     finally:
@@ -408,22 +511,22 @@ def main() -> int:
     return 0
 
 
-def print_table(rows: list[dict[str, float | str]], checksum: dict[int, float], restart: dict[str, str], *,
-                peers: dict[str, str] | None = None) -> None:
-    """The table; ``peers`` names each preheat store's built-in peer (default: the ``lmcache-`` store)."""
-    by = {(r["store"], r["size_mib"]): r for r in rows}
-    print(f"{'store':<15}{'MiB':>4}{'put GB/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'get GB/s':>10}{'p50 ms':>8}"
-          f"{'p99 ms':>8}{'put x':>7}{'get x':>7}")
+def peer_of(name: str) -> str:
+    """The built-in LMCache store a preheat store is measured against."""
+    return name.replace("preheat", "lmcache").removesuffix(NO_CHECKSUM)
+
+
+def print_table(rows: list[dict[str, float | str]], checksum: dict[int, float], restart: dict[str, str]) -> None:
+    """The table: each preheat row's ratios to its built-in peer are the median of the rounds' (min-max after)."""
+    print(f"{'store':<19}{'MiB':>4}{'put GB/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'get GB/s':>10}{'p50 ms':>8}"
+          f"{'p99 ms':>8}{'put x (range)':>19}{'get x (range)':>19}{'paired put/get x':>18}")
     for r in rows:
-        name = str(r["store"])
-        peer = by.get(((peers or {}).get(name, name.replace("preheat", "lmcache")), r["size_mib"]))
-        ratio_put = ratio_get = ""
-        if str(r["store"]).startswith("preheat") and peer is not None:
-            ratio_put = f"{float(r['put_gbs']) / float(peer['put_gbs']):.2f}"
-            ratio_get = f"{float(r['get_gbs']) / float(peer['get_gbs']):.2f}"
-        print(f"{r['store']:<15}{r['size_mib']:>4}{float(r['put_gbs']):>10.2f}{float(r['put_p50_ms']):>8.1f}"
+        ratios = [f"{float(r[f'{way}_x']):.2f} ({float(r[f'{way}_x_min']):.2f}-{float(r[f'{way}_x_max']):.2f})"
+                  if f"{way}_x" in r else "" for way in ("put", "get")]
+        paired = f"{float(r['put_paired']):.2f} / {float(r['get_paired']):.2f}" if "put_paired" in r else ""
+        print(f"{r['store']:<19}{r['size_mib']:>4}{float(r['put_gbs']):>10.2f}{float(r['put_p50_ms']):>8.1f}"
               f"{float(r['put_p99_ms']):>8.1f}{float(r['get_gbs']):>10.2f}{float(r['get_p50_ms']):>8.1f}"
-              f"{float(r['get_p99_ms']):>8.1f}{ratio_put:>7}{ratio_get:>7}")
+              f"{float(r['get_p99_ms']):>8.1f}{ratios[0]:>19}{ratios[1]:>19}{paired:>18}")
     print()
     for size, seconds in checksum.items():
         print(f"checksum (XXH3-128) of one {size} MiB value: {seconds * 1e3:.2f} ms "
@@ -431,7 +534,6 @@ def print_table(rows: list[dict[str, float | str]], checksum: dict[int, float], 
     print()
     for name, text in restart.items():
         print(f"after a restart, {name}: {text}")
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,7 @@ from kvchunks import Clock, tiny_tmpfs
 from preheat.errors import ConfigError
 from preheat.kv import chunkfile
 from preheat.kv.redis_tier import RedisTier
-from preheat.kv.store import BlobStore, Namespace, open_store, storage_name
+from preheat.kv.store import PIECEWISE_BYTES, BlobStore, Namespace, open_store, storage_name
 from redisserver import RedisServer
 
 TESTS = os.path.dirname(__file__)
@@ -304,6 +304,26 @@ def test_signed_values_refuse_unsigned_ones(tmp_path: Path) -> None:
     assert plain.get("genuine") is None
 
 
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_damaged_signed_value_read_in_one_call_is_a_miss(tmp_path: Path, how: str) -> None:
+    # SGLang's and vLLM's reads (no peek: header, value and tag in one preadv) check the tag as every read does.
+    secret = tmp_path / "kv.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o600)
+    root = tmp_path / "kv"
+    root.mkdir()
+    store = open_store(f"fs://{root}", NS, secret_file=str(secret))
+    for key in ("good", "bad"):
+        assert store.put(key, value(3))
+    buffer = bytearray(len(value(3)))
+    assert store.get_into("good", into(buffer), peek=False) == len(buffer)
+    assert bytes(buffer) == value(3)
+    damage(store, "bad", how)
+    assert store.get_into("bad", lambda n, _peek: memoryview(bytearray(n)), peek=False) is None
+    assert counters(store)["corrupt"] == 1
+    assert not stored_path(store, "bad").exists()
+
+
 # -- restarts and other processes ----------------------------------------------------------------------------------
 
 READER = """
@@ -455,3 +475,20 @@ def test_a_large_value_read_in_one_call_is_checked_all_the_same(tmp_path: Path, 
     assert store.get_into("bad", lambda n, peek: memoryview(bytearray(n)), peek=False) is None
     assert bytes(store.get("good") or b"") == big
     assert counters(store)["corrupt"] == 1
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_value_read_and_hashed_piece_by_piece_is_checked_all_the_same(tmp_path: Path, how: str) -> None:
+    # A value of PIECEWISE_BYTES or more is read a MiB at a time and hashed as it arrives: a flipped byte or a
+    # truncated file anywhere in it is still a miss, never a value.
+    store = open_store(f"fs://{tmp_path}", NS)
+    big = value(9, PIECEWISE_BYTES + (1 << 20) + 123)
+    for key in ("good", "bad"):
+        assert store.put(key, big)
+    buffer = bytearray(len(big))
+    assert store.get_into("good", into(buffer), peek=False) == len(big)
+    assert bytes(buffer) == big
+    damage(store, "bad", how)
+    assert store.get_into("bad", lambda n, _peek: memoryview(bytearray(n)), peek=False) is None
+    assert counters(store)["corrupt"] == 1
+    assert not stored_path(store, "bad").exists()

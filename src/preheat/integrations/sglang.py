@@ -167,18 +167,18 @@ class _Backend:
         if target is None:
             found = self.store.get(key)
             return None if found is None else torch.frombuffer(bytearray(found), dtype=torch.uint8)
-        direct = target.is_contiguous() and target.device.type == "cpu"
-        buffer = target if direct else torch.empty(target.shape, dtype=target.dtype)
-        view = _bytes_of(buffer)
-
-        def allocate(n: int, peek: bytes) -> memoryview | None:
-            return view if n == len(view) else None  # a page of another size is not this layout's page: a miss
-
-        if self.store.get_into(key, allocate, peek=False) is None:
+        page: torch.Tensor = target
+        if page.device.type == "cpu" and page.is_contiguous():  # HiCache's flat page: read straight into it
+            view = memoryview(page.detach().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy
+            if self.store.get_into(key, lambda n, peek: view if n == len(view) else None, peek=False) is None:
+                return None  # (a page of another size than the target is not this layout's page: a miss)
+            return page
+        buffer = torch.empty(page.shape, dtype=page.dtype)  # a strided or device tensor: read, then copy
+        staged = _bytes_of(buffer)
+        if self.store.get_into(key, lambda n, peek: staged if n == len(staged) else None, peek=False) is None:
             return None
-        if not direct:
-            target.copy_(buffer)
-        return buffer if direct else target
+        page.copy_(buffer)
+        return page
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])

@@ -337,14 +337,31 @@ def check_blob(
     got = sum(len(part) for part in payload)
     if got != parsed.payload_bytes:
         raise CorruptChunkError(f"value {key!r}: {got} payload bytes, header says {parsed.payload_bytes}")
+    check_checksum(payload, parsed.checksum, key)
+
+
+def check_checksum(payload: Sequence[memoryview], checksum: str, key: str) -> None:
+    """``CorruptChunkError`` unless the XXH3-128 of ``payload`` (one or more consecutive parts) is ``checksum``
+    (its hex, as the header holds it)."""
     if len(payload) == 1:
-        checksum = xxhash.xxh3_128_hexdigest(payload[0])  # one call: ~2 us less than a hasher object on 1 MiB
+        got = xxhash.xxh3_128_hexdigest(payload[0])  # one call: ~2 us less than a hasher object on 1 MiB
     else:
         digest = xxhash.xxh3_128()
         for part in payload:
             digest.update(part)
-        checksum = digest.hexdigest()
-    if checksum != parsed.checksum:
+        got = digest.hexdigest()
+    check_digest(got, checksum, key)
+
+
+def payload_hasher() -> xxhash.xxh3_128:
+    """A hasher of the payload checksum (XXH3-128), for a reader that hashes a payload piece by piece as it arrives
+    (``check_digest`` then compares its ``hexdigest()``)."""
+    return xxhash.xxh3_128()
+
+
+def check_digest(got: str, checksum: str, key: str) -> None:
+    """``CorruptChunkError`` unless the payload's XXH3-128 ``got`` (hex) is the header's ``checksum``."""
+    if got != checksum:
         raise CorruptChunkError(f"value {key!r}: checksum mismatch (corrupt or torn)")
 
 

@@ -46,6 +46,7 @@ STALE_TEMP_S = 600.0  # a temporary file this old belongs to a dead writer
 SWEEP_FRACTION = 0.05
 RECENCY_S = 1.0  # a hit re-stamps a file's mtime only when it is at least this old (LRU by the second)
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a writer's own temporary file
 T = TypeVar("T")
 # read_split's head_size, place and finish
 _SplitParts = tuple[
@@ -168,23 +169,19 @@ class FileTier:
     def read_framed(
         self,
         name: str,
-        frame: Callable[[int], tuple[int, list[memoryview]]],
-        finish: Callable[[bytearray, list[memoryview]], T],
+        frame: Callable[[int, int], T],
         split: Callable[[], _SplitParts[T]],
     ) -> T | None:
         """``read_split`` in one ``preadv`` when the header's length can be told from the file's size:
-        ``frame(file_size)`` says how long the header should be and hands back the buffers for the rest; header and
-        rest are read at once, then ``finish(head, buffers)`` verifies them. Either raises ``chunkfile.Reframe`` to
-        have the file read as ``read_split(name, *split())`` does instead: ``frame`` when it cannot predict the
-        header or has no buffers for that size (the header then says whether the file is damaged or there is no
-        room), ``finish`` when the header is valid but not as long as predicted (a file of another writer)."""
+        ``frame(fd, file_size)`` reads header and rest at once (``fill``) and verifies them. It raises
+        ``chunkfile.Reframe`` to have the file read as ``read_split(name, *split())`` does instead: when it cannot
+        predict the header or has no buffers for that size (the header then says whether the file is damaged or
+        there is no room), or when the header is valid but not as long as predicted (a file of another writer).
+        Counted, removed and refreshed as ``read`` does."""
 
         def framed(fd: int, size: int) -> T:
             try:
-                head_len, buffers = frame(size)
-                head = bytearray(head_len)
-                _fill(fd, [memoryview(head), *buffers], 0, size, name)
-                return finish(head, buffers)
+                return frame(fd, size)
             except chunkfile.Reframe:
                 return _split(fd, size, name, split(), 0)
 
@@ -324,11 +321,18 @@ class FileTier:
             self.stats.add(refused=1)
             log.debug("KV L2: %s is %d bytes, more than the whole quota (%d); not stored", name, size, self.max_bytes)
             return False
-        temp = os.path.join(os.path.dirname(path), f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        shard = f"{self.dir}/{name[:2]}"
+        temp = f"{shard}/.{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(temp, "wb") as handle:
-                handle.writelines(pieces)
+            try:
+                fd = os.open(temp, _CREATE_FLAGS, 0o666)
+            except FileNotFoundError:  # the shard's first value (not a makedirs per put: three system calls)
+                os.makedirs(shard, exist_ok=True)
+                fd = os.open(temp, _CREATE_FLAGS, 0o666)
+            try:
+                _write_all(fd, pieces)
+            finally:
+                os.close(fd)
             os.rename(temp, path)  # atomically replaces a damaged file (or a FIFO planted under the name)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -471,10 +475,10 @@ def _touch(fd: int, info: os.stat_result) -> None:
             os.utime(fd)
 
 
-def _fill(fd: int, buffers: list[memoryview], offset: int, size: int, name: str) -> None:
+def fill(fd: int, buffers: list[memoryview], offset: int, size: int, name: str) -> None:
     """Read ``fd`` from ``offset`` to ``size`` into ``buffers`` (their lengths summing to that), ``CorruptChunkError``
     when the file ends early (truncated since its ``fstat``)."""
-    if sum(len(b) for b in buffers) != size - offset:
+    if sum(map(len, buffers)) != size - offset:
         raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, not what its header says")
     got = os.preadv(fd, buffers, offset)  # one call for the whole file on a local filesystem
     if got == size - offset:
@@ -492,9 +496,43 @@ def _fill(fd: int, buffers: list[memoryview], offset: int, size: int, name: str)
         got = 0
 
 
+def fill_pieces(fd: int, buffer: memoryview, offset: int, size: int, name: str, *,
+                each: Callable[[memoryview], object], piece: int = 1 << 20) -> None:
+    """``fill`` of one large buffer in pieces of ``piece`` bytes, calling ``each(part)`` on each part right after
+    it is read, while it is still in the CPU's cache: a checksum over the value then reads cache, not memory
+    (measured here: 7% less time for a 16 MiB value than one read and one hash after it, 19% for 32 MiB)."""
+    if len(buffer) != size - offset:
+        raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, not what its header says")
+    for start in range(0, len(buffer), piece):
+        part = buffer[start : start + piece]
+        fill(fd, [part], offset + start, offset + start + len(part), name)
+        each(part)
+
+
+def _write_all(fd: int, pieces: Sequence[bytes | memoryview]) -> None:
+    """Write ``pieces`` in order, no buffered copy of any: the first (the header) alone, then the rest in one
+    ``writev``, continued after a short write (a signal; a full disk raises ``OSError``). Why the header alone:
+    measured on Linux 6.18/ext4 with much of the page cache dirty, a new file whose first write is one large one
+    (1 MiB at offset 0, as one ``write`` or ``writev``) took 3.2 ms, one written as a small write and then the rest
+    0.6 ms (docs/kv-store.md, *Puts*)."""
+    views = [view for view in (memoryview(piece).cast("B") for piece in pieces) if len(view)]
+    if len(views) > 1:
+        _write_all(fd, views[:1])
+        views = views[1:]
+    while views:
+        done = os.writev(fd, views)
+        if not done:  # not a regular file's behaviour; never spin on it
+            raise OSError(errno.EIO, "write made no progress")
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
+
+
 def _read_all(fd: int, size: int, name: str) -> bytearray:
     blob = bytearray(size)
-    _fill(fd, [memoryview(blob)], 0, size, name)
+    fill(fd, [memoryview(blob)], 0, size, name)
     return blob
 
 
@@ -510,5 +548,5 @@ def _split(fd: int, size: int, name: str, parts: _SplitParts[T], extra: int) -> 
     buffers = place(head, size)
     if buffers is None:
         raise _NoRoomError
-    _fill(fd, buffers, wanted, size, name)
+    fill(fd, buffers, wanted, size, name)
     return finish(head, buffers)

@@ -67,6 +67,8 @@ _SAFE = frozenset(string.ascii_letters + string.digits + "-_@=+,.")
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_@=+,.-]*")  # every character in _SAFE
 _MAX_NAME = 160  # escaped keys longer than this are stored under a hash (file names stop at 255 bytes)
 PEEK_BYTES = 256  # how much of a value ``get_into`` shows its caller before the value is read
+PIECEWISE_BYTES = 16 << 20  # a value this large is read and hashed a MiB at a time (fs.fill_pieces); smaller ones
+# are read in one preadv with their header and hashed after it (at 4-8 MiB the extra system calls cost more)
 Allocate = Callable[[int, bytes], "memoryview | Sequence[memoryview] | None"]  # (n, peek) -> buffers for n bytes
 _HEAD_BYTES = 16 + 64 * 1024  # enough to read any header's claimed key (prefix + the largest header)
 
@@ -179,9 +181,10 @@ class BlobStore:
         self.namespace = namespace
         self.expect = expect
         self._described = threading.Event()
-        from preheat.kv.fs import FileTier  # here: the file tier imports torch (for the reference engine's chunks)
+        from preheat.kv.fs import FileTier, fill, fill_pieces  # here: the file tier imports torch
 
         self._files = storage if isinstance(storage, FileTier) else None  # fs://: reads straight into buffers
+        self._fill, self._fill_pieces = fill, fill_pieces
 
     @property
     def stats(self) -> TierStats:
@@ -224,8 +227,9 @@ class BlobStore:
         buffers. On ``fs://`` the value is read straight into those buffers (no intermediate copy) and verified
         there: after a None, the buffers (if any were allocated) hold garbage and are the caller's to free. With
         ``peek=False`` (an engine that sizes its buffers from ``n`` alone) ``allocate`` gets ``b""``, and on ``fs://``
-        header and value are read in one system call (``allocate`` may then be called twice for a file whose header
-        is not where this preheat puts it: the last buffers it hands back are filled).
+        header and value are read in one system call, or for a value of ``PIECEWISE_BYTES`` or more into one buffer,
+        a MiB at a time, each hashed as it lands (``allocate`` may be called twice for a file whose header is not
+        where this preheat puts it: the last buffers it hands back are filled).
 
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as root:
@@ -242,7 +246,7 @@ class BlobStore:
             if peek:
                 return self._files.read_split(name, chunkfile.head_length, *self._split_reader(key, allocate),
                                               extra=PEEK_BYTES)
-            return self._files.read_framed(name, *self._framed_reader(key, allocate),
+            return self._files.read_framed(name, self._framed_reader(key, allocate),
                                            lambda: (chunkfile.head_length, *self._split_reader(key, allocate)))
         value = self.get(key)
         if value is None:
@@ -371,42 +375,53 @@ class BlobStore:
         n = self.get_into(key, allocate, peek=False)
         return None if n is None else memoryview(found[-1]).toreadonly()
 
-    def _framed_reader(
-        self, key: str, allocate: Allocate
-    ) -> tuple[Callable[[int], tuple[int, list[memoryview]]], Callable[[bytearray, list[memoryview]], int]]:
-        """``FileTier.read_framed``'s ``frame`` and ``finish`` for ``get_into(peek=False)``: the header's length is
-        predicted from the file's size (``chunkfile.blob_frame``), header and value are read at once, and ``finish``
-        compares the header with the one this key's value must have, byte for byte (a JSON parse only when it
-        differs: to say what is wrong, or where the value starts in a file of another writer)."""
-        expect = self.expect
+    def _framed_reader(self, key: str, allocate: Allocate) -> Callable[[int, int], int]:
+        """``FileTier.read_framed``'s ``frame`` for ``get_into(peek=False)``: the header's length is predicted from
+        the file's size (``chunkfile.blob_frame``), header and value are read by one ``preadv`` straight into the
+        caller's buffers, the header is compared byte for byte with the one this key's value must have (a JSON
+        parse only when it differs: to say what is wrong, or where the value starts in a file of another writer),
+        and the value's checksum is computed over those buffers: one copy, one pass of the hash."""
+        expect, fill, fill_pieces = self.expect, self._fill, self._fill_pieces
         keyed = expect.mac_key is not None
-        frames: list[chunkfile.BlobFrame] = []
 
-        def frame(size: int) -> tuple[int, list[memoryview]]:
+        def frame(fd: int, size: int) -> int:
             found = chunkfile.blob_frame(key, expect.fingerprint, size, keyed)
             if found is None:  # no value of this key fits the file: read its header first to say why
                 raise chunkfile.Reframe
-            frames.append(found)
-            fitted = _fitted(allocate(found.payload_bytes, b""), found.payload_bytes)
-            if fitted is None:  # no room, or a damaged file whose size says another length: its header tells
+            buffers = _fitted(allocate(found.payload_bytes, b""), found.payload_bytes)
+            if buffers is None:  # no room, or a damaged file whose size says another length: its header tells
                 raise chunkfile.Reframe
-            buffers = [*fitted, memoryview(bytearray(mac.TAG_BYTES))] if keyed else fitted
-            return found.offset, buffers
-
-        def finish(head: bytearray, buffers: list[memoryview]) -> int:
-            found = frames[-1]
-            checksum = found.checksum_in(head)
+            head = bytearray(found.offset)
+            if not keyed and len(buffers) == 1 and found.payload_bytes >= PIECEWISE_BYTES:
+                fill(fd, [memoryview(head)], 0, found.offset, key)
+                checksum = found.checksum_in(head)
+                if checksum is None:  # damaged, or another writer's layout: parsing the header says which
+                    raise chunkfile.Reframe
+                digest = chunkfile.payload_hasher()
+                fill_pieces(fd, buffers[0], found.offset, size, key, each=digest.update)  # hashed while in cache
+                chunkfile.check_digest(digest.hexdigest(), checksum, key)
+                return found.payload_bytes
+            if not keyed:
+                fill(fd, [memoryview(head), *buffers], 0, size, key)
+                checksum = found.checksum_in(head)
+                if checksum is not None:  # the common case: exactly the header this value must have
+                    chunkfile.check_checksum(buffers, checksum, key)
+                    return found.payload_bytes
+                tag = memoryview(b"")
+            else:
+                tag = memoryview(bytearray(mac.TAG_BYTES))
+                fill(fd, [memoryview(head), *buffers, tag], 0, size, key)
+                checksum = found.checksum_in(head)
             if checksum is None:
                 parsed = chunkfile.blob_head(head, key, expect)  # raises for what is wrong
                 if parsed.offset != found.offset:
                     raise chunkfile.Reframe
             else:
                 parsed = chunkfile.BlobHead(found.offset, found.payload_bytes, checksum, keyed)
-            payload, tag = (buffers[:-1], buffers[-1].tobytes()) if keyed else (buffers, b"")
-            chunkfile.check_blob(head, payload, tag=tag, parsed=parsed, key=key, expect=expect)
+            chunkfile.check_blob(head, buffers, tag=tag.tobytes(), parsed=parsed, key=key, expect=expect)
             return parsed.payload_bytes
 
-        return frame, finish
+        return frame
 
     def _split_reader(
         self, key: str, allocate: Allocate
@@ -451,6 +466,8 @@ def _fitted(buffers: memoryview | Sequence[memoryview] | None, n: int) -> list[m
     """``buffers`` cut to exactly ``n`` bytes in all (byte views), or None when they hold fewer."""
     if buffers is None:
         return None
+    if isinstance(buffers, memoryview) and buffers.format == "B" and buffers.c_contiguous and len(buffers) == n:
+        return [buffers]  # one flat byte buffer of the value's size (SGLang's page, vLLM's chunk): as it is
     out: list[memoryview] = []
     left = n
     for buffer in [buffers] if isinstance(buffers, memoryview) else buffers:
