@@ -7,7 +7,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from netfaults import LoopbackProxy
@@ -34,10 +34,15 @@ def start_replicas(model: str, count: int, *extra: str) -> list[ServerProcess]:
 
 
 @contextlib.contextmanager
-def running_router(replicas: Sequence[str], policy: str = "round-robin", **flags: Any) -> Iterator[RouterService]:
-    """A router on a free port in this process (its own threads), stopped on exit."""
+def running_router(
+    replicas: Sequence[str],
+    policy: str = "round-robin",
+    findings: Callable[[], Mapping[str, Any] | None] | None = None,
+    **flags: Any,
+) -> Iterator[RouterService]:
+    """A router on a free port in this process (its own threads), stopped on exit; ``findings`` feeds its dashboard."""
     settings = RouterSettings.resolve({"replicas": list(replicas), "policy": policy, "port": 0, **flags}, {})
-    service = RouterService(settings)
+    service = RouterService(settings, findings)
     service.start()
     thread = threading.Thread(target=service.serve, daemon=True)
     thread.start()

@@ -52,6 +52,21 @@ def test_a_measured_platform_stage_replaces_the_image_guess() -> None:
     assert cold.phases["download"] == 120.0
 
 
+def test_a_pod_timeline_measures_provisioning_and_the_image_pull() -> None:
+    data = _timeline(
+        ("scheduling", 0.0, 70.0),
+        ("pod_setup", 70.0, 72.0),
+        ("image_pull", 72.0, 100.0),
+        ("container_start", 100.0, 101.0),
+        ("imports", 101.0, 102.0),
+        platform=True,
+    )
+    cold = ColdStart.from_timeline(data, provision_s=999.0, image_s=999.0)
+    assert cold.phases["provision"] == pytest.approx(70.0)
+    assert cold.phases["image"] == pytest.approx(28.0)
+    assert cold.phases["start"] == pytest.approx(4.0)
+
+
 def test_the_shipped_timeline_covers_every_phase_but_other() -> None:
     cold = ColdStart.from_timeline(json.loads((EXAMPLES / "coldstart-8b.json").read_text()))
     assert set(cold.phases) == set(PHASES)

@@ -86,7 +86,17 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--json", action="store_true", help="print the load reports as JSON")
     load.set_defaults(func=_cmd_load)
     _add_checkpoint_commands(commands)
-    from preheat import cli_artifacts, cli_kv, cli_plan, cli_router, cli_serve, cli_store
+    from preheat import (
+        cli_artifacts,
+        cli_deploy,
+        cli_doctor,
+        cli_kv,
+        cli_plan,
+        cli_refit,
+        cli_router,
+        cli_serve,
+        cli_store,
+    )
 
     cli_store.register(commands)
     cli_kv.register(commands)
@@ -94,6 +104,9 @@ def _build_parser() -> argparse.ArgumentParser:
     cli_plan.register(commands)
     cli_router.register(commands)
     cli_artifacts.register(commands)
+    cli_doctor.register(commands)
+    cli_deploy.register(commands)
+    cli_refit.register(commands)
     return parser
 
 

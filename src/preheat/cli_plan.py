@@ -118,6 +118,19 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     simulate.add_argument("--prefill-ms-per-token", type=float, default=None, help="default: measured, else 0.1")
     simulate.add_argument("--decode-ms-per-token", type=float, default=None, help="default: measured, else 20")
     simulate.add_argument("--plot", default=None, help="draw cost against p99 TTFT to out.png")
+    simulate.add_argument(
+        "--emit-values",
+        default=None,
+        metavar="FILE",
+        help="write the recommended policy as Kubernetes deployment values (`preheat deploy render --values`)",
+    )
+    simulate.add_argument(
+        "--ttft-p99-target",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="--emit-values recommends the cheapest policy with p99 TTFT within S seconds (default: 2)",
+    )
     simulate.add_argument("--strict", action="store_true", help="stop at the first malformed line (default: skip)")
     simulate.add_argument("--json", action="store_true", help="print the results as JSON")
     simulate.set_defaults(func=_cmd_simulate)
@@ -328,6 +341,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     best = set(frontier(points))
     if args.plot:
         print(f"wrote {plot_frontier(points, args.plot)}", file=sys.stderr)
+    if args.emit_values:
+        _emit_values(args, docs)
     if args.json:
         print(
             json.dumps(
@@ -346,6 +361,31 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     _print_simulate(args, trace, cold.to_dict(), docs, best)
     return 0
+
+
+def _emit_values(args: argparse.Namespace, docs: list[dict[str, Any]]) -> None:  # Any: --json records
+    """Write the recommended policy as deployment values, with why in comments (docs/kubernetes.md)."""
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError("--emit-values writes YAML: pip install 'preheat[deploy]'") from None
+    from preheat.plan.fleet import fleet_values, recommend
+
+    chosen = docs[recommend(docs, args.ttft_p99_target)]
+    values, notes = fleet_values(chosen, slots=args.slots, target_utilization=args.target_utilization)
+    header = [
+        f"# preheat simulate --emit-values: policy {chosen['policy']} on {args.trace}",
+        f"# p99 TTFT {chosen['ttft_p99_s']:.3f} s (target {args.ttft_p99_target:g} s), cost {chosen['cost']:,.2f}, "
+        f"peak {chosen['peak_replicas']} replicas",
+        "# merge over your fleet's values: preheat deploy render --values fleet.yaml --values THIS_FILE",
+        *(f"# note: {note}" for note in notes),
+    ]
+    try:
+        with open(args.emit_values, "w", encoding="utf-8") as handle:
+            handle.write("\n".join(header) + "\n" + yaml.safe_dump(values, sort_keys=False))
+    except OSError as exc:
+        raise ConfigError(f"--emit-values {args.emit_values}: cannot write ({exc.strerror})") from None
+    print(f"wrote {args.emit_values} (policy {chosen['policy']})", file=sys.stderr)
 
 
 def _print_simulate(

@@ -52,6 +52,10 @@ before the prompt is read; --replica-api-key is what the router sends the replic
 (without it the client's passes through). Prefer the variables to the flags: a command line is visible to all.
 environment: every flag has a PREHEAT_ROUTER_* variable (PREHEAT_ROUTER_REPLICAS=URL,URL; the flag wins).
 
+kubernetes: --replicas-from k8s://NAMESPACE/SERVICE watches the Service's EndpointSlices: a pod whose endpoint turns
+ready joins (once its /health answers 200), one that turns not ready or terminating leaves (requests on it finish;
+its KV-index entries are dropped). Credentials: KUBECONFIG if set, else the pod's service account.
+
 examples:
   preheat router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy least-load
   preheat router --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 --policy kv --model ./smollm2
@@ -60,6 +64,7 @@ examples:
       --replica http://10.0.0.8:8000,events=tcp://10.0.0.8:5557,replay=tcp://10.0.0.8:5558   # vLLM / SGLang
   preheat router --replica http://127.0.0.1:8001 --standby http://127.0.0.1:8002 --standby-model s3://models/smollm2 \
       --served-model-name smollm2 --saturation 2          # a second replica, activated when the first is busy
+  preheat router --replicas-from k8s://llm/preheat-replicas?port=http --policy kv --model /models/smollm2  # in a pod
 
 docs: docs/router.md, docs/kv-events.md, docs/integrations.md (vLLM, SGLang)
 """
@@ -115,6 +120,13 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         option="replay",
         metavar="tcp://HOST:PORT",
         help="kv: the preceding --replica's replay endpoint, to catch up after a gap or a restart",
+    )
+    router.add_argument(
+        "--replicas-from",
+        default=None,
+        metavar="k8s://NAMESPACE/SERVICE[?port=NAME]",
+        help="the ready pods behind a Kubernetes Service are the replicas, followed as they come and go "
+        "(its EndpointSlices; needs the k8s extra and list/watch on endpointslices)",
     )
     _router_flags(router)
     router.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1)")
@@ -214,6 +226,12 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--index-ttl", type=float, default=None, help="prefix: seconds a key is remembered (600)")
     parser.add_argument("--health-interval", type=float, default=None, help="seconds between health checks (1)")
+    parser.add_argument(
+        "--newest-version",
+        action="store_true",
+        default=None,
+        help="route only to replicas on the newest weights version (--follow replicas; docs/refit.md)",
+    )
     parser.add_argument("--health-timeout", type=float, default=None, help="seconds a health check may take (2)")
     parser.add_argument("--kv-poll-interval", type=float, default=None, help="kv: seconds between event polls (0.25)")
     parser.add_argument(
@@ -256,7 +274,17 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from preheat.router.app import RouterSettings, run
 
     flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(RouterSettings)}
-    return run(flags)
+    return run(flags, findings=_doctor_findings(args.model))
+
+
+def _doctor_findings(model: str | None) -> Any:  # Any: a Refreshing[dict], imported here to keep --help fast
+    """The doctor's findings for the router's dashboard, refreshed in the background at most once a minute: only
+    the cheap checks (no read or bandwidth probes, no CUDA: the router is a CPU front end), within 5 seconds."""
+    from preheat.dashboard.refresh import Refreshing
+    from preheat.doctor import DoctorOptions, run_doctor
+
+    options = DoctorOptions(model=model if model and os.path.isdir(model) else None, io=False, gpu=False, budget_s=5)
+    return Refreshing(lambda: run_doctor(options).to_json(), every=60.0)
 
 
 def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -30,7 +30,11 @@ environment (each flag has one; the flag wins):
   PREHEAT_KV_L1, PREHEAT_KV_L2, PREHEAT_KV_L2_MAX_BYTES, PREHEAT_KV_L2_TTL, PREHEAT_KV_DTYPE, PREHEAT_KV_CHUNK_TOKENS,
   PREHEAT_PEER, PREHEAT_PEER_PORT, PREHEAT_PEER_HOST, PREHEAT_PEER_TOKEN, PREHEAT_PEER_MAX_MBPS, PREHEAT_REGISTRY,
   PREHEAT_ORIGIN, PREHEAT_COMPILE, PREHEAT_STANDBY, PREHEAT_ALLOW_MODEL (comma-separated patterns)
+  PREHEAT_FOLLOW, PREHEAT_MAX_STALENESS   live weight updates from a trainer (docs/refit.md)
   PREHEAT_T0   epoch seconds the platform started the replica (e.g. pod creation): the timeline's origin
+  PREHEAT_POD_NAME, PREHEAT_POD_NAMESPACE   on Kubernetes (downward API): the timeline starts at the pod's creation,
+               with scheduling, pod_setup, image_pull, container_start read from the pod and its events (k8s extra;
+               RBAC: get pods, list events; read on a thread, never delaying the start)
 
 examples:
   preheat serve ./smollm2 --port 8000
@@ -145,6 +149,20 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         metavar="GLOB",
         help="models the control routes may load, e.g. 's3://models/*' (repeatable; default: MODEL only)",
     )
+    refit = serve.add_argument_group("live weight updates (docs/refit.md)")
+    refit.add_argument(
+        "--follow",
+        action="store_true",
+        default=None,
+        help="follow the versions a trainer publishes (`preheat.refit.Publisher`) via --registry; swap them in live",
+    )
+    refit.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --follow: refuse requests (503) while more than K published versions behind",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     activate = commands.add_parser(
@@ -196,7 +214,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # Every settings field is a flag of the same name (None when not given: the environment or default applies).
     flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(ServeSettings)}
-    return run(flags)
+    return run(flags, findings=_doctor_findings(getattr(args, "model", None)))
+
+
+def _doctor_findings(model: object) -> Any:  # Any: a Refreshing[dict] (imported here: --help stays fast)
+    """The doctor's findings of this node for the replica's ``/dashboard``: run when a page first asks (never on the
+    cold-start path), then at most once a minute; the cheap checks only (no read or bandwidth probes), within 5 s."""
+    import os
+
+    from preheat.dashboard.refresh import Refreshing
+
+    def produce() -> dict[str, Any]:  # Any: the doctor's JSON document
+        from preheat.doctor import DoctorOptions, run_doctor
+
+        directory = model if isinstance(model, str) and os.path.isdir(model) else None
+        return run_doctor(DoctorOptions(model=directory, io=False, budget_s=5)).to_json()
+
+    return Refreshing(produce, every=60.0)
 
 
 def _cmd_activate(args: argparse.Namespace) -> int:

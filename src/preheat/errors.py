@@ -60,6 +60,11 @@ class ArtifactTrustError(PeerError):
     to ``--trust-key``, or a signature that does not match). The message says how to sign and trust them."""
 
 
+class RefitError(PeerError):
+    """A live weight update (``preheat.refit``) could not be applied: no holder of the version answered, a tensor
+    did not match its digest, or a newer version superseded it. The replica stays on the version it serves."""
+
+
 class CacheError(PreheatError):
     """The node-local model cache failed in a way that cannot be treated as a miss, or has no entry for a key or URI
     named on purpose (``preheat cache rm``)."""

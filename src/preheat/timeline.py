@@ -130,6 +130,22 @@ class Timeline:
         at = self.now()
         self.add(name, at, at, **detail)
 
+    def rebase(self, origin: float, source: str) -> None:
+        """Move the origin to ``origin`` (epoch seconds) once the platform's clock is learnt late (a pod's creation,
+        read from the API after start): every stage recorded so far keeps its moment, so its times shift."""
+        with self._lock:
+            shift = self.origin - origin
+            for stage in self._stages:
+                stage.start += shift
+                if stage.end is not None:
+                    stage.end += shift
+            self.origin, self.origin_source = origin, source
+
+    def discard(self, name: str) -> None:
+        """Drop the stages called ``name`` (one that finer stages have replaced)."""
+        with self._lock:
+            self._stages = [s for s in self._stages if s.name != name]
+
     def stages(self) -> list[Stage]:
         """A snapshot: copies, so a stage still running does not change under the caller."""
         with self._lock:

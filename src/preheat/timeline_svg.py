@@ -19,6 +19,10 @@ TOP = 40
 AXIS = 34
 COLORS = {
     "platform": "#9ca3af",
+    "scheduling": "#cbd5e1",
+    "pod_setup": "#94a3b8",
+    "image_pull": "#78716c",
+    "container_start": "#a8a29e",
     "imports": "#a855f7",
     "config": "#64748b",
     "fetch": "#0ea5e9",

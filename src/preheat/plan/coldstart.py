@@ -39,6 +39,11 @@ from preheat.timeline_report import Waterfall
 PHASES = ("provision", "image", "start", "download", "load", "warmup", "other")
 STAGE_PHASE = {
     "platform": "image",
+    # A replica on Kubernetes dates its timeline from pod creation (preheat.k8s.pod): the stages before the process.
+    "scheduling": "provision",
+    "pod_setup": "start",
+    "image_pull": "image",
+    "container_start": "start",
     "imports": "start",
     "config": "start",
     "engine_imports": "start",
@@ -72,9 +77,10 @@ class ColdStart:
     ) -> ColdStart:
         """Phases from a parsed timeline JSON; ``PlanError`` naming ``where`` when it is not one.
 
-        ``provision_s`` is always added (no timeline sees the node being made); ``image_s`` only when the timeline
-        has no ``platform`` stage; ``download_s`` replaces the measured ``fetch`` (a timeline recorded on a node
-        that already had the model shows a cache hit, not a download).
+        ``provision_s`` is added unless the timeline has a ``scheduling`` stage (a pod's timeline measured it);
+        ``image_s`` only when the timeline has neither a ``platform`` nor an ``image_pull`` stage; ``download_s``
+        replaces the measured ``fetch`` (a timeline recorded on a node that already had the model shows a cache hit,
+        not a download).
         """
         try:
             waterfall = Waterfall.from_dict(data, where=where)
@@ -87,8 +93,10 @@ class ColdStart:
         spans = [(row.start, row.end, STAGE_PHASE.get(row.name, "other")) for row in waterfall.rows if row.duration]
         for phase, seconds in critical_seconds(spans).items():
             phases[phase] += seconds
-        phases["provision"] = provision_s
-        if not any(row.name == "platform" for row in waterfall.rows):
+        names = {row.name for row in waterfall.rows}
+        if "scheduling" not in names:
+            phases["provision"] = provision_s
+        if not names & {"platform", "image_pull"}:
             phases["image"] = image_s
         if download_s is not None:
             phases["download"] = download_s

@@ -12,13 +12,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 
 from preheat.config import resolve_settings
+from preheat.dashboard.watch import Findings
 from preheat.errors import ConfigError, RouterError
+from preheat.http.metrics import Counter
 from preheat.http.server import sigterm_interrupts
 from preheat.peer.access import is_loopback
 from preheat.router.activation import ColdSettings, ColdStarter
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
+from preheat.router.k8s_slices import parse_k8s_url
 from preheat.router.policies import POLICIES, LoadGuard, make_policy
 from preheat.router.prompts import PromptReader, tokenizer_from_replicas
 from preheat.router.proxy import Router, RouterHTTPServer
@@ -37,6 +40,7 @@ SECONDS = (
     "activation_timeout",
 )
 NO = ("0", "false", "no", "off")
+DISCOVERY_WAIT = 10.0  # seconds the router's start waits for the first EndpointSlice list
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,12 @@ class RouterSettings:
     saturation: int = 3
     activation_timeout: float = 300.0
     wake: bool = True
+    # k8s://NAMESPACE/SERVICE[?port=NAME]: the replicas are that Service's ready endpoints, followed as they change
+    # (router/k8s_discovery.py); beside any --replica given.
+    replicas_from: str | None = None
+    # Live weight updates (docs/refit.md): send requests only to the replicas on the newest weights version their
+    # /health reports (replicas started with --follow), so no client sees an older version once one has the new.
+    newest_version: bool = False
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -82,10 +92,11 @@ class RouterSettings:
         ('http://a:1', 'http://b:2')
         """
         values = resolve_settings(cls, flags, env, prefix=PREFIX, parse=_parse)
-        if not values.get("replicas") and not values.get("standby"):
+        if not values.get("replicas") and not values.get("standby") and not values.get("replicas_from"):
             raise ConfigError(
                 f"no replicas: pass --replica URL (repeat it) or set {PREFIX}REPLICAS=URL,URL "
-                "(or give standby replicas: --standby URL --standby-model MODEL)"
+                "(or give standby replicas: --standby URL --standby-model MODEL, "
+                "or a Kubernetes Service: --replicas-from k8s://NAMESPACE/SERVICE)"
             )
         values.setdefault("replicas", ())
         settings = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
@@ -115,6 +126,13 @@ class RouterSettings:
         urls = [parse_replica_spec(spec).url for spec in self.replicas] + [parse_url(u).url for u in self.standby]
         if len(set(urls)) != len(urls):
             raise ConfigError("the same replica is given twice")
+        if self.replicas_from is not None:
+            parse_k8s_url(self.replicas_from)
+            if self.model == FROM_REPLICAS and not self.replicas:
+                raise ConfigError(
+                    f"--model {FROM_REPLICAS} asks the --replica URLs for their tokenizer at start, and "
+                    "--replicas-from finds its replicas later: pass --model DIR (the model's directory)"
+                )
         if self.standby and not self.activation_model:
             raise ConfigError(
                 "--standby replicas need the model to activate them with: pass --standby-model MODEL (a directory or "
@@ -157,7 +175,9 @@ def prefix_fingerprint(model: str, chunk_tokens: int) -> str:
 class RouterService:
     """A router with its background checks: ``start()`` binds and checks, ``serve()`` blocks, ``close()`` ends all."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, findings: Findings | None = None) -> None:
+        """``findings``: the doctor's findings for the dashboard (``preheat.dashboard.refresh.Refreshing``; the
+        command line gives it, since the router cannot import the doctor)."""
         self.settings = settings
         specs = [parse_replica_spec(spec) for spec in settings.replicas]
         replicas = [Replica(spec.url, timeout=settings.upstream_timeout) for spec in specs]
@@ -188,8 +208,9 @@ class RouterService:
         )
         prompts = PromptReader.from_model(settings.model if needs_model else None)
         self.router = Router(
-            replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key
-        )
+            replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key,
+            newest_version=settings.newest_version,
+        )  # fmt: skip
         cold = ColdSettings(
             model=settings.activation_model if settings.standby else None,
             served_model_name=settings.served_model_name,
@@ -199,6 +220,7 @@ class RouterService:
             saturation=settings.saturation,
         )
         self.router.cold = ColdStarter(replicas, self._admit, self.router.metrics, cold)
+        self.router.findings = findings
         self.health = HealthChecker(
             replicas,
             self.router.set_health,
@@ -215,7 +237,7 @@ class RouterService:
                 interval=settings.kv_poll_interval,
                 api_key=settings.replica_api_key or settings.api_key,
             )
-            if settings.policy == "kv" and polled
+            if settings.policy == "kv" and (polled or settings.replicas_from)
             else None
         )
         self.subscriber = None
@@ -233,6 +255,16 @@ class RouterService:
                 identity=os.path.realpath(settings.model),
                 max_keys=settings.index_keys,
             )
+        self.discovery = None
+        self.membership = Counter(
+            "preheat_router_membership_changes_total",
+            "Replicas that joined or left the fleet (--replicas-from), by change (joined, left).",
+        )
+        if settings.replicas_from is not None:
+            from preheat.router.k8s_discovery import EndpointSliceWatcher
+
+            self.discovery = EndpointSliceWatcher(parse_k8s_url(settings.replicas_from), self._discovered)
+            self.router.metrics.add(self.membership)
         try:
             self.httpd = RouterHTTPServer((settings.host, settings.port), self.router)
         except OSError as exc:
@@ -240,6 +272,28 @@ class RouterService:
 
     def _admit(self, replica: Replica, why: str) -> None:
         self.router.set_health(replica, True, why)
+
+    def _discovered(self, urls: frozenset[str]) -> None:
+        """The Service's ready replicas changed (the discovery thread): the ones that left go first (their keys
+        dropped from the KV index), then the new ones join, each health-checked at once."""
+        static = {parse_replica_spec(spec).url for spec in self.settings.replicas} | set(self.settings.standby)
+        have = {r.url for r in self.router.replicas if r.url not in static}
+        for url in sorted(have - urls):
+            gone = self.router.remove_replica(url)
+            if gone is None:
+                continue
+            self.health.remove(gone)
+            if self.poller is not None:
+                self.poller.remove(gone)
+            self.kv_index.forget(url)
+            self.membership.inc(change="left")
+        for url in sorted(urls - have - static):
+            replica = Replica(url, timeout=self.settings.upstream_timeout)
+            if self.router.add_replica(replica):
+                self.health.add(replica)
+                if self.poller is not None:
+                    self.poller.add(replica)
+                self.membership.inc(change="joined")
 
     @property
     def url(self) -> str:
@@ -255,11 +309,21 @@ class RouterService:
             self.poller.start()
         if self.subscriber is not None:
             self.subscriber.start()
+        if self.discovery is not None:
+            self.discovery.start()
+            # The first list, so that the router starts with its replicas; an API server that does not answer
+            # in time delays nothing more: the replicas join when it does.
+            if not self.discovery.wait_synced(DISCOVERY_WAIT):
+                log.warning("%s: no answer from the API server yet; replicas join as it answers", self.discovery.ref)
+            else:
+                self.health.tick_all()  # the discovered replicas' first checks, so that /health counts them
 
     def serve(self) -> None:
         self.httpd.serve_forever(poll_interval=0.25)
 
     def close(self) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
         self.health.stop()
         if self.poller is not None:
             self.poller.stop()
@@ -270,11 +334,13 @@ class RouterService:
             replica.close_idle()
 
 
-def run(flags: Mapping[str, object], announce: Callable[[str], None] | None = None) -> int:
-    """Run the router with ``flags`` until SIGINT/SIGTERM; returns the exit code."""
+def run(
+    flags: Mapping[str, object], announce: Callable[[str], None] | None = None, findings: Findings | None = None
+) -> int:
+    """Run the router with ``flags`` until SIGINT/SIGTERM; returns the exit code. ``findings``: see RouterService."""
     say = announce or (lambda line: print(line, flush=True))
     settings = RouterSettings.resolve(flags)
-    service = RouterService(settings)
+    service = RouterService(settings, findings)
     try:
         with sigterm_interrupts():
             service.start()
@@ -282,8 +348,9 @@ def run(flags: Mapping[str, object], announce: Callable[[str], None] | None = No
             standby = f", {len(settings.standby)} standby" if settings.standby else ""
             say(
                 f"preheat router: listening on {service.url} (policy {settings.policy}, "
-                f"{up}/{len(settings.replicas)} replicas healthy{standby})"
+                f"{up}/{len(service.router.replicas) - len(settings.standby)} replicas healthy{standby})"
             )
+            say(f"preheat router: dashboard at {service.url}/dashboard (docs/dashboard.md)")
             if not settings.api_key and not is_loopback(settings.host):
                 say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")
             service.serve()

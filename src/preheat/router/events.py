@@ -66,6 +66,8 @@ class KVEventPoller(ReplicaLoop):
         except HTTPClientError as exc:  # reconnects on the next poll; the health checker decides if it is down
             log.debug("%s%s: %s", replica.url, EVENTS_PATH, exc)
             return True
+        if replica.retired:
+            return True  # it left the fleet while we asked: its keys were dropped, and must stay so
         if response.status == 404:
             return False  # no KV tier there: ask again now and then, in case it restarts with one
         if response.status in (401, 403) and replica.url not in self._denied:
@@ -82,6 +84,14 @@ class KVEventPoller(ReplicaLoop):
             log.warning("%s%s: ignoring a malformed answer: %s", replica.url, EVENTS_PATH, exc)
             self.index.forget(replica.url)  # start over from a snapshot
         return True
+
+    def remove(self, replica: Replica) -> None:
+        """``replica`` left the fleet: no more polls, its connection closed, its keys out of the index."""
+        super().remove(replica)
+        conn = self._conns.pop(replica.url, None)
+        if conn is not None:
+            conn.close()
+        self.index.forget(replica.url)
 
     def stop(self) -> None:
         super().stop()

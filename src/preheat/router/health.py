@@ -24,12 +24,17 @@ MAX_ANSWER = 64 * 1024  # a /health answer is a few hundred bytes
 class ReplicaLoop:
     """One daemon thread per replica calling ``tick(replica)``; ``tick_all()`` runs one round at once and waits.
 
-    ``tick`` returns the seconds to wait before the next one (the health checker and the KV poller share this)."""
+    ``tick`` returns the seconds to wait before the next one (the health checker and the KV poller share this).
+    Replicas may come and go while it runs (``--replicas-from``): ``add`` starts a thread that ticks at once,
+    ``remove`` ends that replica's thread after its current tick."""
 
     def __init__(self, replicas: Sequence[Replica], interval: float, timeout: float) -> None:
-        self.replicas, self.interval, self.timeout = replicas, interval, timeout
+        self.replicas, self.interval, self.timeout = list(replicas), interval, timeout
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._leave: dict[Replica, threading.Event] = {}  # per replica: set when it leaves or everything stops
+        self._started = False
+        self._lock = threading.Lock()
 
     def tick(self, replica: Replica) -> float:
         raise NotImplementedError
@@ -42,19 +47,46 @@ class ReplicaLoop:
             thread.join()
 
     def start(self) -> None:
-        for replica in self.replicas:
-            name = f"{type(self).__name__} {replica.url}"
-            thread = threading.Thread(target=self._loop, args=(replica,), name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        with self._lock:
+            self._started = True
+            for replica in self.replicas:
+                self._spawn(replica, self.interval)
 
-    def _loop(self, replica: Replica) -> None:
-        wait = self.interval
-        while not self._stop.wait(wait):
+    def add(self, replica: Replica) -> None:
+        """Tick ``replica`` from now on (at once, then every interval)."""
+        with self._lock:
+            if replica in self._leave or self._stop.is_set():
+                return
+            self.replicas = [*self.replicas, replica]
+            if self._started:
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._spawn(replica, 0.0)
+
+    def remove(self, replica: Replica) -> None:
+        """Stop ticking ``replica`` (a tick under way finishes)."""
+        with self._lock:
+            self.replicas = [r for r in self.replicas if r is not replica]
+            leave = self._leave.pop(replica, None)
+        if leave is not None:
+            leave.set()
+
+    def _spawn(self, replica: Replica, first_wait: float) -> None:
+        leave = self._leave[replica] = threading.Event()
+        name = f"{type(self).__name__} {replica.url}"
+        thread = threading.Thread(target=self._loop, args=(replica, leave, first_wait), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _loop(self, replica: Replica, leave: threading.Event, wait: float) -> None:
+        while not leave.wait(wait):
             wait = self.tick(replica)
 
     def stop(self) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            leaving, self._leave = list(self._leave.values()), {}
+        for leave in leaving:
+            leave.set()
         for thread in self._threads:
             thread.join(timeout=self.timeout + 1)
 
@@ -106,15 +138,17 @@ class HealthChecker(ReplicaLoop):
         self._observe(replica, "ok" if ok else phase, body)
         if ok:
             self._failed[replica.url] = 0
-            if not replica.healthy:
+            if not replica.healthy and not replica.retired:  # a replica that left stays out
                 self.on_change(replica, True, why)
             return
-        self._failed[replica.url] += 1
+        self._failed[replica.url] = self._failed.get(replica.url, 0) + 1
         if replica.healthy and (definitive or self._failed[replica.url] >= self.failures):
             self.on_change(replica, False, why)
 
     def _observe(self, replica: Replica, phase: str, body: dict[str, object]) -> None:
         replica.prepared = body.get("prepared") is True
+        version = body.get("version")
+        replica.version = version if isinstance(version, int) and not isinstance(version, bool) else None
         if phase == replica.phase:
             return
         replica.phase = phase

@@ -22,11 +22,15 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec
 
+from preheat.dashboard.state import ReplicaRow
+from preheat.dashboard.watch import Findings, FleetWatcher
+from preheat.dashboard.web import answer, is_dashboard_path
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
 from preheat.jsonsafe import JSONInputError, loads_bounded
@@ -65,20 +69,71 @@ class Router:
         *,
         api_key: str | None = None,
         replica_api_key: str | None = None,
+        newest_version: bool = False,
     ) -> None:
         self.replicas, self.policy, self.prompts = list(replicas), policy, prompts
+        self.newest_version = newest_version  # route only to replicas on the newest weights version (docs/refit.md)
         self.api_key = api_key
         self.replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
         self.metrics = RouterMetrics(
             lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas], policy.index_sizes
         )
         self.cold: ColdStarter | None = None  # standby and sleeping replicas to bring up (RouterService sets it)
+        self._membership = threading.Lock()
+        # GET /dashboard (preheat.dashboard): scrapes the replicas when a page polls; findings: the doctor's, given
+        # by the command line (the router cannot import the doctor, which sits above it).
+        self.dashboard = FleetWatcher(replica_api_key or api_key)
+        self.findings: Findings | None = None
+
+    def dashboard_state(self) -> dict[str, object]:
+        """The dashboard's state document: every replica as the router sees it, joined with its own metrics."""
+        rows = [ReplicaRow(r.url, r.healthy, r.phase, r.standby, r.in_flight, r.finished) for r in self.replicas]
+        up = any(r.healthy for r in self.replicas)
+        status = "ok" if up else "cold" if self.cold is not None and self.cold.available() else "no_replica"
+        samples = self.metrics.decisions.family().samples
+        return self.dashboard.state(rows, status=status, policy=self.policy.name, decision_samples=samples,
+                                    findings=self.findings)  # fmt: skip
+
+    # -- membership (``--replicas-from``): ``replicas`` is replaced, never changed in place, so that a request
+    # thread iterating over it meanwhile sees the old list or the new one, whole -------------------------------------
+    def add_replica(self, replica: Replica) -> bool:
+        """``replica`` joins (out of rotation until its health check passes); False when its URL is here already."""
+        with self._membership:
+            if any(r.url == replica.url for r in self.replicas):
+                return False
+            self._set_replicas([*self.replicas, replica])
+        log.warning("replica %s joined", replica.url)
+        return True
+
+    def remove_replica(self, url: str) -> Replica | None:
+        """The replica at ``url`` leaves: no new request goes to it, those on it finish, the policy forgets it."""
+        with self._membership:
+            gone = next((r for r in self.replicas if r.url == url), None)
+            if gone is None:
+                return None
+            self._set_replicas([r for r in self.replicas if r is not gone])
+        gone.retire()
+        self.policy.forget(url)
+        log.warning("replica %s left (%d in flight finish there)", url, gone.in_flight)
+        return gone
+
+    def _set_replicas(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+        if self.cold is not None:
+            self.cold.replicas = replicas  # a sleeping replica that left is not woken
 
     def healthy(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy and r not in exclude]
+        pool = [r for r in self.replicas if r.healthy and r not in exclude]
+        if self.newest_version:  # --newest-version: the others finish their swap first (docs/refit.md)
+            newest = max((r.version for r in pool if r.version is not None), default=None)
+            if newest is not None:
+                pool = [r for r in pool if r.version == newest]
+        return pool
 
     def set_health(self, replica: Replica, healthy: bool, why: str) -> None:
         """A replica enters or leaves rotation (health checker or a failed request)."""
+        if healthy and replica.retired:
+            return  # it left the fleet (a health check or cold start finishing just after)
         if not replica.set_healthy(healthy):
             return  # already so: the health checker and a failed request can find a dead replica at the same time
         if healthy:
@@ -120,6 +175,8 @@ class RouterHandler(TrackedHandler):
             self.health()
         elif path == "/metrics":
             self.send_body(200, self.server.router.metrics.render().encode(), METRICS_CONTENT_TYPE)
+        elif is_dashboard_path(path):  # read-only; its own key check: a browser sends a cookie, not a Bearer header
+            answer(self, self.server.router.api_key, self.server.router.dashboard_state)
         else:
             self.forward("GET")
 

@@ -42,7 +42,8 @@ def parse_url(url: str) -> Address:
     if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
         raise RouterError(f"replica {url!r}: give it as http://host:port (https and paths are not supported)")
     port = parts.port or 80
-    return Address(parts.hostname, port, f"http://{parts.hostname}:{port}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6 (a pod's address may be one)
+    return Address(parts.hostname, port, f"http://{host}:{port}")
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,11 @@ class Replica:
         self.timeouts = Timeouts(connect=connect_timeout, read=timeout)
         self.healthy = False  # until the first health check says otherwise
         self.standby = standby
+        self.retired = False  # left the fleet (--replicas-from): requests still on it finish, nothing new comes
         self.phase = "unknown"
         self.prepared = False
         self.wake_seconds: float | None = None
+        self.version: int | None = None  # the weights version /health reports (--follow replicas; docs/refit.md)
         self.in_flight = 0
         self.finished = 0
         self.service_seconds: float | None = None
@@ -161,7 +164,7 @@ class Replica:
         """Return ``conn`` to the pool once ``response`` was read to its end, unless either side asked to close or the
         answer is an error: a server that refuses a request early (401, 404) may not have read its body, and the
         unread bytes would be taken for the next request sent on this connection."""
-        if response.will_close or not response.isclosed() or response.status >= 400:
+        if response.will_close or not response.isclosed() or response.status >= 400 or self.retired:
             conn.close()
             return
         with self._lock:
@@ -169,6 +172,13 @@ class Replica:
                 self._idle.append(conn)
                 return
         conn.close()
+
+    def retire(self) -> None:
+        """The replica left the fleet: out of rotation, its idle connections closed, and those of the requests
+        still on it closed as they finish (not pooled for nobody)."""
+        with self._lock:
+            self.retired, self.healthy = True, False
+        self.close_idle()
 
     def close_idle(self) -> None:
         """Close every pooled connection (the replica was ejected: they point at a dead or restarted process)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import select
 import socket
 import sys
@@ -35,6 +36,8 @@ from preheat.text.request import MAX_BODY_BYTES, APIError
 from preheat.timeline import Timeline, process_start_time
 
 if TYPE_CHECKING:
+    from preheat.dashboard.watch import Findings, ReplicaDashboard
+    from preheat.refit.follower import Follower
     from preheat.server.loading import Loaded
     from preheat.server.worker import Worker
 
@@ -46,6 +49,7 @@ GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "c
 TOKENIZER_ROUTE = "/v1/preheat/tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 CONTROL_ROUTES = ("/v1/preheat/load", "/v1/preheat/sleep", "/v1/preheat/wake")  # lifecycle.py; docs/server.md
+REFIT_ROUTE = "/v1/preheat/refit"  # --follow: server/following.py; docs/refit.md
 
 
 class ServerState:
@@ -56,6 +60,7 @@ class ServerState:
         self.created = int(time.time())
         self.loaded: Loaded | None = None
         self.worker: Worker | None = None
+        self.refit: Follower | None = None  # --follow: the weights version served (server/following.py)
         self.load_error: str | None = None
         self.ready = threading.Event()
         self.tokenize_lock = threading.Lock()  # tokenizer objects are not documented as thread-safe; encoding is cheap
@@ -65,6 +70,8 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.timeline.stages(), self._load)  # noqa: PLW0108
         # standby / loading / ready / sleeping ...: preheat.server.lifecycle
         self.life = Lifecycle(STANDBY if settings.standby else LOADING)
+        self.dashboard: ReplicaDashboard | None = None  # GET /dashboard's, made on the first visit (cold-start path)
+        self.findings: Findings | None = None  # the doctor's, for the dashboard (run() is given them)
 
     def set_timeline(self, timeline: Timeline) -> None:
         """Start a new timeline (an activation's or a wake's, from its request): its first token is marked anew."""
@@ -131,7 +138,7 @@ class Handler(TrackedHandler):
     def route(self) -> str:
         path = self.path.split("?", 1)[0]
         known = ("/health", "/metrics", "/v1/models", "/v1/preheat/timeline", TOKENIZER_ROUTE, *GENERATION_ROUTES,
-                 *CONTROL_ROUTES)  # fmt: skip
+                 *CONTROL_ROUTES, REFIT_ROUTE)  # fmt: skip
         return path if path in known else "other"  # bounded label values: never the raw path
 
     def authorized(self) -> bool:
@@ -171,13 +178,19 @@ class Handler(TrackedHandler):
         elif path == "/v1/models":
             loaded = self.state.loaded
             limit = loaded.engine.max_model_len if loaded is not None else None
-            self.send_json(200, openai.models_list(self.state.settings.model_name, self.state.created, limit))
+            models = openai.models_list(self.state.settings.model_name, self.state.created, limit)
+            if self.state.refit is not None:  # --follow: the weights version this replica serves now
+                for model in models["data"]:  # type: ignore[attr-defined]  # models_list's own list of dicts
+                    model["version"] = self.state.refit.version or 0
+            self.send_json(200, models)
         elif path == "/v1/preheat/timeline":
             self.send_json(200, self.state.timeline.to_dict())
         elif path == "/v1/kv/events":
             self.kv_events()
         elif path == TOKENIZER_ROUTE:
             self.tokenizer_files()
+        elif path == "/dashboard" or path.startswith("/dashboard/"):
+            self.dashboard()
         elif path in GENERATION_ROUTES:
             self.send_error_json(APIError(405, f"use POST for {path}", code="method_not_allowed"))
         else:
@@ -187,13 +200,20 @@ class Handler(TrackedHandler):
         path = self.path.split("?", 1)[0]
         if not self.authorized():
             return
-        if path in CONTROL_ROUTES:
+        if path in CONTROL_ROUTES or path == REFIT_ROUTE:
             self.control(path)
             return
         kind = GENERATION_ROUTES.get(path)
         if kind is None:
             self.refuse_unread(APIError(404, f"no route {path}", code="not_found"))
             return
+        if self.state.refit is not None:
+            from preheat.server.following import stale_refusal
+
+            stale = stale_refusal(self.state)
+            if stale is not None:
+                self.refuse_unread(stale, {"Retry-After": "1"})
+                return
         body = self.read_body()
         if body is None:
             return
@@ -204,7 +224,10 @@ class Handler(TrackedHandler):
     def health(self) -> None:
         state = self.state
         if state.ready.is_set():
-            self.send_json(200, {"status": "ok", "model": state.settings.model_name})
+            answer: dict[str, object] = {"status": "ok", "model": state.settings.model_name}
+            if state.refit is not None:  # --follow: the version served, the newest seen, the last failure
+                answer |= {"version": state.refit.version or 0, "refit": state.refit.status()}
+            self.send_json(200, answer)
         elif state.load_error is not None:
             self.send_json(503, {"status": "failed", "error": state.load_error})
         elif state.life.phase != LOADING:  # standby, sleeping, waking, draining: never 200 (lifecycle.py)
@@ -212,6 +235,29 @@ class Handler(TrackedHandler):
         else:
             stage = state.loading_stage()  # kv_warm: --kv-warm fills L1 from L2 (server/kvtier.py)
             self.send_json(503, {"status": "warming" if stage == "kv_warm" else "loading", "stage": stage})
+
+    def dashboard(self) -> None:
+        """The dashboard of this one replica (preheat.dashboard), behind the --api-key when one is set."""
+        from preheat.dashboard.state import ReplicaRow
+        from preheat.dashboard.watch import ReplicaDashboard
+        from preheat.dashboard.web import answer
+
+        state = self.state
+        if state.dashboard is None:
+            state.dashboard = ReplicaDashboard()
+        board = state.dashboard
+
+        def document() -> dict[str, object]:
+            host, port = self.server.socket.getsockname()[:2]
+            ready = state.ready.is_set()
+            phase = "ok" if ready else "failed" if state.load_error else state.life.phase
+            if not ready and phase == LOADING:
+                phase = f"loading: {state.loading_stage()}"
+            waiting, running = state._load()
+            row = ReplicaRow(f"http://{host}:{port}", ready, phase, state.settings.standby, waiting + running)
+            return board.state(row, state.metrics.render(), state.timeline.to_dict(), state.findings)
+
+        answer(self, state.settings.api_key, document)
 
     def control(self, path: str) -> None:
         """The control routes (``preheat.server.lifecycle``): activation, sleep, wake."""
@@ -226,9 +272,15 @@ class Handler(TrackedHandler):
             return
         say = self.server.say
         try:
-            if path == "/v1/preheat/load":
+            if path == REFIT_ROUTE:
+                from preheat.server.following import handle_refit
+
+                handle_refit(self, self.state, body)
+            elif path == "/v1/preheat/load":
                 lifecycle.handle_load(self, self.state, body, say)
             elif path == "/v1/preheat/sleep":
+                if self.state.refit is not None:  # a wake reloads the checkpoint: the followed version would be lost
+                    raise APIError(409, "a --follow replica does not sleep (docs/refit.md)", code="following")
                 lifecycle.handle_sleep(self, self.state, body)
             else:
                 lifecycle.handle_wake(self, self.state, body, say)
@@ -314,17 +366,25 @@ def record_imports(timeline: Timeline) -> None:
     timeline.add("imports", started, now)
 
 
-def run(flags: dict[str, object], announce: Callable[[str], None] | None = None) -> int:
+def run(
+    flags: dict[str, object], announce: Callable[[str], None] | None = None, findings: Findings | None = None
+) -> int:
     """Start the server with ``flags`` (``None`` = not given; see ``ServeSettings``) until SIGINT/SIGTERM.
+    ``findings``: the doctor's, for ``/dashboard`` (the command line gives them: the server cannot import the doctor).
 
     Returns the process exit code: 0 after a clean shutdown, 1 when the model failed to load.
     """
     say = announce or (lambda line: print(line, flush=True))
     timeline = Timeline.from_env()
     record_imports(timeline)
+    if os.environ.get("PREHEAT_POD_NAME"):  # on Kubernetes: the pod's start, read on its own thread (k8s/)
+        from preheat.k8s.pod_timeline import record_pod_start
+
+        record_pod_start(timeline)
     with timeline.stage("config"):
         settings = ServeSettings.resolve(flags)
         state = ServerState(settings, timeline)
+        state.findings = findings
         try:
             httpd = PreheatHTTPServer((settings.host, settings.port), state)
         except OSError as exc:
@@ -349,6 +409,8 @@ def run(flags: dict[str, object], announce: Callable[[str], None] | None = None)
         say("preheat serve: shutting down")
     finally:
         httpd.server_close()
+        if state.refit is not None:
+            state.refit.stop()  # withdraws its registry entry
         if state.worker is not None:
             state.worker.stop()
         if state.settings.peer:
@@ -379,4 +441,16 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
         state.load_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PreheatError) else str(exc)
         httpd.shutdown()
         return
+    if state.settings.follow:
+        from preheat.server.following import prepare_follow
+
+        try:
+            prepare_follow(state, loaded)
+        except PreheatError as exc:  # the replica serves what it loaded; following is what failed
+            log.error("--follow: %s", exc)
+            say(f"preheat serve: not following versions: {exc}")
     install(state, loaded, say)  # worker, ready, KV-tier metrics, the peer server (lifecycle.py)
+    if state.refit is not None:
+        from preheat.server.following import start_follow
+
+        start_follow(state, say)

@@ -210,7 +210,7 @@ class _Relay:
         answer = openai.response(
             self.request, self.request_id, self.created, text="".join(texts), finish=finish, use=self.usage()
         )
-        self.responder.send_json(200, answer, {"X-Request-Id": self.request_id})
+        self.responder.send_json(200, answer, self.headers())
 
     def stream(self) -> None:
         # Headers wait for the first step, so an error the engine raises up front is still a proper 4xx/5xx.
@@ -242,9 +242,19 @@ class _Relay:
     def chunk(self, text: str | None, finish: str | None, *, first: bool) -> dict[str, object]:
         return openai.stream_chunk(self.request, self.request_id, self.created, text, finish, first=first)
 
+    def headers(self) -> dict[str, str]:
+        """``X-Request-Id``, and with ``--follow`` the weights version the request ran on (docs/refit.md)."""
+        out = {"X-Request-Id": self.request_id}
+        version = self.job.version
+        if version is None and self.state.refit is not None:
+            version = 0  # it started before the follower did: on the loaded checkpoint
+        if version is not None:
+            out["X-Preheat-Version"] = str(version)
+        return out
+
     def start_stream(self) -> None:
         try:
-            self.responder.start_events({"Cache-Control": "no-cache", "X-Request-Id": self.request_id})
+            self.responder.start_events({"Cache-Control": "no-cache", **self.headers()})
         except OSError:
             raise ClientGoneError from None
         self.answered = True

@@ -58,6 +58,10 @@ class ServeSettings:
     standby: bool = False
     # Glob patterns of the models the control routes may load (preheat.server.allow); () = MODEL only.
     allow_model: tuple[str, ...] = ()
+    # Live weight updates (docs/refit.md): follow the versions a trainer publishes under the served name; refuse
+    # requests while more than max_staleness versions behind.
+    follow: bool = False
+    max_staleness: int | None = None
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
@@ -108,6 +112,7 @@ class ServeSettings:
 
             for path in self.trust_key:
                 read_public_key(path)  # ConfigError naming the file and what to pass instead
+        self.check_follow()
         if self.standby:
             self.check_standby()
         elif not self.is_remote and not os.path.isdir(self.model):
@@ -115,6 +120,15 @@ class ServeSettings:
                 f"model {self.model!r} is not a directory: pass a preheat or Hugging Face checkpoint directory, "
                 "or an http(s):// or s3:// URI to pull through the node cache"
             )
+
+    def check_follow(self) -> None:
+        """``--follow`` needs a registry to find the trainer in; ``--max-staleness`` needs ``--follow``."""
+        if self.follow and self.registry is None:
+            raise ConfigError("--follow finds the trainer in the peer registry: pass --registry redis://... or file://")
+        if self.max_staleness is not None and (self.max_staleness < 0 or not self.follow):
+            raise ConfigError(f"--max-staleness {self.max_staleness}: needs --follow and a count of 0 or more")
+        if self.follow and (self.compile or self.standby):
+            raise ConfigError("--follow swaps weights in a live model: not with --compile or --standby (docs/refit.md)")
 
     def check_standby(self) -> None:
         """A standby replica must be told what it may load, and must not take orders from the network unguarded."""
@@ -161,6 +175,11 @@ class ServeSettings:
         return os.path.basename(self.model.rstrip("/")) or self.model
 
     @property
+    def refit_name(self) -> str:
+        """The name whose versions ``--follow`` follows: NAME of ``preheat://NAME``, else the served model name."""
+        return self.model.removeprefix("preheat://") if self.model.startswith("preheat://") else self.model_name
+
+    @property
     def kv(self) -> KVSettings:
         """The KV-tier settings (off unless ``--kv-l1`` or ``--kv-l2`` is given)."""
         return KVSettings(
@@ -183,7 +202,7 @@ class ServeSettings:
 def _parse(name: str, variable: str, raw: str) -> object:
     if name in ("trust_key", "allow_model"):  # comma-separated, like PREHEAT_PEERS
         return tuple(part.strip() for part in raw.split(",") if part.strip())
-    if name in ("peer", "compile", "standby"):
+    if name in ("peer", "compile", "standby", "follow"):
         if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ConfigError(f"{variable}={raw!r}: write 1 or 0")
         return raw.lower() in ("1", "true", "yes", "on")
@@ -192,7 +211,7 @@ def _parse(name: str, variable: str, raw: str) -> object:
             return float(raw)
         except ValueError:
             raise ConfigError(f"{variable}={raw!r} is not a number of MB/s") from None
-    if name in ("port", "max_model_len", "max_queue", "kv_l2_ttl", "kv_chunk_tokens", "peer_port"):
+    if name in ("port", "max_model_len", "max_queue", "kv_l2_ttl", "kv_chunk_tokens", "peer_port", "max_staleness"):
         try:
             return int(raw)
         except ValueError:

@@ -15,9 +15,10 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, TypeVar, Union
 
 from preheat.errors import PreheatError
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # the engine imports torch: never at module level on the cold
     from preheat.server.metrics import ServerMetrics
 
 log = logging.getLogger("preheat.server")
+T = TypeVar("T")
 
 # What a job's consumer receives: a step, an error raised by the engine, or None once the generation is over.
 Event = Union["GenerationStep", BaseException, None]
@@ -52,6 +54,7 @@ class Job:
     last_token_at: float | None = None
     generated: int = 0
     finish: str | None = None  # "stop", "length", "abort" (client went away) or "error"
+    version: int | None = None  # the weights version it ran on (--follow: docs/refit.md), set as it starts
 
     def cancel(self) -> None:
         """Stop this generation at the next token (or skip it if it has not started)."""
@@ -70,6 +73,10 @@ class Worker:
         self._paused = False
         self._current: Job | None = None
         self._thread = threading.Thread(target=self._loop, name="preheat-generate", daemon=True)
+        # Calls to run on this thread between two jobs (a live weight swap: the engine is not thread-safe, and a
+        # request that started on one version finishes on it), and the weights version jobs then run on.
+        self._between: deque[tuple[Callable[[], object], Future[object]]] = deque()
+        self.version: int | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -87,6 +94,8 @@ class Worker:
                 job.cancel()
             if self._current is not None:
                 self._current.cancel()
+            while self._between:  # a swap waiting for this thread: its caller must not wait forever
+                self._between.popleft()[1].set_exception(WorkerPausedError("the worker stopped"))
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -120,14 +129,42 @@ class Worker:
             self._waiting.append(job)
             self._cond.notify()
 
+    def call_between(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the generation thread between two jobs (at once when idle) and return its result; its
+        exception is raised here."""
+        future: Future[object] = Future()
+        with self._cond:
+            if self._stopping:
+                raise WorkerPausedError("the worker is stopping")
+            self._between.append((fn, future))
+            self._cond.notify()
+        return future.result()  # type: ignore[return-value]  # the future holds fn's own result
+
+    @staticmethod
+    def _run_between(calls: list[tuple[Callable[[], object], Future[object]]]) -> None:
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, who decides; the worker carries on
+                future.set_exception(exc)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopping:
+                while not self._waiting and not self._stopping and not self._between:
                     self._cond.wait()
                 if self._stopping:
                     return
+                calls = list(self._between)
+                self._between.clear()
+            if calls:  # outside the lock: requests keep queueing while a swap runs
+                self._run_between(calls)
+                continue
+            with self._cond:
+                if not self._waiting:
+                    continue
                 job = self._waiting.popleft()
+                job.version = self.version
                 self._running = 1
                 self._current = job
             try:

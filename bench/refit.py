@@ -1,0 +1,313 @@
+"""Live weight updates (docs/refit.md) against restarting replicas, in ONE run.
+
+    python bench/refit.py [--models smollm2,synthetic] [--size 256MB] [--rounds 3] [--fraction 0.1]
+                          [--load-s 12] [--publish-every 3] [--json out.json]
+
+For each model: 3 `preheat serve MODEL --follow` replicas and a trainer in this process (`preheat.refit.Publisher`)
+that publishes versions from memory, each changing a seeded random `--fraction` of the tensors.
+
+- refit: seconds from `publish(N)` being called (its snapshot and digests included) to every replica answering a
+  completion with `X-Preheat-Version: N` (replicas find versions by polling, every 0.5 s); bytes each replica pulled
+  against the model's bytes, and the share the trainer served (the rest came from replicas that already had N).
+- restart: the same version written as a checkpoint (safetensors + preheat.json: `write`), then every replica
+  stopped and a new `preheat serve` started on it, all at once (`restart`: until all three answer).
+- under load: one client per replica sending streamed completions back to back; TTFT p50/p99 and failures, first
+  with no publishing, then while a version is published every `--publish-every` seconds.
+
+SmolLM2 comes from the test suite's converted copy (tests/smollm2.py, ~/.cache/preheat-tests); the synthetic model is
+a random float32 Llama of `--size` (256 MB by default: on a 2-core machine 1 GB replicas x 3 take minutes to start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test suite's SmolLM2 copy
+
+from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
+from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
+from preheat.config import parse_size
+from preheat.errors import PreheatError
+from preheat.http.client import Timeouts, request
+from preheat.procs import ServerProcess
+from preheat.refit.publisher import Publisher
+
+NAME = "bench"
+REPLICAS = 3
+PROMPT = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+HTTP = Timeouts(connect=2.0, read=120.0)
+
+
+@dataclass
+class Result:
+    model: str
+    model_bytes: int
+    refit_s: list[float] = field(default_factory=list)
+    publish_s: list[float] = field(default_factory=list)  # publish(): snapshot and digests of the whole state dict
+    pull_s: list[float] = field(default_factory=list)  # the slowest replica's pull
+    changed_fraction: list[float] = field(default_factory=list)  # bytes of the tensors changed / model bytes
+    pulled_fraction: list[float] = field(default_factory=list)  # bytes one replica pulled / model bytes (mean)
+    trainer_share: list[float] = field(default_factory=list)  # of all bytes pulled, the share the trainer served
+    write_s: float = 0.0
+    restart_s: float = 0.0
+    ttft_idle: dict[str, float] = field(default_factory=dict)
+    ttft_publishing: dict[str, float] = field(default_factory=dict)
+    failed: int = 0
+    requests: int = 0
+    published_under_load: int = 0
+
+
+def synthetic(root: Path, size: int) -> Path:
+    """A servable random-weight float32 Llama of about ``size`` bytes, with a manifest (as bench/p2p.py)."""
+    make_tiny_servable_model(root)
+    config = json.loads((root / "config.json").read_text())
+    vocab, hidden = int(config["vocab_size"]), 1024
+    per_layer = LlamaShape(vocab, hidden, 2816, 1, 16, 4).nbytes(torch.float32)
+    shape = LlamaShape(vocab, hidden, 2816, max(1, round(size / per_layer)), 16, 4)
+    write_llama_checkpoint(root, shape, dtype=torch.float32)
+    (root / "config.json").write_text(json.dumps({**config, **shape.config()}, indent=2))
+    (root / MANIFEST_NAME).write_bytes(build_manifest(str(root)).to_json())
+    return root
+
+
+def smollm2() -> Path:
+    from smollm2 import SmolLM2, cache_root  # type: ignore[import-not-found, unused-ignore]  # tests/, put on sys.path above
+
+    path: Path = SmolLM2(cache_root()).path("keep")
+    return path
+
+
+def version_of(url: str) -> int | None:
+    try:
+        answer = request(url + "/v1/completions", "POST", timeouts=HTTP, body=json.dumps(PROMPT).encode(),
+                         headers={"Content-Type": "application/json"})  # fmt: skip
+    except PreheatError:  # a replica restarting: not an answer yet
+        return None
+    value = answer.headers.get("X-Preheat-Version")
+    return int(value) if answer.status == 200 and value is not None else (0 if answer.status == 200 else None)
+
+
+def wait_all(urls: list[str], version: int | None, timeout: float = 600.0) -> float:
+    """Seconds until every replica answers (on ``version``, when given)."""
+    began, waiting = time.monotonic(), set(urls)
+    while waiting:
+        if time.monotonic() - began > timeout:
+            raise TimeoutError(f"replicas {sorted(waiting)} not on version {version} after {timeout:.0f} s")
+        for url in list(waiting):
+            got = version_of(url)
+            if got is not None and (version is None or got >= version):
+                waiting.discard(url)
+        time.sleep(0.02)
+    return time.monotonic() - began
+
+
+def refit_status(url: str) -> dict[str, object]:
+    body = json.loads(request(url + "/health", timeouts=HTTP).body)
+    refit: dict[str, object] = body["refit"]
+    return refit
+
+
+class Trainer:
+    def __init__(self, weights: dict[str, torch.Tensor], registry: str, fraction: float) -> None:
+        self.weights, self.fraction = dict(weights), fraction
+        self.publisher = Publisher(NAME, registry=registry, keep=3)
+        self.rng = random.Random(0)
+        self.generator = torch.Generator().manual_seed(0)
+
+    def step(self) -> int:
+        """Perturb ``fraction`` of the tensors (at least one); the bytes changed."""
+        names = self.rng.sample(sorted(self.weights), max(1, round(self.fraction * len(self.weights))))
+        for name in names:
+            t = self.weights[name]
+            noise = torch.randn(t.shape, generator=self.generator).to(t.dtype) * 0.01
+            self.weights[name] = t + noise
+        return sum(self.weights[n].nbytes for n in names)
+
+
+def ttft_load(urls: list[str], seconds: float, on_tick: threading.Event | None = None) -> tuple[list[float], int]:
+    """One client per replica, streamed completions back to back for ``seconds``: TTFTs and failures."""
+    ttfts: list[float] = []
+    failures = 0
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+    body = json.dumps({**PROMPT, "max_tokens": 8, "stream": True}).encode()
+
+    def client(url: str) -> None:
+        nonlocal failures
+        import http.client
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        while time.monotonic() < end:
+            began = time.monotonic()
+            conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
+            try:
+                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                first = response.readline()
+                took = time.monotonic() - began
+                rest = response.read()
+                ok = response.status == 200 and first.startswith(b"data:") and b"[DONE]" in rest
+            except OSError:
+                ok, took = False, 0.0
+            finally:
+                conn.close()
+            with lock:
+                if ok:
+                    ttfts.append(took)
+                else:
+                    failures += 1
+
+    threads = [threading.Thread(target=client, args=(u,), daemon=True) for u in urls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return ttfts, failures
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {"p50": statistics.median(ordered), "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+            "n": float(len(ordered))}  # fmt: skip
+
+
+def bench_model(label: str, model: Path, args: argparse.Namespace, work: Path) -> Result:
+    registry = f"file://{work / 'registry'}"
+    weights = {}
+    for file in sorted(model.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    model_bytes = sum(t.nbytes for t in weights.values())
+    result = Result(label, model_bytes)
+    trainer = Trainer(weights, registry, args.fraction)
+    flags = ("--served-model-name", NAME, "--follow", "--registry", registry, "--max-model-len", "512")
+    replicas = [ServerProcess(str(model), *flags) for _ in range(REPLICAS)]
+    try:
+        for replica in replicas:
+            replica.wait_ready(timeout=600)
+        urls = [r.url for r in replicas]
+        version = 0
+        for _ in range(args.rounds):
+            changed = trainer.step()
+            version += 1
+            began = time.monotonic()
+            trainer.publisher.publish(trainer.weights, version)
+            result.publish_s.append(time.monotonic() - began)
+            wait_all(urls, version)
+            result.refit_s.append(time.monotonic() - began)
+            result.changed_fraction.append(changed / model_bytes)
+            lasts = [refit_status(u)["last"] for u in urls]
+            pulled = [int(last["nbytes"]) for last in lasts if isinstance(last, dict)]
+            result.pulled_fraction.append(statistics.mean(pulled) / model_bytes)
+            result.pull_s.append(max(float(last["pull_s"]) for last in lasts if isinstance(last, dict)))
+            from_trainer = sum(
+                int(n) for last in lasts if isinstance(last, dict)
+                for a, n in last["sources"].items() if a == trainer.publisher.server.address
+            )  # fmt: skip
+            result.trainer_share.append(from_trainer / max(1, sum(pulled)))
+            print(f"{label}: version {version} on all {REPLICAS} replicas in {result.refit_s[-1]:.2f} s (publish "
+                  f"{result.publish_s[-1]:.2f} s, slowest pull {result.pull_s[-1]:.2f} s) "
+                  f"(changed {changed / model_bytes:.1%} of bytes, pulled {result.pulled_fraction[-1]:.1%} per "
+                  f"replica, trainer served {result.trainer_share[-1]:.0%})", flush=True)  # fmt: skip
+        idle, failed_idle = ttft_load(urls, args.load_s)
+        stop = threading.Event()
+
+        def publish_loop() -> None:
+            nonlocal version
+            while not stop.wait(args.publish_every):
+                trainer.step()
+                version += 1
+                trainer.publisher.publish(trainer.weights, version)
+                result.published_under_load += 1
+
+        publisher = threading.Thread(target=publish_loop, daemon=True)
+        publisher.start()
+        busy, failed_busy = ttft_load(urls, args.load_s + args.publish_every)
+        stop.set()
+        publisher.join()
+        result.ttft_idle, result.ttft_publishing = percentiles(idle), percentiles(busy)
+        result.failed, result.requests = failed_idle + failed_busy, len(idle) + len(busy) + failed_idle + failed_busy
+        print(f"{label}: TTFT idle {result.ttft_idle}, while publishing {result.ttft_publishing} "
+              f"({result.published_under_load} versions), failed {result.failed}", flush=True)  # fmt: skip
+        # Restart baseline: the same weights as a checkpoint on disk, every replica restarted on it.
+        began = time.monotonic()
+        target = work / f"{label}-v{version}"
+        shutil.copytree(model, target, ignore=shutil.ignore_patterns("*.safetensors", MANIFEST_NAME))
+        save_file(trainer.weights, str(target / "model.safetensors"), {"format": "pt"})
+        (target / MANIFEST_NAME).write_bytes(build_manifest(str(target)).to_json())
+        result.write_s = time.monotonic() - began
+        began = time.monotonic()
+        for replica in replicas:
+            replica.stop()
+        replicas = [ServerProcess(str(target), "--served-model-name", NAME, "--max-model-len", "512")
+                    for _ in range(REPLICAS)]  # fmt: skip
+        wait_all([r.url for r in replicas], None)
+        result.restart_s = time.monotonic() - began
+        print(f"{label}: restart on a checkpoint: write {result.write_s:.2f} s + restart {result.restart_s:.2f} s",
+              flush=True)  # fmt: skip
+    finally:
+        for replica in replicas:
+            replica.stop()
+        trainer.publisher.close()
+    return result
+
+
+def table(results: list[Result]) -> str:
+    rows = ["| model | size | refit: publish -> 3 replicas on N (median) | restart: write + 3 replicas ready | "
+            "speed-up | changed bytes | pulled per replica (/ changed) | trainer served | "
+            "TTFT p99 idle -> publishing | failed |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        refit = statistics.median(r.refit_s)
+        restart = r.write_s + r.restart_s
+        rows.append(
+            f"| {r.model} | {r.model_bytes / 1e6:.0f} MB | {refit:.2f} s | {r.write_s:.2f} + {r.restart_s:.2f} s | "
+            f"{restart / refit:.1f}x | {statistics.mean(r.changed_fraction):.1%} | "
+            f"{statistics.mean(r.pulled_fraction):.1%} "
+            f"({statistics.mean(p / c for p, c in zip(r.pulled_fraction, r.changed_fraction, strict=True)):.2f}) | "
+            f"{statistics.mean(r.trainer_share):.0%} | "
+            f"{r.ttft_idle.get('p99', 0) * 1000:.0f} -> {r.ttft_publishing.get('p99', 0) * 1000:.0f} ms | "
+            f"{r.failed}/{r.requests} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2,synthetic")
+    parser.add_argument("--size", default="256MB", help="synthetic model size (default 256MB)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fraction", type=float, default=0.1, help="share of tensors each version changes")
+    parser.add_argument("--load-s", type=float, default=12.0, help="seconds of steady load per phase")
+    parser.add_argument("--publish-every", type=float, default=3.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="preheat-refit-bench-") as tmp:
+        work = Path(tmp)
+        for label in args.models.split(","):
+            model = smollm2() if label == "smollm2" else synthetic(work / "synthetic-model", parse_size(args.size))
+            sub = work / label
+            sub.mkdir()
+            results.append(bench_model(label, model, args, sub))
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()

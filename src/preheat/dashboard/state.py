@@ -1,0 +1,161 @@
+"""The dashboard's state document (``preheat.dashboard/1``), built from values: pure, so it is tested without servers.
+
+A replica's entry joins what the router knows of it (``ReplicaRow``: health, phase, requests in flight) with what its
+own ``/metrics`` says (queue, tokens/s, KV hit rate per tier, cached-token share) and its last cold start
+(``/v1/preheat/timeline``: the waterfall). docs/dashboard.md documents every key; add keys, never rename them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from preheat.dashboard.prom import Metrics, by_label, total
+
+SCHEMA = "preheat.dashboard/1"
+RATE_WINDOW = 2.0  # seconds between the two scrapes a tokens/s is measured over (shorter: too noisy to read)
+MAX_STAGES = 64  # a waterfall's bars: a timeline is a few dozen stages; more would be unreadable anyway
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """What the router (or a replica, of itself) knows of one replica without asking it."""
+
+    url: str
+    healthy: bool
+    phase: str = "unknown"
+    standby: bool = False
+    in_flight: int = 0
+    finished: int = 0
+
+
+class TokenRate:
+    """Tokens per second from successive readings of a counter (``preheat_generated_tokens_total``).
+
+    The rate is measured over at least ``RATE_WINDOW`` seconds; a counter that went down (the replica restarted)
+    starts the measure again."""
+
+    def __init__(self) -> None:
+        self._mark: tuple[float, float] | None = None  # (when, count) the window started at
+        self.rate: float | None = None
+
+    def observe(self, when: float, count: float | None) -> float | None:
+        if count is None:
+            return self.rate
+        if self._mark is None or count < self._mark[1]:
+            self._mark, self.rate = (when, count), None
+            return None
+        since, before = self._mark
+        if when - since >= RATE_WINDOW:
+            self.rate = (count - before) / (when - since)
+            self._mark = (when, count)
+        return self.rate
+
+
+def kv_tiers(metrics: Metrics) -> dict[str, dict[str, float | None]]:
+    """Per KV tier: hits, misses, hit rate (None before the first lookup) and up (1/0)."""
+    hits = by_label(metrics, "preheat_kv_hits_total", "tier")
+    misses = by_label(metrics, "preheat_kv_misses_total", "tier")
+    up = by_label(metrics, "preheat_kv_tier_up", "tier")
+    tiers: dict[str, dict[str, float | None]] = {}
+    for tier in sorted(set(hits) | set(misses) | set(up)):
+        h, m = hits.get(tier, 0.0), misses.get(tier, 0.0)
+        tiers[tier] = {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else None, "up": up.get(tier)}
+    return tiers
+
+
+def waterfall(timeline: Mapping[str, Any] | None) -> dict[str, Any] | None:  # Any: the timeline's JSON document
+    """The bars of a cold start: ``{"total", "origin", "stages": [{"name", "start", "end"}]}`` (end None: running)."""
+    if not timeline or not isinstance(timeline.get("stages"), list):
+        return None
+    stages: list[dict[str, Any]] = []
+    for stage in timeline["stages"][:MAX_STAGES]:
+        if not isinstance(stage, dict) or not isinstance(stage.get("start"), int | float):
+            continue
+        end = stage.get("end")
+        stages.append(
+            {
+                "name": str(stage.get("name", "?"))[:64],
+                "start": float(stage["start"]),
+                "end": float(end) if isinstance(end, int | float) else None,
+            }
+        )
+    total_s = timeline.get("total")
+    return {
+        "total": float(total_s) if isinstance(total_s, int | float) else 0.0,
+        "origin": timeline.get("origin"),
+        "stages": stages,
+    }
+
+
+def replica_entry(
+    row: ReplicaRow,
+    metrics: Metrics | None,
+    timeline: Mapping[str, Any] | None,  # Any: the timeline's JSON document
+    tokens_per_s: float | None,
+    error: str | None = None,
+) -> dict[str, Any]:  # Any: a JSON object
+    """One replica's entry of the state document."""
+    scraped = metrics or {}
+    prompt = total(scraped, "preheat_prompt_tokens_total")
+    cached = total(scraped, "preheat_prompt_tokens_cached_total")
+    queue = total(scraped, "preheat_queue_depth")
+    running = total(scraped, "preheat_requests_running")
+    generated = total(scraped, "preheat_generated_tokens_total")
+    return {
+        "url": row.url,
+        "healthy": row.healthy,
+        "phase": row.phase,
+        "standby": row.standby,
+        "in_flight": row.in_flight,
+        "finished": row.finished,
+        "queue": None if queue is None else int(queue),
+        "running": None if running is None else int(running),
+        "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 2),
+        "generated_tokens": None if generated is None else int(generated),
+        "prompt_tokens": None if prompt is None else int(prompt),
+        "cached_tokens": None if cached is None else int(cached),
+        "cached_share": cached / prompt if prompt and cached is not None else None,
+        "kv": kv_tiers(scraped),
+        "waterfall": waterfall(timeline),
+        "error": error,
+    }
+
+
+def decisions(samples: Sequence[tuple[Mapping[str, str], float]]) -> list[dict[str, Any]]:  # Any: JSON objects
+    """The router's ``preheat_router_decisions_total`` as rows ``{"policy", "reason", "count"}``, most first."""
+    rows = [
+        {"policy": labels["policy"], "reason": labels.get("reason", "?"), "count": int(value)}
+        for labels, value in samples
+        if "policy" in labels and value > 0  # a counter with no decision yet has one unlabelled 0
+    ]
+    return sorted(rows, key=lambda r: (-r["count"], r["policy"], r["reason"]))
+
+
+def document(
+    kind: str,
+    replicas: list[dict[str, Any]],  # Any: replica_entry's JSON objects
+    *,
+    now: float,
+    status: str,
+    policy: str | None = None,
+    decision_rows: list[dict[str, Any]] | None = None,  # Any: decisions()' rows
+    findings: Mapping[str, Any] | None = None,  # Any: the doctor's JSON (preheat.doctor/1)
+    findings_error: str | None = None,
+    doctor: bool = False,
+) -> dict[str, Any]:  # Any: a JSON object
+    """The whole state document: ``kind`` is ``router`` (a fleet) or ``replica`` (one ``preheat serve``);
+    ``doctor``: whether findings are provided here (None findings then mean the first run is under way)."""
+    return {
+        "schema": SCHEMA,
+        "kind": kind,
+        "time": now,
+        "status": status,
+        "policy": policy,
+        "replicas": replicas,
+        "decisions": decision_rows or [],
+        "findings": dict(findings) if findings is not None else None,
+        "findings_error": findings_error,
+        "doctor": doctor,
+    }

@@ -1,0 +1,123 @@
+"""The refit HTTP server: a holder's versions (a trainer's memory, or a replica's live weights) to pulling replicas.
+
+Routes (HTTP/1.1 keep-alive, one thread per connection, optional bearer token as the peer server's):
+
+- ``GET /refit/v1/info``: ``{"name", "versions": [...], "latest"}``: the versions this holder can serve now.
+- ``GET /refit/v1/versions/<N>``: version ``N``'s manifest (``preheat.refit.protocol``); 404 when not held.
+- ``GET /refit/v1/versions/<N>/tensors/<tensor>``: the tensor's bytes as published; 404 when this holder no longer
+  holds them (a replica that moved on to ``N+1``, a trainer that dropped ``N``). Pullers check every tensor
+  against the manifest's digest, so a holder that changed under a read costs a retry elsewhere, never a bad weight.
+
+A server that would hand every weight to whoever reaches the port beyond loopback refuses to start without a token
+(``preheat.peer.access.require_token``), as the peer server does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
+from preheat.peer.access import require_token
+from preheat.refit.protocol import VersionManifest
+
+log = logging.getLogger("preheat.refit")
+INFO_ROUTE = "/refit/v1/info"
+VERSIONS_ROUTE = "/refit/v1/versions/"
+_VERSION_PATH = re.compile(r"^/refit/v1/versions/([0-9]{1,18})(?:/tensors/([^/]{1,512}))?$")
+_BLOCK = 1024 * 1024  # bytes per write: big writes, without one huge copy of a tensor
+
+
+class Holder(Protocol):
+    """What a refit server serves: versions of one name and their tensors' bytes."""
+
+    @property
+    def name(self) -> str: ...
+
+    def versions(self) -> list[int]:
+        """The versions this holder can serve now, oldest first."""
+        ...
+
+    def manifest(self, version: int) -> VersionManifest | None: ...
+
+    def tensor_bytes(self, version: int, tensor: str) -> memoryview | None:
+        """The bytes of ``tensor`` as version ``version`` published them, or None when not held (any more)."""
+        ...
+
+
+class RefitServer(BackgroundServer):
+    """Serves ``holder`` on ``host:port`` (0: a free port). ``bytes_served`` counts tensor bytes sent."""
+
+    thread_name = "preheat-refit"
+
+    def __init__(self, holder: Holder, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+        require_token(host, token)
+        super().__init__(host, port)
+        self.holder, self.token = holder, token
+        self.bytes_served = 0
+        self.tensors_served = 0
+        self._lock = threading.Lock()
+
+    def make_server(self) -> TrackedServer:
+        return _Server((self.host, self._port), self)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as announced in the registry: ``PREHEAT_PEER_ADVERTISE`` as the host when set (a server
+        bound to ``0.0.0.0`` is dialled at the node's address), else the bind host."""
+        host = os.environ.get("PREHEAT_PEER_ADVERTISE") or self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{host}:{self.port}"
+
+    def served(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_served += nbytes
+            self.tensors_served += 1
+
+
+class _Server(TrackedServer):
+    def __init__(self, address: tuple[str, int], refit: RefitServer) -> None:
+        super().__init__(address, _Handler)
+        self.refit = refit
+
+
+class _Handler(TrackedHandler):
+    server_version = "preheat-refit/1"
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server dispatches on this name
+        refit = self.server.refit
+        if not self.bearer_ok(refit.token, "refit token"):
+            return
+        path = unquote(urlsplit(self.path).path)
+        holder = refit.holder
+        if path == INFO_ROUTE:
+            versions = holder.versions()
+            info = {"name": holder.name, "versions": versions, "latest": versions[-1] if versions else None}
+            self.send_body(200, json.dumps(info).encode(), "application/json")
+            return
+        match = _VERSION_PATH.match(path)
+        if match is None:
+            self.plain(404, f"no route {path[:200]}\n")
+            return
+        version, tensor = int(match.group(1)), match.group(2)
+        if tensor is None:
+            manifest = holder.manifest(version)
+            if manifest is None:
+                self.plain(404, f"version {version} of {holder.name} is not held here\n")
+            else:
+                self.send_body(200, manifest.to_json(), "application/json")
+            return
+        data = holder.tensor_bytes(version, tensor)
+        if data is None:
+            self.plain(404, f"tensor {tensor[:200]} of version {version} is not held here\n")
+            return
+        self.head(200, {"Content-Type": "application/octet-stream", "Content-Length": str(len(data))})
+        for start in range(0, len(data), _BLOCK):
+            self.wfile.write(data[start : start + _BLOCK])
+        refit.served(len(data))

