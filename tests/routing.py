@@ -34,13 +34,10 @@ def start_replicas(model: str, count: int, *extra: str) -> list[ServerProcess]:
 
 
 @contextlib.contextmanager
-def running_router(
-    replicas: Sequence[str],
-    policy: str = "round-robin",
-    findings: Callable[[], Mapping[str, Any] | None] | None = None,
-    **flags: Any,
-) -> Iterator[RouterService]:
-    """A router on a free port in this process (its own threads), stopped on exit; ``findings`` feeds its dashboard."""
+def running_router(replicas: Sequence[str], policy: str = "round-robin", **flags: Any) -> Iterator[RouterService]:
+    """A router on a free port in this process (its own threads), stopped on exit; a ``findings`` flag (a callable)
+    feeds its dashboard instead of becoming a setting."""
+    findings: Callable[[], Mapping[str, Any] | None] | None = flags.pop("findings", None)
     settings = RouterSettings.resolve({"replicas": list(replicas), "policy": policy, "port": 0, **flags}, {})
     service = RouterService(settings, findings)
     service.start()

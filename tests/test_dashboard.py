@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import pytest
+
 from preheat.dashboard.prom import parse, total
 from preheat.dashboard.refresh import Refreshing
 from preheat.dashboard.state import SCHEMA, ReplicaRow, TokenRate, replica_entry, waterfall
@@ -190,3 +192,95 @@ def test_the_doctors_findings_reach_the_page_without_slowing_it() -> None:
     assert document["findings"]["schema"] == "preheat.doctor/1"
     assert {"id", "area", "severity", "title", "seconds", "evidence", "fix"} <= set(document["findings"]["findings"][0])
     assert json.dumps(document)  # one JSON document, as the page reads it
+
+
+@contextlib.contextmanager
+def odd_replica(metrics: bytes, timeline: bytes) -> Iterator[str]:
+    """A server that is not a preheat replica but sits in the fleet: it answers /metrics and the timeline route
+    with what it is given (garbage, huge numbers), as a misconfigured or foreign server would."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Odd(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = metrics if self.path == "/metrics" else timeline
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a scrape thread that died
+def test_a_replica_answering_garbage_does_not_break_the_page() -> None:
+    huge = "1" + "0" * 400  # a JSON integer no float holds
+    stages = [
+        '{"name": ["unhashable"], "start": 0.5, "end": 1}',
+        '{"name": "load", "start": HUGE, "end": HUGE}',
+        '{"name": "weights", "start": 1e999}',  # Python reads it as inf
+        '{"name": "ready", "start": 2, "end": 2}',
+    ]
+    timeline = ('{"total": HUGE, "origin": {"x": [1]}, "stages": [' + ", ".join(stages) + "]}").replace("HUGE", huge)
+    timeline_bytes = timeline.encode()
+    metrics = b'\x00\xff garbage\npreheat_queue_depth 1e999\npreheat_kv_hits_total{tier="l1"} nan\n{}{}\n'
+    with odd_replica(metrics, timeline_bytes) as odd, running_router([odd]) as service:
+        first = get(service.url, "/dashboard/api/state")
+        time.sleep(0.6)  # past the scrape's max_age: the second poll scrapes again, with the timeline in hand
+        second = get(service.url, "/dashboard/api/state")
+    for answer in (first, second):
+        assert answer.status == 200
+        [replica] = json.loads(answer.body, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["replicas"]
+        assert replica["queue"] is None  # an infinite gauge is no reading
+        assert replica["waterfall"]["total"] == 0.0
+        assert [s["name"] for s in replica["waterfall"]["stages"]] == ["['unhashable']", "ready"]
+    assert replica["error"] is None
+
+
+def test_a_replica_that_drips_its_answer_holds_one_scrape_not_one_per_poll() -> None:
+    import socket
+    import threading
+
+    from preheat.dashboard.watch import FleetWatcher
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:  # answers every connection with headers, then one byte of the body now and then
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(conn)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
+            threading.Thread(target=drip, args=(conn,), daemon=True).start()
+
+    def drip(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.05):
+                conn.sendall(b"#")
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    watcher = FleetWatcher(timeout=0.2, max_age=0.0)
+    try:
+        states = [watcher.state([ReplicaRow(url, True)], status="ok", policy="p", decision_samples=[])
+                  for _ in range(4)]  # fmt: skip
+        assert len(connections) == 1
+        assert "still reading its last answer" in states[-1]["replicas"][0]["error"]
+    finally:
+        stop.set()
+        listener.close()
+        for conn in connections:
+            conn.close()

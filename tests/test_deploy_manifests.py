@@ -164,6 +164,33 @@ def test_replicas_spread_over_nodes_wait_for_the_node_cache_and_mount_it(rendere
     assert host_paths == {v["hostPath"]["path"] for v in replica["volumes"] if "hostPath" in v}
 
 
+def test_a_replica_being_deleted_stays_up_until_the_router_has_let_it_go(rendered: list[Doc]) -> None:
+    # `preheat serve` stops at SIGTERM, which Kubernetes sends as the endpoint turns terminating: a preStop wait,
+    # within the grace period, lets the router drop it and the requests on it finish first.
+    replica = pod_spec(find(rendered, "Deployment", "preheat-replica"))
+    serve = next(c for c in replica["containers"] if c["args"][0] == "serve")
+    command = serve["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    assert 5 <= int(command[1]) < replica["terminationGracePeriodSeconds"]
+
+
+def test_the_node_cache_runs_on_every_node_a_replica_may_run_on(rendered: list[Doc]) -> None:
+    replica = pod_spec(find(rendered, "Deployment", "preheat-replica"))
+    daemon = pod_spec(find(rendered, "DaemonSet", "preheat-node-cache"))
+    for toleration in replica.get("tolerations", []):
+        assert toleration in daemon.get("tolerations", []), f"the node cache does not tolerate {toleration}"
+
+
+def test_secret_files_are_readable_by_the_pods_group_only(rendered: list[Doc]) -> None:
+    for workload in workloads(rendered):
+        spec = pod_spec(workload)
+        for volume in spec.get("volumes", []):
+            if "secret" in volume:
+                mode = volume["secret"].get("defaultMode", 0o644)
+                assert mode & 0o007 == 0, f"{workload['metadata']['name']}: {volume['name']} is world-readable"
+                assert spec["securityContext"].get("fsGroup") is not None  # the group the files are given to
+
+
 def test_the_fleet_has_exactly_one_autoscaler(rendered: list[Doc]) -> None:
     scalers = [d for d in rendered if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
     assert len(scalers) == 1

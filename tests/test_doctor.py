@@ -309,3 +309,59 @@ def test_cli_exits_2_on_a_failure_and_prints_the_fix(tmp_path: Path, capsys: pyt
     assert code == 2
     assert "node.model_missing" in out
     assert "preheat pull" in out
+
+
+def test_cli_prints_paths_with_brackets_as_they_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per cell: the path is not wrapped
+    missing = tmp_path / "[/models]" / "[bold]m"  # the table is rich markup: these must not be read as its tags
+    code = main(["doctor", str(missing), "--no-io"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "[/models]" in out
+    assert "[bold]m" in out
+
+
+@pytest.mark.parametrize("budget", ["0", "-3", "nan"])
+def test_cli_refuses_a_budget_too_short_to_examine_anything(budget: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:  # a gate must not pass ("ok", 0) on a run that checked nothing
+        main(["doctor", "/nonexistent/model", "--budget-s", budget])
+    assert exited.value.code == 2
+    assert "--budget-s" in capsys.readouterr().err
+
+
+
+def _resident_pages(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache: mincore(2) over a private mapping nothing has touched."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with path.open("rb") as file, mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        anchor = ctypes.c_char.from_buffer(mapped)  # the mapping's address; copy-on-write, so nothing is written
+        failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector)
+        del anchor
+    assert failed == 0, os.strerror(ctypes.get_errno())
+    return [bool(page & 1) for page in vector]
+
+
+def test_the_page_cache_probe_evicts_only_the_bytes_it_reads(tmp_path: Path) -> None:
+    """Without O_DIRECT the cold probe evicts its own ranges first; the rest of a live node's model stays warm."""
+    from preheat.doctor.reads import drop_page_range
+
+    model = tmp_path / "weights.bin"
+    with model.open("wb") as file:
+        file.write(os.urandom(8 * 1024 * 1024))
+        file.flush()
+        os.fsync(file.fileno())  # clean pages: only those can be evicted
+    model.read_bytes()  # every page cached
+    if not all(_resident_pages(model)):
+        pytest.skip("this filesystem does not keep the file in the page cache")
+    drop_page_range(str(model), 0, 4 * 1024 * 1024)
+    resident = _resident_pages(model)
+    half = len(resident) // 2
+    assert all(resident[half:])  # the bytes the probe does not read stay warm
+    assert not all(resident[:half])  # the probed range was given back (clean pages)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import http.server
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -76,6 +78,18 @@ def test_list_then_watch_follows_endpoints_as_they_turn_ready_and_leave(api: Fak
         wait_until(lambda: seen[-1] == frozenset(), "the deleted slice's replicas to leave")
     assert api.count("LIST endpointslices") == 1  # one list, then one watch carried everything
     assert api.requests[1].startswith("WATCH endpointslices rv=")
+
+
+def test_a_slice_whose_endpoints_are_all_gone_empties_the_fleet_and_the_watch_goes_on(api: FakeAPIServer) -> None:
+    api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+    with watching() as seen:
+        empty = endpoints_slice(8000, {})
+        empty["endpoints"] = None  # as the API server sends a slice with no endpoints (scaled to zero)
+        api.put("endpointslices", empty)
+        wait_until(lambda: seen[-1] == frozenset(), "the fleet to be empty")
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.2": True}))  # scaled up from zero
+        wait_until(lambda: seen[-1] == {"http://10.0.0.2:8000"}, "10.0.0.2 to join")
+    assert api.count("LIST endpointslices") == 1
 
 
 def test_a_bookmark_moves_the_version_a_resumed_watch_starts_from(api: FakeAPIServer) -> None:
@@ -271,3 +285,84 @@ def test_in_a_pod_the_service_accounts_token_and_ca_reach_the_api_server(tmp_pat
         assert client.preheat_source == "the pod's service account"
     finally:
         api.stop()
+
+
+# -- a replica leaving while its health check or KV poll is under way ------------------------------------------------
+class _EventsReplica(http.server.ThreadingHTTPServer):
+    """A replica's ``/v1/kv/events``: always a snapshot of two L1 keys; counts the polls it answers."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+        snapshot = {"epoch": "e1", "fingerprint": "f" * 32, "chunk_tokens": 16, "seq": 1, "reset": True,
+                    "l2_id": None, "l1": ["a" * 32, "b" * 32], "l2": []}  # fmt: skip
+        body = json.dumps(snapshot).encode()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                owner.polls += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def test_a_replica_that_left_is_not_put_back_by_a_health_check_finishing_late() -> None:
+    from preheat.router.upstream import Replica
+
+    replica = Replica("http://127.0.0.1:9", timeout=1.0)
+    assert replica.set_healthy(True)
+    replica.retire()  # the router's remove_replica, while a health check of it is under way
+    assert not replica.set_healthy(True)  # that check passing now changes nothing
+    assert not replica.healthy
+
+
+def test_a_kv_poll_of_a_replica_that_left_adds_no_keys_and_opens_no_connection() -> None:
+    from preheat.router.events import KVEventPoller
+    from preheat.router.index import KVIndex
+    from preheat.router.upstream import Replica
+
+    server = _EventsReplica()
+    try:
+        replica = Replica(server.url, timeout=2.0)
+        index = KVIndex()
+        poller = KVEventPoller([replica], index)
+        assert poller.poll(replica)
+        assert index.state(server.url) is not None  # while it is in the fleet its keys are indexed
+        replica.retire()
+        poller.remove(replica)
+        polls = server.polls
+        poller.tick(replica)  # a poll that was about to start when it left
+        assert index.state(server.url) is None
+        assert server.polls == polls
+
+        class LeavesDuringApply(KVIndex):
+            """The removal lands between the poll's answer and its apply (the router's order: retire, forget)."""
+
+            def apply(self, url: str, update: Any, *, finished: int = 0) -> None:  # Any: the index's KVUpdate
+                if url == late.url and not late.retired:
+                    late.retire()
+                    self.forget(url)
+                super().apply(url, update, finished=finished)
+
+        late = Replica(server.url, timeout=2.0)
+        racy = LeavesDuringApply()
+        KVEventPoller([late], racy).poll(late)
+        assert racy.state(server.url) is None  # its keys do not outlive its leaving
+        poller.stop()
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -243,6 +243,51 @@ def test_a_pull_whose_holder_dies_midway_resumes_from_one_that_has_the_version(k
             replica.stop()
 
 
+def cut_short_holder(manifest: VersionManifest) -> tuple[str, threading.Thread]:
+    """A holder that dies mid-tensor: it announces the whole length, sends half the bytes, and closes. Serves one
+    request; returns its address and its thread."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                path = conn.recv(65536).split(b" ")[1].decode()
+                entry = manifest.entry(path.rsplit("/", 1)[-1])
+                nbytes = entry.nbytes if entry is not None else 0
+                head = f"HTTP/1.1 200 OK\r\nContent-Length: {nbytes}\r\nConnection: close\r\n\r\n"
+                conn.sendall(head.encode() + bytes(nbytes // 2))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return address, thread
+
+
+def test_a_holder_that_dies_mid_tensor_is_not_taken_for_a_liar(kv_model: Path, registry: str) -> None:
+    from preheat.refit.pull import Discovery, Pull
+
+    weights = perturbed(kv_model, 1.0)
+    with Publisher(NAME, registry=registry) as publisher:
+        manifest = publisher.publish(weights, 1)
+    needed = [e for e in manifest.tensors if e.name == "model.norm.weight"]
+    dying, thread = cut_short_holder(manifest)
+    with Publisher(NAME, registry=registry) as finished:  # appears once the dying holder is gone
+        finished.publish(weights, 1)
+        looks: list[int] = []
+
+        def rediscover() -> Discovery:  # the registry lists only the dying holder for a while, then both
+            looks.append(1)
+            return Discovery({dying: [1]} | ({finished.server.address: [1]} if len(looks) > 3 else {}))
+
+        result = Pull(manifest, needed, rediscover, headers={}, poll_s=0.1).run([dying])
+        thread.join(timeout=10)
+    assert result.sources == {finished.server.address: needed[0].nbytes}
+    assert bytes(result.data["model.norm.weight"]) == bytes(tensor_view(weights["model.norm.weight"]))
+
+
 def test_with_no_holder_left_a_replica_keeps_its_version(own_trainer: Trainer, kv_model: Path, registry: str) -> None:
     replica = follower(kv_model, registry)
     try:
@@ -276,6 +321,100 @@ def test_kv_chunks_are_never_reused_across_versions(trainer: Trainer, kv_model: 
         assert cached() > 0
     finally:
         replica.stop()
+
+
+def perturbed(model: Path, delta: float) -> dict[str, torch.Tensor]:
+    """The model's weights with the final norm changed by ``delta``: a version where one tensor moved."""
+    from safetensors.torch import load_file
+
+    weights = dict(load_file(str(model / "model.safetensors")))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + delta
+    return weights
+
+
+def test_asking_for_a_served_or_unpublished_version_does_not_stop_the_following(kv_model: Path, registry: str) -> None:
+    replica = follower(kv_model, registry)
+    with Publisher(NAME, registry=registry) as publisher:
+        try:
+            publisher.publish(perturbed(kv_model, 1.0), 1)
+            assert replica.step()
+            replica.request(1)  # POST /v1/preheat/refit {"version": 1} on a replica that serves it already
+            assert not replica.step()
+            publisher.publish(perturbed(kv_model, 2.0), 2)
+            assert replica.step()  # it still follows what is published next
+            assert replica.version == 2
+            replica.request(3)  # asked for before the trainer published it
+            assert not replica.step()
+            assert replica.status()["failed"] is None  # not published yet is not a failure
+            publisher.publish(perturbed(kv_model, 3.0), 3)
+            assert replica.step()
+            assert replica.version == 3
+        finally:
+            replica.stop()
+
+
+def test_a_swap_that_runs_out_of_memory_leaves_the_replica_on_its_version(kv_model: Path, registry: str) -> None:
+    def out_of_memory(swap_in: object) -> object:  # the generation thread's allocation fails during the swap
+        raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+
+    replica = follower(kv_model, registry, run_between=out_of_memory)
+    before = logits(replica.engine)
+    with Publisher(NAME, registry=registry) as publisher:
+        try:
+            publisher.publish(perturbed(kv_model, 1.0), 1)
+            assert not replica.step()  # reported, not raised: the follower's thread keeps following
+            status = replica.status()
+            assert (status["version"], status["failed"]) == (None, 1)
+            assert "out of memory" in str(status["error"])
+            assert torch.equal(logits(replica.engine), before)
+        finally:
+            replica.stop()
+
+
+def test_a_version_of_another_shape_is_refused_before_any_tensor_moves(kv_model: Path, registry: str) -> None:
+    weights = perturbed(kv_model, 1.0)
+    weights["model.norm.weight"] = torch.ones(3)  # another model published under the same name
+    replica = follower(kv_model, registry)
+    with Publisher(NAME, registry=registry) as publisher:
+        try:
+            publisher.publish(weights, 1)
+            assert not replica.step()
+            assert "shape" in str(replica.status()["error"])
+            assert publisher.server.bytes_served == 0
+        finally:
+            replica.stop()
+
+
+def test_replicas_of_a_tied_model_serve_a_version_whose_state_dict_lists_lm_head(
+    kv_model: Path, registry: str, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    tied = tmp_path / "tied"
+    shutil.copytree(kv_model, tied, ignore=shutil.ignore_patterns("preheat.json"))
+    config = json.loads((tied / "config.json").read_text())
+    weights = perturbed(kv_model, 0.0)
+    weights.pop("lm_head.weight", None)
+    save_file(weights, str(tied / "model.safetensors"), {"format": "pt"})
+    (tied / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    state_dict = perturbed(tied, 1.0)
+    state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]  # what a tied model's state_dict() lists
+    first, second = follower(tied, registry, deadline_s=10.0), follower(tied, registry, deadline_s=10.0)
+    try:
+        for replica in (first, second):
+            replica._heartbeat.start()  # type: ignore[union-attr]  # announce, as start() does, without its thread
+        with Publisher(NAME, registry=registry) as publisher:
+            publisher.publish(state_dict, 1)
+            assert first.step()
+        assert second.step()  # the trainer is gone: everything it needs comes from the first replica
+        assert second.version == 1
+        assert torch.equal(logits(second.engine), logits(first.engine))
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_inplace_swap_rolls_back_when_a_write_fails(trainer: Trainer, kv_model: Path, shared_registry: str) -> None:
@@ -351,6 +490,20 @@ def test_publishing_an_older_version_is_refused(registry: str) -> None:
             publisher.publish({"../w": torch.zeros(2)})
 
 
+def test_a_publisher_or_follower_refused_at_construction_leaves_no_server_behind(kv_model: Path, registry: str) -> None:
+    from preheat.errors import ConfigError
+
+    def servers() -> int:
+        return sum(t.name == RefitServer.thread_name for t in threading.enumerate())
+
+    before = servers()
+    with pytest.raises(ConfigError, match="ttl"):
+        Publisher(NAME, registry=registry, ttl=0)
+    with pytest.raises(ConfigError, match="ttl"):
+        follower(kv_model, registry, ttl=0)
+    assert servers() == before
+
+
 def test_the_follower_needs_the_builtin_engine_and_a_valid_name(kv_model: Path, registry: str) -> None:
     engine = Engine.from_checkpoint(str(kv_model))
     with pytest.raises(RefitError, match="refit name"):
@@ -419,3 +572,8 @@ def test_serve_settings_for_following(kv_model: Path, registry: str) -> None:
     assert ServeSettings.resolve({"model": "preheat://policy-7b"}, {}).refit_name == "policy-7b"
     with pytest.raises(ConfigError, match="--compile"):
         ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "compile": True}, {})
+    with pytest.raises(ConfigError, match="PREHEAT_PEER_TOKEN"):  # not a replica that loads, then cannot follow
+        ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "host": "0.0.0.0"}, {})
+    shared = ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "host": "0.0.0.0",
+                                    "peer_token": "s3cret"}, {})  # fmt: skip
+    assert shared.follow

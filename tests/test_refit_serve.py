@@ -151,3 +151,17 @@ def test_the_router_can_send_requests_only_to_replicas_on_the_newest_version(fle
         answered = {Client(router.url).post("/v1/completions", COMPLETION).headers["X-Preheat-Replica"]
                     for _ in range(6)}  # fmt: skip
         assert plain in answered  # without the option, every healthy replica takes requests
+
+
+def test_a_replica_whose_refit_server_cannot_bind_still_serves(kv_model: Path, tmp_path: Path) -> None:
+    flags = ("--follow", "--registry", f"file://{tmp_path}", "--peer-host", "192.0.2.1", "--peer-token", "s3cret")
+    replica = ServerProcess(str(kv_model), "--served-model-name", NAME, "--max-model-len", "256", *flags)
+    try:
+        replica.wait_ready(timeout=120)  # 192.0.2.1 (TEST-NET) is no address of this machine: the bind fails
+        client = Client(replica.url)
+        health = client.get("/health").json()
+        assert health["status"] == "ok"
+        assert "refit" not in health  # not following, and /health says so
+        assert client.post("/v1/completions", COMPLETION).status == 200
+    finally:
+        replica.stop()

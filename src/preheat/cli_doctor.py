@@ -46,8 +46,8 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
                         help="what peers announce the model as (default: its preheat.json identity or dir name)")
     doctor.add_argument("--gpu-cost-per-hour", type=float, default=0.0, metavar="USD",
                         help="price the seconds of each finding in USD per start at this GPU-hour price")
-    doctor.add_argument("--budget-s", type=float, default=30.0, metavar="S",
-                        help="seconds for the whole run (default: 30)")
+    doctor.add_argument("--budget-s", type=_budget, default=30.0, metavar="S",
+                        help=f"seconds for the whole run, at least {MIN_BUDGET_S:g} (default: 30)")
     doctor.add_argument("--no-io", dest="io", action="store_false",
                         help="skip the read, download and bandwidth probes (only cheap, read-only checks)")
     doctor.add_argument("--cache-dir", default=None, metavar="DIR",
@@ -57,6 +57,20 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     doctor.add_argument("--api-key", default=os.environ.get("PREHEAT_API_KEY"), metavar="KEY",
                         help="bearer token for the replica URL [PREHEAT_API_KEY]")
     doctor.set_defaults(func=_cmd_doctor)
+
+
+MIN_BUDGET_S = 1.0  # under it every check is skipped (info), and a run that examined nothing would exit 0: "ok"
+
+
+def _budget(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds >= MIN_BUDGET_S:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} s is too short to check anything (at least "
+                                         f"{MIN_BUDGET_S:g} s)")  # fmt: skip
+    return seconds
 
 
 def _options(args: argparse.Namespace) -> Any:  # Any: DoctorOptions, imported late to keep `preheat --help` fast
@@ -95,6 +109,7 @@ _STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan", "ok": "green"}
 
 def _print_table(document: dict[str, Any], cost_per_hour: float) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"preheat doctor: {document['status']} ({document['elapsed_s']:.1f} s)", show_lines=True,
@@ -111,9 +126,12 @@ def _print_table(document: dict[str, Any], cost_per_hour: float) -> None:
         if cost_per_hour:
             cells.append("" if seconds is None else f"{seconds * cost_per_hour / 3600:.4f}")
         severity = finding["severity"]
-        evidence = ", ".join(f"{k}={_short(v)}" for k, v in finding["evidence"].items() if v is not None)
-        cells += [f"[{_STYLE[severity]}]{severity}[/]", f"{finding['title']} [dim]({finding['id']})\n{evidence}[/]",
-                  finding["fix"] or ""]
+        # Titles, evidence and fixes hold paths, URLs and servers' messages: escaped, so a "[...]" in them prints as
+        # written instead of being read as rich markup (an unmatched "[/x]" would end the run with a MarkupError).
+        evidence = escape(", ".join(f"{k}={_short(v)}" for k, v in finding["evidence"].items() if v is not None))
+        cells += [f"[{_STYLE[severity]}]{severity}[/]",
+                  f"{escape(finding['title'])} [dim]({escape(finding['id'])})\n{evidence}[/]",
+                  escape(finding["fix"] or "")]  # fmt: skip
         table.add_row(*cells)
     Console().print(table)
 

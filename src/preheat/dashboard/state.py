@@ -7,6 +7,7 @@ own ``/metrics`` says (queue, tokens/s, KV hit rate per tier, cached-token share
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,22 +72,27 @@ def waterfall(timeline: Mapping[str, Any] | None) -> dict[str, Any] | None:  # A
         return None
     stages: list[dict[str, Any]] = []
     for stage in timeline["stages"][:MAX_STAGES]:
-        if not isinstance(stage, dict) or not isinstance(stage.get("start"), int | float):
+        start = _seconds(stage.get("start")) if isinstance(stage, dict) else None
+        if start is None:
             continue
-        end = stage.get("end")
-        stages.append(
-            {
-                "name": str(stage.get("name", "?"))[:64],
-                "start": float(stage["start"]),
-                "end": float(end) if isinstance(end, int | float) else None,
-            }
-        )
-    total_s = timeline.get("total")
+        stages.append({"name": str(stage.get("name", "?"))[:64], "start": start, "end": _seconds(stage.get("end"))})
     return {
-        "total": float(total_s) if isinstance(total_s, int | float) else 0.0,
-        "origin": timeline.get("origin"),
+        "total": _seconds(timeline.get("total")) or 0.0,
+        "origin": _seconds(timeline.get("origin")),
         "stages": stages,
     }
+
+
+def _seconds(value: object) -> float | None:
+    """A timeline's number of seconds as a finite float, else None: a replica's JSON may hold an integer no float
+    holds or ``1e999`` (infinite), and the page's ``JSON.parse`` refuses the ``Infinity`` that would be written."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 def replica_entry(

@@ -40,7 +40,8 @@ class Scrape:
         if self.timeline is None or self.timeline_at is None:
             return True
         stages = self.timeline.get("stages")
-        names = {s.get("name") for s in stages if isinstance(s, dict)} if isinstance(stages, list) else set()
+        names = {s.get("name") for s in stages if isinstance(s, dict) and isinstance(s.get("name"), str)} \
+            if isinstance(stages, list) else set()  # fmt: skip
         return not {"ready", "first_request_ttft"} <= names or now - self.timeline_at >= TIMELINE_EVERY
 
 
@@ -55,6 +56,7 @@ class FleetWatcher:
         self._scraped_at: float | None = None
         self._scrapes: dict[str, Scrape] = {}
         self._rates: dict[str, TokenRate] = {}
+        self._busy: dict[str, threading.Thread] = {}  # each replica's last scrape thread
 
     def state(
         self,
@@ -72,6 +74,7 @@ class FleetWatcher:
                 for gone in set(self._scrapes) - urls:  # it left the fleet (--replicas-from): forget it
                     self._scrapes.pop(gone, None)
                     self._rates.pop(gone, None)
+                    self._busy.pop(gone, None)
                 self._scrape(sorted(urls), now)
                 self._scraped_at = now
             entries = []
@@ -93,7 +96,15 @@ class FleetWatcher:
         )
 
     def _scrape(self, urls: Sequence[str], now: float) -> None:
-        threads = [threading.Thread(target=self._scrape_one, args=(url, now), daemon=True) for url in urls]
+        threads = []
+        for url in urls:
+            # The timeouts bound each read, not a whole answer: a replica that drips its /metrics keeps a scrape
+            # reading past the join below. It gets no second one meanwhile (one thread and socket per replica).
+            if url in self._busy and self._busy[url].is_alive():
+                self._scrapes.setdefault(url, Scrape()).error = f"{url}: still reading its last answer"
+                continue
+            self._busy[url] = threading.Thread(target=self._scrape_one, args=(url, now), daemon=True)
+            threads.append(self._busy[url])
         for thread in threads:
             thread.start()
         for thread in threads:

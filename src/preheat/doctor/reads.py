@@ -128,8 +128,16 @@ def timed_read(
     return total, max(time.monotonic() - start, 1e-9)
 
 
+def drop_page_range(path: str, offset: int, length: int) -> None:
+    """Ask the kernel to evict ``length`` bytes of ``path`` from ``offset`` out of the page cache (clean pages only)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def check_read_speed(options: DoctorOptions, bound_s: float) -> list[Finding]:
-    from preheat.io.files import drop_page_cache
 
     model = model_of(options)
     if model is None:
@@ -141,8 +149,14 @@ def check_read_speed(options: DoctorOptions, bound_s: float) -> list[Finding]:
     threads = max(2, min(os.cpu_count() or 1, 8))
     direct = direct_io_supported(files[0][0])
     if not direct:
-        for path, _size in files:
-            drop_page_cache(path)  # clean pages only, and only the files probed
+        # No O_DIRECT here: evict only the byte ranges the cold probe reads (clean pages), so a live node keeps the
+        # rest of its model warm; the probe then faults exactly those ranges back in.
+        left = options.probe_bytes
+        for path, size in files:
+            if left <= 0:
+                break
+            drop_page_range(path, 0, min(size, left))
+            left -= size
     cold_bytes, cold_s = timed_read(files, options.probe_bytes, bound_s * 0.5, direct=direct, threads=threads)
     cached = cold_bytes
     if direct:  # O_DIRECT left the page cache as it was: bring the probed bytes in before timing a warm read

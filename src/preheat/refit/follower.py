@@ -33,7 +33,7 @@ from preheat.refit.protocol import VersionManifest, check_name, head_identity, h
 from preheat.refit.publisher import tensor_view
 from preheat.refit.pull import Discovery, Pull, SupersededError, fetch_manifest
 from preheat.refit.server import INFO_ROUTE, RefitServer
-from preheat.refit.swap import ModelSlots, SwapReport, swap
+from preheat.refit.swap import ModelSlots, SwapReport, check_shapes, swap
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
@@ -116,10 +116,9 @@ class Follower:
         self._stop = threading.Event()
         self._applied = threading.Condition()
         self._thread: threading.Thread | None = None
+        # The heartbeat first: a bad ttl is refused before a server thread and socket exist to leak.
+        self._heartbeat = Heartbeat(self.registry, self._entry, ttl) if serve else None
         self.server = RefitServer(self, host=host, port=port, token=token).start() if serve else None
-        self._heartbeat: Heartbeat | None = None
-        if self.server is not None:
-            self._heartbeat = Heartbeat(self.registry, self._entry, ttl)
 
     # -- Holder: what this replica serves to others ----------------------------------------------------------------
     @property
@@ -238,7 +237,14 @@ class Follower:
     def step(self) -> bool:
         """Look once; pull and apply the newest version when it is newer than ours. True when one was applied."""
         found = self.discover()
-        target = self._wanted if self._wanted is not None else found.newest
+        wanted, served = self._wanted, self.version or 0
+        # A version asked for that is served already, or that no holder serves while a newer one is out, is dropped:
+        # kept, it would pin every later look to it and the replica would stop following.
+        if wanted is not None and (wanted <= served or (not found.holding(wanted) and (found.newest or 0) > wanted)):
+            self._wanted = wanted = None
+        target = wanted if wanted is not None else found.newest
+        if target is not None and not found.holding(target):
+            return False  # asked for a version not published yet: looked for again at the next poll, not failed
         while target is not None and target > (self.version or 0) and target != self.failed:
             self._wanted = None
             try:
@@ -264,7 +270,13 @@ class Follower:
             manifest = fetch_manifest(found.holding(version), version, self.headers)
             if manifest.name != self._name:
                 raise RefitError(f"version {version} is of {manifest.name!r}, not {self._name!r}")
-            needed = to_fetch(self.have, manifest)
+            slots = ModelSlots(self.model)
+            # Names and shapes come from a holder: checked against the model before a byte is pulled (a manifest of
+            # another model costs one refusal, not its tensors in memory). A tied model's lm_head is not pulled: the
+            # model computes with the embedding, and replicas could not serve it to each other.
+            lacking = to_fetch(self.have, manifest)
+            check_shapes(slots, {e.name: e.shape for e in lacking})
+            needed = [e for e in lacking if slots.get(e.name) is not None]
             pull = Pull(
                 manifest,
                 needed,
@@ -283,7 +295,10 @@ class Follower:
             }
             tensors = self._converted(tensors)
             began = time.monotonic()
-            report = self.run_between(lambda: self._swap_in(manifest, tensors))
+            try:
+                report = self.run_between(lambda: self._swap_in(manifest, tensors))
+            except (RuntimeError, MemoryError) as exc:  # torch's (OutOfMemoryError too): the swap rolled back
+                raise RefitError(f"version {version}: the swap failed and was rolled back: {exc}") from exc
             swap_s = time.monotonic() - began
         finally:
             self.pulling = None

@@ -112,8 +112,9 @@ class Publisher:
         self.server = RefitServer(self, host=host, port=port, token=token)
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._lock = threading.Lock()
+        self._heartbeat = Heartbeat(self.registry, self._entry, ttl)  # checks ttl before the server starts
         self.server.start()
-        self._heartbeat = Heartbeat(self.registry, self._entry, ttl).start()
+        self._heartbeat.start()
 
     # -- Holder (preheat.refit.server) -----------------------------------------------------------------------------
     @property

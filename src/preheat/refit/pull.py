@@ -200,6 +200,10 @@ class Pull:
             raise RefitError(f"{url}: {describe(exc, TIMEOUTS)}") from None
         if answer.status != 200:
             raise RefitError(f"{url}: HTTP {answer.status}")
+        if len(answer.body) < entry.nbytes and answer.headers.get("Content-Length") == str(entry.nbytes):
+            # The holder promised the right length and the connection ended early (it died mid-tensor): not a lie,
+            # so it is not dropped for good; its tensor goes to another holder.
+            raise RefitError(f"{url}: the answer ended after {len(answer.body)} of {entry.nbytes} bytes")
         if len(answer.body) != entry.nbytes:
             raise VerificationError(f"{url}: {len(answer.body)} bytes, the manifest says {entry.nbytes}")
         got = digest_bytes(answer.body)

@@ -116,15 +116,20 @@ class ModelSlots:
 
 def check_fits(slots: ModelSlots, new: Mapping[str, torch.Tensor]) -> None:
     """``RefitError`` unless every tensor of ``new`` is one the model uses, with the shape it has now."""
-    for name, tensor in new.items():
+    check_shapes(slots, {name: tuple(tensor.shape) for name, tensor in new.items()})
+
+
+def check_shapes(slots: ModelSlots, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """``check_fits`` on names and shapes alone (a manifest's, before any of its bytes are pulled)."""
+    for name, shape in shapes.items():
         current = slots.get(name)
         if current is None:
             if name == "lm_head.weight" and slots.tied:
                 continue  # a tied model computes with the embedding; a stored lm_head is unused, as at load
             raise RefitError(f"tensor {name!r} is not one the model uses: a refit cannot change the architecture")
-        if tuple(current.shape) != tuple(tensor.shape):
+        if tuple(current.shape) != tuple(shape):
             raise RefitError(
-                f"tensor {name!r} has shape {list(tensor.shape)}, the model's has {list(current.shape)}: a refit "
+                f"tensor {name!r} has shape {list(shape)}, the model's has {list(current.shape)}: a refit "
                 "cannot change the architecture"
             )
 

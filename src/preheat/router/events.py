@@ -46,6 +46,8 @@ class KVEventPoller(ReplicaLoop):
         self._denied: set[str] = set()  # replicas that refused our key: said once, not every poll
 
     def tick(self, replica: Replica) -> float:
+        if _left(replica):
+            return self.idle_interval  # it left the fleet (remove() ends this thread): open no connection to it
         return self.interval if self.poll(replica) else self.idle_interval
 
     def poll(self, replica: Replica) -> bool:
@@ -66,7 +68,7 @@ class KVEventPoller(ReplicaLoop):
         except HTTPClientError as exc:  # reconnects on the next poll; the health checker decides if it is down
             log.debug("%s%s: %s", replica.url, EVENTS_PATH, exc)
             return True
-        if replica.retired:
+        if _left(replica):
             return True  # it left the fleet while we asked: its keys were dropped, and must stay so
         if response.status == 404:
             return False  # no KV tier there: ask again now and then, in case it restarts with one
@@ -80,6 +82,8 @@ class KVEventPoller(ReplicaLoop):
         try:
             payload = loads_bounded(response.body, max_bytes=MAX_ANSWER_BYTES, max_containers=MAX_ANSWER_CONTAINERS)
             self.index.apply(replica.url, parse_update(payload, replica.url), finished=finished)
+            if _left(replica):  # it left while we applied: remove()'s forget may have run before our apply
+                self.index.forget(replica.url)
         except (ValueError, RouterError) as exc:  # ValueError: jsonsafe.JSONInputError (too large, deep, not JSON)
             log.warning("%s%s: ignoring a malformed answer: %s", replica.url, EVENTS_PATH, exc)
             self.index.forget(replica.url)  # start over from a snapshot
@@ -97,3 +101,8 @@ class KVEventPoller(ReplicaLoop):
         super().stop()
         for conn in self._conns.values():
             conn.close()
+
+
+def _left(replica: Replica) -> bool:
+    """Whether ``replica`` left the fleet, read afresh: another thread (the router's discovery) retires it."""
+    return replica.retired

@@ -136,8 +136,12 @@ class Replica:
         self._lock = threading.Lock()
 
     def set_healthy(self, healthy: bool) -> bool:
-        """Enter (True) or leave rotation; False when it already was so (another thread got there first)."""
+        """Enter (True) or leave rotation; False when it already was so (another thread got there first), or when
+        it left the fleet (``retire``): checked under the lock, so a health check finishing as it leaves cannot put
+        it back."""
         with self._lock:
+            if healthy and self.retired:
+                return False
             changed, self.healthy = self.healthy != healthy, healthy
             return changed
 

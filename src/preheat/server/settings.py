@@ -129,6 +129,10 @@ class ServeSettings:
             raise ConfigError(f"--max-staleness {self.max_staleness}: needs --follow and a count of 0 or more")
         if self.follow and (self.compile or self.standby):
             raise ConfigError("--follow swaps weights in a live model: not with --compile or --standby (docs/refit.md)")
+        if self.follow:  # its refit server offers the live weights on the peer host: refused here, before the bind
+            from preheat.peer.access import require_token  # torch-free
+
+            require_token(self.peer_bind_host, self.peer_token)
 
     def check_standby(self) -> None:
         """A standby replica must be told what it may load, and must not take orders from the network unguarded."""
