@@ -531,9 +531,17 @@ def test_refit_publish_serves_a_checkpoint_on_disk(kv_model: Path, registry: str
             publisher.wait(timeout=30)
 
 
+def test_refit_publish_asks_for_the_version(kv_model: Path, registry: str) -> None:
+    command = [sys.executable, "-m", "preheat", "refit", "publish", str(kv_model), "--name", NAME,
+               "--registry", registry]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "--version" in done.stderr
+
+
 def test_refit_publish_names_a_directory_without_weights(tmp_path: Path, registry: str) -> None:
     command = [sys.executable, "-m", "preheat", "refit", "publish", str(tmp_path), "--name", NAME,
-               "--registry", registry]  # fmt: skip
+               "--registry", registry, "--version", "1"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode != 0
     assert str(tmp_path) in done.stderr

@@ -19,7 +19,7 @@ Live weight updates (docs/refit.md): a trainer publishes versions of preheat://N
 changed from the trainer and from each other, verify them, and swap them in between two requests.
 
 examples:
-  preheat refit publish ./ckpt-step-4000 --name smollm2 --registry redis://reg:6379 --dtype bf16
+  preheat refit publish ./ckpt-step-4000 --name smollm2 --registry redis://reg:6379 --version 4000 --dtype bf16
   preheat refit status http://replica:8000
 """
 
@@ -28,7 +28,7 @@ Publish the checkpoint DIR (its *.safetensors files) as the next version of NAME
 replicas following NAME pull what changed. The tensors are read into memory once; nothing else is written.
 
 examples:
-  preheat refit publish ./ckpt-step-4000 --name smollm2 --registry redis://reg:6379
+  preheat refit publish ./ckpt-step-4000 --name smollm2 --registry redis://reg:6379 --version 4000
   preheat refit publish ./ckpt --name smollm2 --registry file:///shared/registry --version 7 --dtype bf16
 """
 
@@ -52,7 +52,12 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     publish.add_argument("--name", required=True, help="the served name replicas follow (preheat://NAME)")
     publish.add_argument("--registry", required=True, help="redis://host:port[/db] or file:///shared/dir")
     # dest: the top-level parser's --version flag lives in the same namespace
-    publish.add_argument("--version", dest="refit_version", type=int, default=None, help="version number (default: 1)")
+    # Required: a process started from a checkpoint knows no history, and a version at or below what replicas serve
+    # is ignored by them, so guessing "1" would publish nothing anyone takes.
+    publish.add_argument(
+        "--version", dest="refit_version", type=int, required=True,
+        help="version number: higher than any version replicas of NAME serve (e.g. the training step)",
+    )  # fmt: skip
     publish.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast float tensors before serving")
     publish.add_argument("--host", default="127.0.0.1", help="where the refit server listens (default: loopback)")
     publish.add_argument("--port", type=int, default=0, help="refit server port (default: 0, free)")

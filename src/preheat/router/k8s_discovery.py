@@ -139,6 +139,10 @@ class EndpointSliceWatcher:
         """One watch from ``self.version``, until the server ends it (``version`` follows each event); True when it
         carried at least one event or ran its course."""
         watch = kubernetes.watch.Watch()
+        # Events as JSON, no models: only ``raw_object`` is read here, and a model's own checks fail on what the API
+        # server sends (kubernetes 29's EndpointSlice refuses ``"endpoints": null``, a slice whose pods are all
+        # gone): the watch would fail on that event, resume before it, and fail again, for as long as it is kept.
+        watch.get_return_type = lambda func: None
         self._watch = watch
         started = time.monotonic()
         carried = False

@@ -446,7 +446,9 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
 
         try:
             prepare_follow(state, loaded)
-        except PreheatError as exc:  # the replica serves what it loaded; following is what failed
+        # The replica serves what it loaded; following is what failed (OSError: the refit server could not bind
+        # --peer-host: escaping this thread, it would leave the replica loading forever).
+        except (PreheatError, OSError) as exc:
             log.error("--follow: %s", exc)
             say(f"preheat serve: not following versions: {exc}")
     install(state, loaded, say)  # worker, ready, KV-tier metrics, the peer server (lifecycle.py)
