@@ -174,6 +174,14 @@ def test_a_replica_being_deleted_stays_up_until_the_router_has_let_it_go(rendere
     assert 5 <= int(command[1]) < replica["terminationGracePeriodSeconds"]
 
 
+def test_a_router_being_replaced_finishes_the_streams_it_proxies(rendered: list[Doc]) -> None:
+    router = pod_spec(find(rendered, "Deployment", "preheat-router"))
+    [container] = router["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    assert 5 <= int(command[1]) < router["terminationGracePeriodSeconds"]
+
+
 def test_the_node_cache_runs_on_every_node_a_replica_may_run_on(rendered: list[Doc]) -> None:
     replica = pod_spec(find(rendered, "Deployment", "preheat-replica"))
     daemon = pod_spec(find(rendered, "DaemonSet", "preheat-node-cache"))

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,6 +142,31 @@ def test_a_check_that_hangs_costs_its_bound_and_becomes_a_timeout_finding() -> N
     finally:
         release.set()
     assert [(f.id, f.severity, f.evidence["check"]) for f in found] == [("doctor.timeout", "warn", "node.hangs")]
+
+
+def test_a_check_still_hung_from_an_earlier_run_is_not_started_again() -> None:
+    release, started = threading.Event(), []
+
+    def hang(options: DoctorOptions, bound_s: float) -> list[Finding]:
+        started.append(threading.current_thread().name)
+        release.wait(30)
+        return []
+
+    check = Check("node.stuck", "node", 0.2, hang)
+    try:
+        run_check(check, DoctorOptions(), 0.2)
+        [again] = run_check(check, DoctorOptions(), 0.2)  # the router's next minute: the first thread still hangs
+        assert again.id == "doctor.timeout"
+        assert again.evidence["still_running"] is True
+        assert len(started) == 1
+    finally:
+        release.set()
+    for _ in range(100):  # once the stuck thread ends, the check runs again
+        found = run_check(check, DoctorOptions(), 0.2)
+        if not any(f.evidence.get("still_running") for f in found):
+            break
+        time.sleep(0.05)
+    assert len(started) == 2
 
 
 def test_a_check_that_raises_is_reported_not_fatal() -> None:

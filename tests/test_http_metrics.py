@@ -40,6 +40,15 @@ def test_a_counter_is_zero_before_its_first_count_and_keeps_its_total_name() -> 
     assert text.splitlines() == ["# HELP jobs_total Jobs done.", "# TYPE jobs_total counter", "jobs_total 0.0"]
 
 
+def test_a_counter_forgets_the_series_of_one_label_value() -> None:
+    counter = Counter("requests_total", "Requests.")
+    counter.inc(replica="a", status="200")
+    counter.inc(replica="a", status="503")
+    counter.inc(replica="b", status="200")
+    counter.forget(replica="a")
+    assert counter.family().samples == [({"replica": "b", "status": "200"}, 1.0)]
+
+
 def test_a_counter_name_must_end_in_total() -> None:
     with pytest.raises(ValueError, match="_total"):
         Counter("jobs", "Jobs done.")

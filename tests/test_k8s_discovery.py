@@ -259,10 +259,11 @@ def test_a_replica_that_leaves_takes_its_kv_index_entries_with_it(
                     "l2_id": None, "l1": ["a" * 32, "b" * 32], "l2": []}  # fmt: skip
         router.kv_index.apply(url, parse_update(snapshot, url))  # what its KV events said while it served
         assert router_metric(router.url, "preheat_router_index_keys", replica=url, index="l1") == 2
+        router.router.metrics.routed.inc(replica=url, status="200")  # what its answers counted while it served
         api.delete(*SLICE)
         wait_until(lambda: router.router.replicas == [], "the replica to leave")
         assert router.kv_index.state(url) is None
-        assert f'replica="{url}"' not in Client(router.url).get("/metrics").body.decode()
+        assert f'replica="{url}"' not in Client(router.url).get("/metrics").body.decode()  # counters too
 
 
 def test_in_a_pod_the_service_accounts_token_and_ca_reach_the_api_server(tmp_path: Path) -> None:

@@ -86,6 +86,10 @@ class Budget:
         return min(bound_s, left)
 
 
+_HUNG: set[str] = set()  # ids of checks whose thread is still running (this process)
+_HUNG_LOCK = threading.Lock()
+
+
 def run_check(check: Check, options: DoctorOptions, allotted_s: float) -> list[Finding]:
     """Run one check on a daemon thread and give up waiting after ``allotted_s``. The check itself is told 90% of
     it, so one that honours its bound answers in time and the run never waits past what the budget allotted.
@@ -93,6 +97,22 @@ def run_check(check: Check, options: DoctorOptions, allotted_s: float) -> list[F
     A check that raises becomes a ``doctor.error`` finding naming the check: the doctor reports what it could not
     examine instead of dying, because the rest of the report is still worth having.
     """
+    with _HUNG_LOCK:
+        if check.id in _HUNG:
+            # A thread cannot be killed: a check still stuck since an earlier run (the router and serve run the doctor
+            # every minute) is not started again, or a hung mount would gain a thread per run.
+            return [
+                Finding(
+                    "doctor.timeout",
+                    check.area,
+                    "warn",
+                    f"check {check.id} is still running from an earlier run",
+                    evidence={"check": check.id, "bound_s": round(allotted_s, 3), "still_running": True},
+                    fix="The resource it probes is hanging (a stale NFS mount, an origin that accepts and stalls); "
+                    "see docs/operations.md#doctortimeout.",
+                )
+            ]
+        _HUNG.add(check.id)  # until the thread ends; removed at once when it answers in time
     results: queue.Queue[list[Finding] | BaseException] = queue.Queue(maxsize=1)
 
     def target() -> None:
@@ -100,6 +120,9 @@ def run_check(check: Check, options: DoctorOptions, allotted_s: float) -> list[F
             results.put(check.fn(options, allotted_s * 0.9))
         except Exception as exc:  # any failure of one check is reported as that check's finding
             results.put(exc)
+        finally:
+            with _HUNG_LOCK:
+                _HUNG.discard(check.id)
 
     thread = threading.Thread(target=target, name=f"doctor-{check.id}", daemon=True)
     thread.start()

@@ -75,6 +75,13 @@ class Counter(Series):
         with self._lock:
             return self._values.get(tuple(sorted(labels.items())), 0.0)
 
+    def forget(self, **match: str) -> None:
+        """Drop every series whose labels include ``match`` (a replica that left the fleet: its series would
+        otherwise stay in every scrape forever, one set per pod that ever came and went)."""
+        wanted = set(match.items())
+        with self._lock:
+            self._values = {k: v for k, v in self._values.items() if not wanted <= set(k)}
+
     def family(self) -> Family:
         with self._lock:
             items = sorted(self._values.items()) or [((), 0.0)]

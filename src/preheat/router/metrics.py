@@ -75,6 +75,14 @@ class RouterMetrics:
     def _index(self) -> Samples:
         return [({"replica": url, "index": index}, float(n)) for (url, index), n in self._index_sizes().items()]
 
+    def forget_replica(self, url: str) -> None:
+        """A replica left the fleet (Kubernetes discovery): its per-replica counters leave ``/metrics`` with it, so
+        a fleet whose pods come and go does not grow a set of series per pod. (A request still finishing there
+        counts once more under its URL: one line that stays.)"""
+        for series in self._all:
+            if isinstance(series, Counter):
+                series.forget(replica=url)
+
     def add(self, series: Series) -> None:
         """One more series on ``/metrics`` (the engine-events counter, when the router subscribes to any)."""
         self._all.append(series)

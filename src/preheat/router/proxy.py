@@ -114,6 +114,7 @@ class Router:
             self._set_replicas([r for r in self.replicas if r is not gone])
         gone.retire()
         self.policy.forget(url)
+        self.metrics.forget_replica(url)
         log.warning("replica %s left (%d in flight finish there)", url, gone.in_flight)
         return gone
 
