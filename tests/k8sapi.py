@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
-import ipaddress
 import json
 import socket
 import ssl
@@ -30,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from redisserver import self_signed_certificate
 
 DATA = Path(__file__).parent / "data" / "k8s"
 TOKEN = "fake-service-account-token"
@@ -171,34 +171,10 @@ class FakeAPIServer:
 
 def _tls_context(api: FakeAPIServer) -> ssl.SSLContext:
     """A server context with a fresh self-signed certificate for 127.0.0.1; its PEM goes to ``api.ca_pem``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    api.ca_pem = cert.public_bytes(serialization.Encoding.PEM)
-    folder = Path(tempfile.mkdtemp(prefix="fake-apiserver-"))
-    (folder / "tls.crt").write_bytes(api.ca_pem)
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())  # fmt: skip
-    (folder / "tls.key").write_bytes(key_pem)
+    cert, key = self_signed_certificate(tempfile.mkdtemp(prefix="fake-apiserver-"))
+    api.ca_pem = Path(cert).read_bytes()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(folder / "tls.crt", folder / "tls.key")
+    context.load_cert_chain(cert, key)
     return context
 
 
