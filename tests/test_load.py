@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import preheat
-from conftest import WrittenCheckpoint, assert_same_tensors, same_bytes
+from conftest import WrittenCheckpoint, assert_same_tensors, same_bytes, write
 from preheat.checkpoint.writer import save_file
 from preheat.errors import ConfigError, DeviceError
 
@@ -255,3 +255,29 @@ def test_file_without_tensors_loads_as_empty(tmp_path: Path, mode: str) -> None:
     result = preheat.load(path, mode=mode)
     assert dict(result) == {}
     assert result.report.bytes == 0
+
+
+# -- mappings made while torch imports (preheat.io.premap) -------------------------------------------------------------
+def test_a_load_adopts_the_files_mapped_before_it_and_gets_the_same_tensors(
+    fresh_checkpoint: WrittenCheckpoint,
+) -> None:
+    from preheat.io.premap import map_files
+
+    mapped = map_files([str(fresh_checkpoint.single_file)])
+    assert len(mapped) == 1
+    result = preheat.load(fresh_checkpoint.root, mode="mmap", premapped=mapped)
+    assert_same_tensors(result, fresh_checkpoint.tensors)
+    assert mapped == {}  # taken by the load
+    assert result.populated
+
+
+def test_a_file_replaced_after_it_was_mapped_is_mapped_again(tmp_path: Path) -> None:
+    from preheat.io.premap import map_files
+
+    first = write(tmp_path / "m", seed=1)
+    mapped = map_files([str(first.single_file)])
+    second = write(tmp_path / "m", seed=2)  # same names, new bytes: the early mapping shows the old file
+    assert not all(same_bytes(second.tensors[k], first.tensors[k]) for k in first.tensors)
+    result = preheat.load(second.root, mode="mmap", premapped=mapped)
+    assert_same_tensors(result, second.tensors)
+    assert not result.populated

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 
@@ -180,6 +179,8 @@ def _print_reports(reports: Sequence[object]) -> None:
     for note in median.notes:
         console.print(f"note: {note}", style="yellow")
     if len(runs) > 1:
+        import statistics  # here: every command's start (a server's too) would pay for it
+
         durations = [r.seconds for r in runs]
         console.print(
             "runs: "

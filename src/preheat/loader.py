@@ -39,6 +39,7 @@ from preheat.io.buffers import PAGE, host_buffer, round_down, round_up
 from preheat.io.files import ensure_size
 from preheat.io.gds import gds_status, run_gds
 from preheat.io.pipeline import StagedReader
+from preheat.io.premap import Premapped
 from preheat.io.reads import Extent, FileJob, ParallelReader, gather, plan_ops
 from preheat.io.tuning import IOTuning, tune
 from preheat.sources.base import is_uri
@@ -110,6 +111,8 @@ class LoadResult(dict[str, torch.Tensor]):
     cache_lease: object | None = None
     # (plan, buffer) per file of a read-mode load: what write-through saves. Internal.
     file_buffers: list[tuple[FilePlan, torch.Tensor]] | None = None
+    # mmap: every mapping was adopted from preheat.io.premap with its page tables already filled (nothing to fault in).
+    populated: bool = False
     # One memoryview per mapped file of an mmap load, while its tensors are being checked. Internal.
     mappings: list[memoryview] | None = None
 
@@ -214,6 +217,7 @@ class LoadRequest:
     progress: Callable[[int, int], None] | None = None
     dequantize: bool = False
     verify: bool | None = None
+    premapped: dict[str, Premapped] | None = None  # mappings made while torch imported (io/premap.py): adopted
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -261,6 +265,7 @@ def load(
     dequantize: bool = False,
     cache: ModelCache | str | os.PathLike[str] | bool | None = None,
     verify: bool | None = None,
+    premapped: dict[str, Premapped] | None = None,
 ) -> LoadResult:
     """Load every tensor of a safetensors checkpoint (this rank's slices of them when ``world_size > 1``).
 
@@ -284,6 +289,8 @@ def load(
     ``verify=False``); for local ones, done when there is a manifest and the mode reads into memory (``read``,
     ``direct``, CUDA staging), not for ``mmap``/``gds``. ``True``: every tensor or the load fails before reading.
     ``False``: nothing. ``report.verified`` says whether every tensor was checked, ``report.notes`` why not.
+    ``premapped`` (``mmap`` mode): files ``preheat.io.premap.map_files`` already mapped, by real path; each one the
+    load uses is taken out of the dict (still the same file, else mapped again), what is left is the caller's.
     Raises ``CheckpointError`` naming the file and tensor for any malformed or truncated input, or a tensor whose
     bytes do not match its digest (naming the source too); never returns a partial result.
     """
@@ -300,6 +307,7 @@ def load(
         progress=progress,
         dequantize=dequantize,
         verify=verify,
+        premapped=premapped,
     )
     node_cache = _node_cache(cache) if request.remote else None
     if node_cache is not None:
@@ -384,7 +392,9 @@ def execute_load(plan: LoadPlan) -> LoadResult:
     report.files = len(plan.checkpoint.files)
     report.stages["plan"] = plan.seconds
     if plan.tuning is None:  # mmap: the kernel reads pages when they are touched
-        result = _load_mmap(plan.checkpoint, request.tp_plan, plan.part_rank, plan.parts, report)
+        result = _load_mmap(
+            plan.checkpoint, request.tp_plan, plan.part_rank, plan.parts, report, premapped=request.premapped
+        )
         if plan.checks.count and result.mappings is not None:
             _check_mapped(result.mappings, plan.checkpoint, plan.checks, plan.verify_threads, report)
         result.mappings = None
@@ -589,12 +599,15 @@ def _load_mmap(
     rank: int,
     world_size: int,
     report: LoadReport,
+    *,
+    premapped: dict[str, Premapped] | None = None,
 ) -> LoadResult:
-    """Map every file privately (copy-on-write: writes never reach the file) and return views; rank slices along
-    dim 1 are strided views, so nothing is copied."""
+    """Map every file privately (copy-on-write: writes never reach the file), or adopt its ``premapped`` mapping,
+    and return views; rank slices along dim 1 are strided views, so nothing is copied."""
     t0 = time.perf_counter()
     result = LoadResult()
     mappings: list[memoryview] = []
+    populated = bool(checkpoint.files)
     for file in checkpoint.files:
         header = file.header
         if header.data_end == 0 or not header.tensors:
@@ -603,7 +616,14 @@ def _load_mmap(
         fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             ensure_size(fd, header.data_end, path=file.path)
-            mapping = mmap.mmap(fd, header.data_end, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            early = premapped.pop(os.path.realpath(file.path), None) if premapped else None
+            adopted = early.adopt(fd, header.data_end) if early is not None else None
+            populated = populated and adopted is not None and early is not None and early.populated
+            mapping = (
+                adopted
+                if adopted is not None
+                else mmap.mmap(fd, header.data_end, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            )
         finally:
             os.close(fd)
         if world_size > 1:
@@ -619,6 +639,7 @@ def _load_mmap(
                 tensor = tensor.narrow(part.dim, part.start, part.shape[part.dim])
             result[entry.name] = tensor
     report.stages["map"] = time.perf_counter() - t0
+    result.populated = populated
     report.bytes_read = 0  # pages are read on first touch, by whoever touches them
     result.mappings = mappings
     return result

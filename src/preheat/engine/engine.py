@@ -36,6 +36,7 @@ from preheat.text.tokenizer import TextTokenizer
 from preheat.timeline import Timeline
 
 if TYPE_CHECKING:  # the KV tiers import torch-free key code and, for L2, redis: only when a server turns them on
+    from preheat.io.premap import Premapped
     from preheat.kv.tiered import TieredKV
 
 MIN_COST_SAMPLE = 64  # prefills shorter than this do not update the measured prefill cost per token
@@ -104,6 +105,7 @@ class Engine:
         load_mode: str | None = None,
         config: ModelConfig | None = None,
         tokenizer: TextTokenizer | Future[TextTokenizer] | None = None,
+        premapped: dict[str, Premapped] | None = None,
     ) -> Engine:
         """Load the checkpoint directory ``path`` (preheat or Hugging Face layout) onto ``device``.
 
@@ -113,7 +115,8 @@ class Engine:
         ``timeline``, records the stages ``weight_load`` (bytes, GB/s), ``model_build`` and ``tokenizer``.
         ``config`` and ``tokenizer``, when the caller reads them itself (torch-free, e.g. while torch is being
         imported: ``preheat.server.prepare``), are used as given and the ``tokenizer`` stage is not recorded here; a
-        ``Future`` tokenizer is waited for after the model is built, so building it overlaps the load.
+        ``Future`` tokenizer is waited for after the model is built, so building it overlaps the load. ``premapped``:
+        the weights files mapped (and their pages populated) while torch imported, for the load to adopt.
         """
         root = os.fspath(path)
         if not os.path.isdir(root):
@@ -125,14 +128,14 @@ class Engine:
         max_len = resolve_max_len(config, max_model_len, root)
         timeline = timeline if timeline is not None else Timeline(time.time())
         with timeline.stage("weight_load", mode=load_mode or "auto", device=str(dev)) as stage:
-            weights = load(root, dev, mode=load_mode, dequantize=True)
+            weights = load(root, dev, mode=load_mode, dequantize=True, premapped=premapped)
             report = weights.report
-            if report.mode == "mmap":
+            if report.mode == "mmap" and not weights.populated:
                 # A mapping reads nothing until touched: fault every page in now, so that this stage holds the
                 # reads (and its GB/s is the real one) instead of hiding them in warm-up's first forward pass.
                 _fault_in(weights.values())
             stage.nbytes = report.bytes
-            stage.detail.update(mode=report.mode, files=report.files)
+            stage.detail.update(mode=report.mode, files=report.files, premapped=weights.populated)
         with timeline.stage("model_build") as stage:
             # The embedding is never quantized, so its dtype is the checkpoint's own.
             sample = weights.get("model.embed_tokens.weight")

@@ -32,6 +32,7 @@ from preheat.server import openai, sse
 from preheat.server.lifecycle import LOADING, STANDBY, Lifecycle
 from preheat.server.metrics import ServerMetrics
 from preheat.server.settings import ServeSettings
+from preheat.text.forked import ForkedTokenizer, TokenizerProcess
 from preheat.text.request import MAX_BODY_BYTES, APIError
 from preheat.timeline import Timeline, process_start_time
 
@@ -72,6 +73,7 @@ class ServerState:
         self.life = Lifecycle(STANDBY if settings.standby else LOADING)
         self.dashboard: ReplicaDashboard | None = None  # GET /dashboard's, made on the first visit (cold-start path)
         self.findings: Findings | None = None  # the doctor's, for the dashboard (run() is given them)
+        self.text: TokenizerProcess | None = None  # the tokenizer process forked at the start (run())
 
     def set_timeline(self, timeline: Timeline) -> None:
         """Start a new timeline (an activation's or a wake's, from its request): its first token is marked anew."""
@@ -377,13 +379,13 @@ def run(
     say = announce or (lambda line: print(line, flush=True))
     timeline = Timeline.from_env()
     record_imports(timeline)
-    if os.environ.get("PREHEAT_POD_NAME"):  # on Kubernetes: the pod's start, read on its own thread (k8s/)
-        from preheat.k8s.pod_timeline import record_pod_start
-
-        record_pod_start(timeline)
     with timeline.stage("config"):
         settings = ServeSettings.resolve(flags)
+        # Before any thread and before the socket: the tokenizer's GIL-bound build then runs beside torch's import
+        # on another core (preheat.text.forked). A standby replica's activations build it on a thread instead.
+        text = None if settings.standby else TokenizerProcess.fork()
         state = ServerState(settings, timeline)
+        state.text = text
         state.findings = findings
         try:
             httpd = PreheatHTTPServer((settings.host, settings.port), state)
@@ -393,6 +395,10 @@ def run(
             raise ConfigError(message) from None
     host, port = httpd.socket.getsockname()[:2]
     httpd.say = say
+    if os.environ.get("PREHEAT_POD_NAME"):  # on Kubernetes: the pod's start, read on its own thread (k8s/)
+        from preheat.k8s.pod_timeline import record_pod_start
+
+        record_pod_start(timeline)
     if settings.standby:
         say(f"preheat serve: listening on http://{host}:{port} (standby: POST /v1/preheat/load to serve a model)")
         from preheat.server.lifecycle import prepare_standby
@@ -434,7 +440,7 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
 
     state = httpd.state
     try:
-        loaded = load(state.settings, state.timeline)
+        loaded = load(state.settings, state.timeline, text=state.text)
     except Exception as exc:  # any load failure ends the process with its message (exit code 1)
         if not isinstance(exc, PreheatError):
             log.exception("model load failed")
@@ -452,6 +458,8 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
             log.error("--follow: %s", exc)
             say(f"preheat serve: not following versions: {exc}")
     install(state, loaded, say)  # worker, ready, KV-tier metrics, the peer server (lifecycle.py)
+    if isinstance(loaded.engine.tokenizer, ForkedTokenizer):
+        loaded.engine.tokenizer.settle()  # this process's own copy, once the first answers are out
     if state.refit is not None:
         from preheat.server.following import start_follow
 

@@ -20,9 +20,11 @@ from preheat.timeline import Timeline
 if TYPE_CHECKING:
     from preheat.engine import Engine
     from preheat.engine.config import ModelConfig
+    from preheat.io.premap import Premapped
     from preheat.kv.tiered import TieredKV
     from preheat.server.prepare import EngineImports
     from preheat.store.cache import Lease
+    from preheat.text.forked import TokenizerProcess
     from preheat.text.tokenizer import TextTokenizer
 
 log = logging.getLogger("preheat.server")
@@ -83,25 +85,28 @@ def load(
     *,
     imports: EngineImports | None = None,
     keep: Kept | None = None,
+    text: TokenizerProcess | None = None,
 ) -> Loaded:
     """Fetch and prepare while the engine imports, then load, build, warm up; mark ``ready``. Raises
     ``PreheatError`` for anything wrong.
 
     ``imports``: the engine's import, already started (a standby replica did it before any model was asked for);
-    ``keep``: what a replica kept of its engine while asleep (a wake builds only the model).
+    ``keep``: what a replica kept of its engine while asleep (a wake builds only the model);
+    ``text``: the tokenizer process ``preheat serve`` forked at its start (``preheat.text.forked``), if any.
     """
     from preheat.server.prepare import page_in, prepare, start_engine_imports, weight_files
 
     imports = imports if imports is not None else start_engine_imports(timeline)
     path, lease = fetch(settings, timeline)
+    mapped: dict[str, Premapped] = {}
     try:
         tokenizer: TextTokenizer | Future[TextTokenizer]
         if keep is None:
-            prepared = prepare(path, timeline)
-            config, tokenizer = prepared.config, prepared.tokenizer
+            prepared = prepare(path, timeline, text, premap=_maps(settings))
+            config, tokenizer, mapped = prepared.config, prepared.tokenizer, prepared.mapped
         else:  # a wake: the tokenizer was kept; only the weights come back (their pages asked for at once)
             page_in(weight_files(path), timeline)
-            config, tokenizer = keep.config, keep.tokenizer
+            config, tokenizer, mapped = keep.config, keep.tokenizer, {}
         imports.wait()
         from preheat.engine import Engine
 
@@ -114,6 +119,7 @@ def load(
             load_mode=LoaderSettings.from_env().mode,  # PREHEAT_LOAD_MODE, named in the weight_load stage
             config=config,
             tokenizer=tokenizer,
+            premapped=mapped,
         )
         if settings.compile:  # compiles during one warm-up, with artifacts from the node cache or a peer
             from preheat.server.peering import compile_engine
@@ -131,5 +137,13 @@ def load(
         if lease is not None:
             lease.close()
         raise
+    finally:
+        for unused in mapped.values():  # files the load did not adopt (none, unless it mapped them itself)
+            unused.close()
     timeline.mark("ready")
     return Loaded(engine, path, lease)
+
+
+def _maps(settings: ServeSettings) -> bool:
+    """Whether the load will map the weights (CPU, ``mmap`` or ``auto``): then they are mapped while torch imports."""
+    return settings.device == "cpu" and LoaderSettings.from_env().mode in ("auto", "mmap")

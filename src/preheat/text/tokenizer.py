@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-
-from tokenizers import Tokenizer
+from typing import TYPE_CHECKING
 
 from preheat.checkpoint.jsonfile import read_json_object
 from preheat.errors import CheckpointError, RequestError
 from preheat.text.chat import ChatTemplate, find_template
+
+if TYPE_CHECKING:  # imported by from_dir: a server whose tokenizer is built in another process never needs it early
+    from tokenizers import Tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Tokens of the prompt's tail decoded together with new ones, so a first generated token keeps the leading space a
@@ -64,6 +66,8 @@ class TextTokenizer:
                 f"{root}: no tokenizer.json; the engine needs the model's fast tokenizer file beside the weights",
                 path=root,
             )
+        from tokenizers import Tokenizer
+
         try:
             tokenizer = Tokenizer.from_file(path)
         except Exception as exc:
