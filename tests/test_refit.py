@@ -577,6 +577,11 @@ def test_serve_settings_for_following(kv_model: Path, registry: str) -> None:
     env = {"PREHEAT_FOLLOW": "1", "PREHEAT_MAX_STALENESS": "2", "PREHEAT_REGISTRY": registry}
     settings = ServeSettings.resolve({"model": str(kv_model), "served_model_name": "policy"}, env)
     assert (settings.follow, settings.max_staleness, settings.refit_name) == (True, 2, "policy")
+    assert settings.refit_deadline == 120.0
+    env["PREHEAT_REFIT_DEADLINE"] = "30"
+    assert ServeSettings.resolve({"model": str(kv_model)}, env).refit_deadline == 30.0
+    with pytest.raises(ConfigError, match="--refit-deadline"):
+        ServeSettings.resolve({"model": str(kv_model), "refit_deadline": 0.0}, env)
     assert ServeSettings.resolve({"model": "preheat://policy-7b"}, {}).refit_name == "policy-7b"
     with pytest.raises(ConfigError, match="--compile"):
         ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "compile": True}, {})

@@ -126,7 +126,9 @@ def test_a_replica_that_cannot_verify_a_version_stays_and_refuses_when_too_stale
     trainer.publish(0.1)
     newest, _, _ = trainer.publish(0.1)  # past the version that failed
     for client in clients:
-        assert refit(client, newest)["version"] == newest
+        status = refit(client, newest)
+        assert status["version"] == newest
+        assert (status["failed"], status["error"]) == (None, None)  # superseded: /health no longer reports it
         answer = client.post("/v1/completions", COMPLETION)
         assert answer.status == 200
         assert answer.headers["X-Preheat-Version"] == str(newest)

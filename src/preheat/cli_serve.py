@@ -163,6 +163,13 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         metavar="K",
         help="with --follow: refuse requests (503) while more than K published versions behind",
     )
+    refit.add_argument(
+        "--refit-deadline",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --follow: give up a version's pull after S seconds, stay on the one served (default: 120)",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     activate = commands.add_parser(

@@ -257,7 +257,8 @@ class Follower:
                 target = found.newest
             except RefitError as exc:
                 with self._applied:
-                    self.failed, self.error = target, str(exc)
+                    if target > (self.version or 0):  # not one a newer version superseded meanwhile
+                        self.failed, self.error = target, str(exc)
                     self._applied.notify_all()
                 log.warning("refit: staying on version %s: %s", self.version, exc)
                 return False
@@ -306,7 +307,6 @@ class Follower:
             version, len(needed), result.nbytes, manifest.total_bytes, result.sources, result.seconds, swap_s,
             report.mode,
         )  # fmt: skip
-        self.error = None
         log.info(
             "refit: serving version %d of %s (%d tensors, %d of %d bytes pulled in %.2f s, swapped in %.3f s)",
             version, self._name, len(needed), result.nbytes, manifest.total_bytes, result.seconds, swap_s,
@@ -345,6 +345,9 @@ class Follower:
         self.have.update(manifest.digests())
         with self._applied:
             self.current, self.version = manifest, manifest.version
+            self.error = None
+            if self.failed is not None and self.failed <= manifest.version:  # superseded: no longer reported
+                self.failed = None
             self._applied.notify_all()
         if self.on_version is not None:
             self.on_version(manifest.version)

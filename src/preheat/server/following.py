@@ -69,6 +69,7 @@ def prepare_follow(state: ServerState, loaded: Loaded) -> None:
         token=settings.peer_token,
         host=settings.peer_bind_host,
         on_version=on_version,
+        deadline_s=settings.refit_deadline,
     )
     state.refit = follower
     state.metrics.extra.append(lambda: metric_families(follower))

@@ -62,6 +62,7 @@ class ServeSettings:
     # requests while more than max_staleness versions behind.
     follow: bool = False
     max_staleness: int | None = None
+    refit_deadline: float = 120.0  # seconds a version's pull may take before the replica gives it up
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
@@ -127,6 +128,8 @@ class ServeSettings:
             raise ConfigError("--follow finds the trainer in the peer registry: pass --registry redis://... or file://")
         if self.max_staleness is not None and (self.max_staleness < 0 or not self.follow):
             raise ConfigError(f"--max-staleness {self.max_staleness}: needs --follow and a count of 0 or more")
+        if not self.refit_deadline > 0:
+            raise ConfigError(f"--refit-deadline {self.refit_deadline}: a number of seconds above 0")
         if self.follow and (self.compile or self.standby):
             raise ConfigError("--follow swaps weights in a live model: not with --compile or --standby (docs/refit.md)")
         if self.follow:  # its refit server offers the live weights on the peer host: refused here, before the bind
@@ -210,11 +213,11 @@ def _parse(name: str, variable: str, raw: str) -> object:
         if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ConfigError(f"{variable}={raw!r}: write 1 or 0")
         return raw.lower() in ("1", "true", "yes", "on")
-    if name == "peer_max_mbps":
+    if name in ("peer_max_mbps", "refit_deadline"):
         try:
             return float(raw)
         except ValueError:
-            raise ConfigError(f"{variable}={raw!r} is not a number of MB/s") from None
+            raise ConfigError(f"{variable}={raw!r} is not a number") from None
     if name in ("port", "max_model_len", "max_queue", "kv_l2_ttl", "kv_chunk_tokens", "peer_port", "max_staleness"):
         try:
             return int(raw)
