@@ -40,6 +40,11 @@ def get(url: str, path: str, headers: dict[str, str] | None = None) -> Reply:
     return Client(url).request("GET", path, headers=headers)
 
 
+def log_in(url: str, form: bytes) -> Reply:
+    """What the login page's form sends: ``POST /dashboard`` with the key in the body."""
+    return Client(url).request("POST", "/dashboard", form, {"Content-Type": "application/x-www-form-urlencoded"})
+
+
 def replica_metrics(hits: dict[str, float], misses: dict[str, float], prompt: float, cached: float) -> str:
     """A replica's /metrics text, written by the renderer ``preheat serve`` uses."""
     hit, miss = Counter("preheat_kv_hits_total", "h"), Counter("preheat_kv_misses_total", "m")
@@ -153,8 +158,10 @@ def test_with_an_api_key_the_dashboard_needs_it_once_then_a_cookie() -> None:
         url = service.url
         login = get(url, "/dashboard")
         anonymous = get(url, "/dashboard/api/state")
-        wrong = get(url, "/dashboard?key=nope")
-        right = get(url, "/dashboard?key=sesame")
+        wrong = log_in(url, b"key=nope")
+        empty = log_in(url, b"other=1")
+        in_url = get(url, "/dashboard?key=sesame")  # a key in a URL would end up in access logs: not taken
+        right = log_in(url, b"key=sesame")
         cookie = right.headers["Set-Cookie"].split(";", 1)[0]
         with_cookie = get(url, "/dashboard/api/state", {"Cookie": cookie})
         page = get(url, "/dashboard", {"Cookie": cookie})
@@ -167,6 +174,10 @@ def test_with_an_api_key_the_dashboard_needs_it_once_then_a_cookie() -> None:
     assert anonymous.json()["error"]["code"] == "invalid_api_key"
     assert wrong.status == 401
     assert b"wrong key" in wrong.body
+    assert empty.status == 401
+    assert b"no key was sent" in empty.body
+    assert in_url.status == 401
+    assert "Set-Cookie" not in in_url.headers
     assert right.status == 303
     assert right.headers["Location"] == "/dashboard"
     assert "HttpOnly" in right.headers["Set-Cookie"]

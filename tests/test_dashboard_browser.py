@@ -139,7 +139,7 @@ def test_with_an_api_key_the_page_asks_for_it_once(browser: Any) -> None:
         page.fill("#key", "sesame")
         page.click("button[type=submit]")
         page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
-        assert page.url == service.url + "/dashboard"  # the key left the address bar
+        assert page.url == service.url + "/dashboard"  # the key went in the form's body, never in a URL
         assert page.locator('#replicas tr[data-replica="http://127.0.0.1:9"]').get_attribute("data-health") == (
             "unhealthy"
         )

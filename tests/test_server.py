@@ -396,6 +396,19 @@ def test_api_key_is_required_on_v1_routes(guarded: ServerProcess) -> None:
     assert anonymous.get("/metrics").status == 200, "scrapers need no key"
 
 
+def test_a_replicas_dashboard_logs_in_with_the_key_in_a_form_body(guarded: ServerProcess) -> None:
+    browser = Client(guarded.url)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    assert browser.request("POST", "/dashboard", b"key=guess", form).status == 401
+    assert browser.get("/dashboard/api/state").status == 401
+    logged_in = browser.request("POST", "/dashboard", b"key=sekret", form)
+    assert logged_in.status == 303
+    cookie = logged_in.headers["Set-Cookie"].split(";", 1)[0]
+    state = browser.request("GET", "/dashboard/api/state", headers={"Cookie": cookie})
+    assert state.status == 200
+    assert state.json()["replicas"]
+
+
 @pytest.mark.parametrize(("path", "key", "status"), [("/v1/completions", "guess", 401), ("/v1/nowhere", "sekret", 404)])
 def test_a_refusal_before_the_body_is_read_closes_the_connection(
     guarded: ServerProcess, path: str, key: str, status: int

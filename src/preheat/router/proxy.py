@@ -182,6 +182,9 @@ class RouterHandler(TrackedHandler):
             self.forward("GET")
 
     def do_POST(self) -> None:  # noqa: N802 - http.server dispatches on this name
+        if is_dashboard_path(self.path.split("?", 1)[0]):  # the dashboard's login form
+            answer(self, self.server.router.api_key, self.server.router.dashboard_state)
+            return
         self.forward("POST")
 
     def do_DELETE(self) -> None:  # noqa: N802 - http.server dispatches on this name

@@ -205,6 +205,9 @@ class Handler(TrackedHandler):
         if path in CONTROL_ROUTES or path == REFIT_ROUTE:
             self.control(path)
             return
+        if path == "/dashboard" or path.startswith("/dashboard/"):  # the dashboard's login form
+            self.dashboard()
+            return
         kind = GENERATION_ROUTES.get(path)
         if kind is None:
             self.refuse_unread(APIError(404, f"no route {path}", code="not_found"))
