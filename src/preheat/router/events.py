@@ -92,6 +92,7 @@ class KVEventPoller(ReplicaLoop):
     def remove(self, replica: Replica) -> None:
         """``replica`` left the fleet: no more polls, its connection closed, its keys out of the index."""
         super().remove(replica)
+        self._denied.discard(replica.url)  # a later replica at the same address is warned about afresh
         conn = self._conns.pop(replica.url, None)
         if conn is not None:
             conn.close()

@@ -118,6 +118,10 @@ class HealthChecker(ReplicaLoop):
         self.check(replica)
         return self.interval
 
+    def remove(self, replica: Replica) -> None:
+        super().remove(replica)
+        self._failed.pop(replica.url, None)
+
     def check(self, replica: Replica) -> None:
         """One check of ``replica``; ``on_change`` when it should enter or leave rotation."""
         body: dict[str, object] = {}
@@ -135,6 +139,8 @@ class HealthChecker(ReplicaLoop):
             phase = "down"
         except HTTPClientError as exc:
             ok, why, definitive, phase = False, str(exc), False, "down"
+        if replica.retired:  # it left while we asked: remove() dropped its count, which must stay dropped
+            return
         self._observe(replica, "ok" if ok else phase, body)
         if ok:
             self._failed[replica.url] = 0
