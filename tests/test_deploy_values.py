@@ -91,6 +91,40 @@ def test_values_reach_the_objects_they_describe(tmp_path: Path) -> None:
     assert warmed == ["$(PREHEAT_MODEL)", "s3://models/qwen"]
 
 
+def test_compile_turns_on_torch_compile_and_mounts_the_trusted_keys(tmp_path: Path) -> None:
+    from preheat.server.settings import ServeSettings
+
+    values = {
+        "model": {"uri": "s3://models/llama"},
+        "compile": {"enabled": True, "trustKeysSecret": "fleet-keys", "trustKeys": ["fleet.key.pub", "ci.pub"]},
+    }
+    docs = render(tmp_path, write(tmp_path / "v.yaml", values))
+    assert_valid(docs)
+    spec = pod_spec(find(docs, "Deployment", "preheat-replica"))
+    serve = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in serve["env"]}
+    assert env["PREHEAT_COMPILE"] == "1"
+    assert env["PREHEAT_TRUST_KEY"] == "/etc/preheat/trust/fleet.key.pub,/etc/preheat/trust/ci.pub"
+    volume = next(v for v in spec["volumes"] if v["name"] == "trust-keys")
+    assert volume["secret"] == {"secretName": "fleet-keys", "defaultMode": 0o440}
+    mount = next(m for m in serve["volumeMounts"] if m["name"] == "trust-keys")
+    assert (mount["mountPath"], mount["readOnly"]) == ("/etc/preheat/trust", True)
+    # What the replica's own settings make of that environment, with real keys where the Secret would be mounted.
+    from preheat.peer.signing import generate
+
+    trust = tmp_path / "trust"
+    trust.mkdir()
+    for name in ("fleet.key", "ci"):
+        generate(str(trust / name))
+    pod_env = {k: v.replace("/etc/preheat/trust", str(trust)) for k, v in env.items() if v}
+    settings = ServeSettings.resolve({"model": "s3://models/llama"}, pod_env)
+    assert settings.compile is True
+    assert settings.trust_key == (str(trust / "fleet.key.pub"), str(trust / "ci.pub"))
+    plain = render(tmp_path / "plain", write(tmp_path / "p.yaml", {"model": {"uri": "s3://models/llama"}}))
+    plain_env = {e["name"] for e in pod_spec(find(plain, "Deployment", "preheat-replica"))["containers"][0]["env"]}
+    assert "PREHEAT_COMPILE" not in plain_env
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -113,6 +147,11 @@ def test_values_reach_the_objects_they_describe(tmp_path: Path) -> None:
         ({"model": {"uri": "llama-3"}}, "model.uri: 'llama-3' does not match"),
         ({"model": {"uri": "s3://m/x"}, "image": {"repository": "r/p", "tag": "latest"}}, "image.tag"),
         ({"model": {"uri": "s3://m/x"}, "replicaz": 3}, "'replicaz' was unexpected"),
+        (
+            {"model": {"uri": "s3://m/x"}, "compile": {"enabled": True, "trustKeys": ["fleet.key.pub"]}},
+            "'trustKeysSecret' is a required property",
+        ),
+        ({"model": {"uri": "s3://m/x"}, "compile": {"trustKeys": ["../etc/passwd"]}}, "compile.trustKeys.0"),
     ],
 )
 def test_bad_values_fail_at_render_time_naming_the_key(

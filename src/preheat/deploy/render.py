@@ -16,6 +16,7 @@ from preheat.deploy.values import Values
 BASE_IMAGE = "ghcr.io/preheat-dev/preheat"  # the image name after deploy/kustomize/base's own images entry
 _REDIS_MEMORY_ARG = 6  # index of --maxmemory's value in components/redis-l2/redis.yaml's args
 _INIT = "/spec/template/spec/initContainers"
+TRUST_DIR = "/etc/preheat/trust"  # where compile.trustKeysSecret's files are mounted
 _UNITS = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
 
 
@@ -54,6 +55,7 @@ def kustomization(values: Values, kustomize_dir: str) -> dict[str, Any]:  # Any:
         _patch("Deployment", "preheat-replica", _replica(values, cuda)),
         _patch("Deployment", "preheat-warm-pool", _warm_pool(values, cuda)),
         _patch("Deployment", "preheat-router", [_replace("/spec/replicas", values["router"].get("replicas", 1))]),
+        _patch("Deployment", "preheat-replica", _compile(values)),
         *_autoscaler(values),
         *_node_cache(values),
         *_l2(values),
@@ -118,6 +120,30 @@ def _warm_pool(values: Values, cuda: bool) -> list[dict[str, Any]]:  # Any: JSON
         _replace("/spec/replicas", values.get("warmPool", {}).get("size", 0)),
         _replace("/spec/template/spec/containers/0/resources", _resources(values, cuda)),
     ]
+
+
+def _compile(values: Values) -> list[dict[str, Any]]:  # Any: JSON patch values
+    """``compile.enabled``: ``PREHEAT_COMPILE=1``; with ``trustKeys``, their Secret mounted read-only (group-readable
+    only) and ``PREHEAT_TRUST_KEY`` naming the files: compiled artifacts are code (docs/security.md)."""
+    settings = values.get("compile", {})
+    if not settings.get("enabled"):
+        return []
+    container = "/spec/template/spec/containers/0"
+    ops = [{"op": "add", "path": f"{container}/env/-", "value": {"name": "PREHEAT_COMPILE", "value": "1"}}]
+    keys = settings.get("trustKeys", [])
+    if keys:
+        files = ",".join(f"{TRUST_DIR}/{key}" for key in keys)
+        secret = {"secretName": settings["trustKeysSecret"], "defaultMode": 0o440}
+        ops += [
+            {"op": "add", "path": f"{container}/env/-", "value": {"name": "PREHEAT_TRUST_KEY", "value": files}},
+            {"op": "add", "path": "/spec/template/spec/volumes/-", "value": {"name": "trust-keys", "secret": secret}},
+            {
+                "op": "add",
+                "path": f"{container}/volumeMounts/-",
+                "value": {"name": "trust-keys", "mountPath": TRUST_DIR, "readOnly": True},
+            },
+        ]
+    return ops
 
 
 def _autoscaler(values: Values) -> list[dict[str, Any]]:  # Any: patches
