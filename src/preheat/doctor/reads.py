@@ -18,6 +18,7 @@ from preheat.doctor.findings import Finding
 from preheat.doctor.node import cache_dir, existing_parent, missing, model_of
 from preheat.doctor.run import Check, DoctorOptions
 from preheat.io.files import mount_of
+from preheat.io.reads import direct_io_supported
 
 GB = 1e9
 PROBE_CHUNK = 16 * 1024 * 1024
@@ -29,29 +30,6 @@ def checks(options: DoctorOptions) -> list[Check]:
     if options.io and options.model:
         found.append(Check("node.read_speed", "node", 8.0, check_read_speed))
     return found
-
-
-def direct_io_supported(path: str) -> bool:
-    """True when ``path`` opens with O_DIRECT and reads a page at offset 0 (tmpfs and some FUSE refuse).
-
-    Like ``preheat.io.reads.direct_io_supported`` but with an mmap'd page instead of a torch buffer, so the check
-    does not pay torch's import (seconds on a busy node) inside its time bound.
-    """
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    page = mmap.mmap(-1, 4096)
-    try:
-        os.preadv(fd, [memoryview(page)], 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        page.close()
-        os.close(fd)
 
 
 def check_o_direct(options: DoctorOptions, bound_s: float) -> list[Finding]:

@@ -11,6 +11,7 @@ every useful byte range once it has landed.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -378,18 +379,21 @@ def read_at_least(source: Source, target: memoryview, offset: int, want: int, *,
 
 
 def direct_io_supported(path: str) -> bool:
-    """True when ``path`` can be opened with O_DIRECT and read at an aligned offset (tmpfs and some FUSE cannot)."""
+    """True when ``path`` can be opened with O_DIRECT and read at an aligned offset (tmpfs and some FUSE cannot).
+    The page read into is an anonymous mapping (page-aligned), not a torch buffer: ``preheat doctor`` asks too, and
+    must not pay torch's import inside its time bound."""
     if not hasattr(os, "O_DIRECT"):
         return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         return False
+    page = mmap.mmap(-1, PAGE)
     try:
-        probe = host_buffer(PAGE, align=PAGE, hugepages=False)
-        os.preadv(fd, [as_memoryview(probe)], 0)
+        os.preadv(fd, [memoryview(page)], 0)
         return True
     except OSError:
         return False
     finally:
+        page.close()
         os.close(fd)
