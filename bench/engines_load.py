@@ -43,6 +43,7 @@ from engines.vllmserver import cpu_env, free_port, serve_command  # after the pa
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from preheat.config import parse_size
+from preheat.procs import end
 from preheat.sources.fileserver import FileServer
 from preheat.store.cache import ModelCache
 from preheat.store.pull import pull
@@ -154,12 +155,7 @@ def serve_first_token(model: Path, load_format: str, extra: dict[str, object] | 
                 json.loads(answer.read())
             seconds = time.perf_counter() - started
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            end(proc, grace_s=30)
     return seconds, log.read_text(errors="replace")
 
 

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import IO
+from typing import IO, Any
 
 from preheat.errors import ProcessError
 from preheat.http.client import HTTPClientError, Timeouts, request
@@ -45,6 +45,17 @@ def pdeathsig() -> Callable[[], None] | None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
     return arm
+
+
+def end(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:  # Any: text or bytes pipes, or none
+    """SIGTERM ``proc``, SIGKILL it after ``grace_s`` seconds, and reap it either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def healthy(url: str) -> bool:
@@ -110,13 +121,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s; always reaps the child."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc)
         if self._drainer is not None:
             self._drainer.join(timeout=5)  # the pipe ends when the child does
         if self.proc.stdout is not None:

@@ -27,7 +27,7 @@ from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from preheat.http.client import HTTPClientError, Timeouts, get
-from preheat.procs import pdeathsig
+from preheat.procs import end, pdeathsig
 from preheat.sources.fileserver import FileServer
 from smollm2 import SmolLM2
 
@@ -208,12 +208,7 @@ def served(tiny: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     try:
         yield f"http://127.0.0.1:{port}", timeline
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        end(proc, grace_s=30)
         log.close()
 
 
