@@ -104,3 +104,31 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
     names = {row["name"] for row in doc["contenders"]}
     assert {"preheat read", "preheat mmap", "safetensors load_file (mmap)", "raw pread, 2 threads"} <= names
     assert all(row["within_bound"] for row in doc["tp"] if row["mode"] in ("read", "direct"))
+
+
+def test_each_command_module_adds_exactly_the_commands_the_table_says() -> None:
+    # `preheat serve ...` builds only cli_serve's parsers (a replica's start): the table must be the truth.
+    import argparse
+    import importlib
+
+    from preheat.cli import COMMAND_MODULES, _build_parser
+
+    everything = _build_parser()
+    listed = next(a for a in everything._actions if isinstance(a, argparse._SubParsersAction))
+    core = ("load", "convert", "verify", "info")
+    assert list(listed.choices) == [*core, *(name for names in COMMAND_MODULES.values() for name in names)]
+    for module, names in COMMAND_MODULES.items():
+        commands = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"preheat.{module}").register(commands)
+        assert tuple(commands.choices) == names, module
+
+
+def test_a_command_line_builds_only_its_own_commands_and_still_parses_global_flags() -> None:
+    from preheat.cli import _build_parser, _command_module
+
+    assert _command_module(["-v", "serve", "./model", "--port", "0"]) == "cli_serve"
+    assert _command_module(["cache", "ls"]) == "cli_store"
+    assert _command_module(["verify", "./model"]) is None  # a core command: the whole parser
+    assert _command_module(["--version"]) is None
+    args = _build_parser("cli_serve").parse_args(["-v", "serve", "./model", "--port", "0"])
+    assert (args.command, args.verbose, args.port) == ("serve", True, 0)

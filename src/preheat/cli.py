@@ -7,6 +7,7 @@ output; ``--verbose`` tells the story on stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -27,7 +28,30 @@ docs: README.md (quick start), docs/loader.md (how loading works), docs/architec
 """
 
 
-def _build_parser() -> argparse.ArgumentParser:
+# The modules that add commands, in the order ``preheat --help`` lists them, and the commands each adds. A command
+# line naming one of these builds only that module's parsers: a replica's start (``preheat serve``) then imports and
+# builds its own flags, not the other commands' (~10 ms of a cold start). tests/test_cli.py checks the table.
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "cli_store": ("pull", "cache"),
+    "cli_kv": ("kv",),
+    "cli_serve": ("serve", "activate", "timeline", "demo"),
+    "cli_plan": ("analyze", "simulate"),
+    "cli_router": ("router", "up"),
+    "cli_artifacts": ("artifacts",),
+    "cli_doctor": ("doctor",),
+    "cli_deploy": ("deploy",),
+    "cli_refit": ("refit",),
+}
+
+
+def _command_module(argv: Sequence[str]) -> str | None:
+    """The module of the command ``argv`` names (its first word that is not an option), if a module adds it."""
+    command = next((word for word in argv if not word.startswith("-")), None)
+    return next((module for module, names in COMMAND_MODULES.items() if command in names), None)
+
+
+def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``only``, a ``COMMAND_MODULES`` key) just that module's commands."""
     parser = argparse.ArgumentParser(
         prog="preheat",
         description="Take an LLM replica from cold to serving in seconds.",
@@ -37,6 +61,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens, stage by stage, to stderr")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    if only is not None:
+        importlib.import_module(f"preheat.{only}").register(commands)
+        return parser
 
     load = commands.add_parser(
         "load",
@@ -85,27 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--json", action="store_true", help="print the load reports as JSON")
     load.set_defaults(func=_cmd_load)
     _add_checkpoint_commands(commands)
-    from preheat import (
-        cli_artifacts,
-        cli_deploy,
-        cli_doctor,
-        cli_kv,
-        cli_plan,
-        cli_refit,
-        cli_router,
-        cli_serve,
-        cli_store,
-    )
-
-    cli_store.register(commands)
-    cli_kv.register(commands)
-    cli_serve.register(commands)
-    cli_plan.register(commands)
-    cli_router.register(commands)
-    cli_artifacts.register(commands)
-    cli_doctor.register(commands)
-    cli_deploy.register(commands)
-    cli_refit.register(commands)
+    for module in COMMAND_MODULES:
+        importlib.import_module(f"preheat.{module}").register(commands)
     return parser
 
 
@@ -346,8 +354,9 @@ def _bars(args: argparse.Namespace) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    parser = _build_parser(_command_module(words))
+    args = parser.parse_args(words)
     if args.version:
         from preheat import __version__
 
