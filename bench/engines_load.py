@@ -250,8 +250,11 @@ def handoff_bench(model: Path, rounds: int) -> None:
     def preheat(verify: bool | None) -> Callable[[], None]:
         def load() -> None:
             prepared = prepare(str(model), parse_options({} if verify is None else {"verify": verify}))
-            for name, tensor in prepared.items():
-                params[name].copy_(tensor)
+            try:
+                for name, tensor in prepared.items():
+                    params[name].copy_(tensor)
+            finally:
+                prepared.finish()
 
         return load
 

@@ -110,6 +110,8 @@ def _load(
             except Exception as exc:
                 stage.detail["error"] = str(exc)
                 raise
+            finally:
+                prepared.finish()
             after = read_bytes()
             if before is not None and after is not None:
                 # Bytes this process read from storage for the load and hand-off: a TP rank's share of the pages.
