@@ -34,6 +34,9 @@ controller drives them without zero-copy (``batch_set`` of host-pool pages, ``ba
 the host pool hands out), one page of 1, 4 or 16 MiB per call. Restart: a fresh backend on the directory counts the
 pages ``batch_exists`` finds and those ``batch_get`` returns with the bytes stored; then one stored file of each
 store gets a flipped byte, and the table says whether the next ``get`` returns wrong bytes or misses.
+
+Every round builds its stores afresh on empty directories, untimed: preheat's ``fs://`` makes its 256 shard
+directories then (as it does whenever it opens a directory that lacks them), SGLang's and LMCache's their one.
 """
 
 from __future__ import annotations

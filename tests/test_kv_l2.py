@@ -76,7 +76,7 @@ def test_fs_store_over_a_damaged_file_replaces_it(tmp_path: Path) -> None:
 def test_fs_planted_huge_file_is_a_miss_without_reading_it(tmp_path: Path) -> None:
     tier = FileTier(str(tmp_path), expect())
     path = Path(tier.path(key(0)))
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the tier made its shards
     with open(path, "wb") as handle:
         handle.truncate(1 << 30)  # 1 GiB, sparse: costs no disk, but a reader that trusts it allocates 1 GiB
     with allocations() as peak:
@@ -96,7 +96,7 @@ def test_fs_planted_huge_file_is_a_miss_without_reading_it(tmp_path: Path) -> No
 def test_fs_planted_fifo_or_symlink_is_a_miss_and_never_blocks(tmp_path: Path) -> None:
     tier = FileTier(str(tmp_path), expect())
     path = Path(tier.path(key(0)))
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(path)
     assert tier.get(key(0)) is None
     assert not path.exists()

@@ -5,6 +5,7 @@ survival, and two processes sharing one store."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -22,8 +23,9 @@ import pytest
 from kvchunks import Clock, tiny_tmpfs
 from preheat.errors import ConfigError
 from preheat.kv import chunkfile
+from preheat.kv.blob_reads import PIECEWISE_BYTES
 from preheat.kv.redis_tier import RedisTier
-from preheat.kv.store import PIECEWISE_BYTES, BlobStore, Namespace, open_store, storage_name
+from preheat.kv.store import BlobStore, Namespace, open_store, storage_name
 from redisserver import RedisServer
 
 TESTS = os.path.dirname(__file__)
@@ -492,3 +494,91 @@ def test_a_value_read_and_hashed_piece_by_piece_is_checked_all_the_same(tmp_path
     assert store.get_into("bad", lambda n, _peek: memoryview(bytearray(n)), peek=False) is None
     assert counters(store)["corrupt"] == 1
     assert not stored_path(store, "bad").exists()
+
+
+# -- the write path: payload first, hashed as it is written ----------------------------------------------------------
+
+WRITE_SIZES = [0, 1, 100, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 123]
+
+
+@pytest.mark.parametrize("size", WRITE_SIZES)
+def test_a_stored_value_is_the_chunk_format_byte_for_byte(tmp_path: Path, size: int) -> None:
+    # fs:// writes a value's payload before its header (hashing it as it goes, in pieces above a MiB), and the file
+    # is still exactly what encode_blob makes: older preheats and Redis read the same bytes.
+    store = open_store(f"fs://{tmp_path}", NS)
+    for key in ("k", "ü/é?" * 40):
+        data = value(size, size)
+        assert store.put(key, data)
+        pieces = chunkfile.encode_blob(key, NS.id, data)
+        assert stored_path(store, key).read_bytes() == b"".join(bytes(p) for p in pieces)
+        got = store.get(key)
+        assert got is not None
+        assert bytes(got) == data
+
+
+def test_a_value_stored_in_parts_across_piece_boundaries_is_one_value(tmp_path: Path) -> None:
+    store = open_store(f"fs://{tmp_path}", NS)
+    parts = (value(1, (1 << 20) - 7), value(2, 3), value(3, (2 << 20) + 5), b"", value(4, 1000))
+    assert store.put("parts", parts)
+    joined = b"".join(parts)
+    assert bytes(store.get("parts") or b"") == joined
+    assert stored_path(store, "parts").read_bytes() == b"".join(
+        bytes(p) for p in chunkfile.encode_blob("parts", NS.id, joined))
+
+
+@pytest.mark.parametrize("where", ["first byte", "first piece", "a middle piece", "last partial piece", "last byte"])
+@pytest.mark.parametrize("size", [(3 << 20) + 123, PIECEWISE_BYTES + (2 << 20) + 123])
+def test_a_flipped_byte_in_any_piece_is_a_miss(tmp_path: Path, where: str, size: int) -> None:
+    # Values above a MiB are written (and from PIECEWISE_BYTES on, read) a MiB at a time, hashed piece by piece:
+    # a byte flipped in any piece, the last partial one included, is a miss, counted and removed; never a value.
+    store = open_store(f"fs://{tmp_path}", NS)
+    data = value(size, size)
+    assert store.put("k", data)
+    path = stored_path(store, "k")
+    blob = bytearray(path.read_bytes())
+    start = len(blob) - size
+    offset = {"first byte": 0, "first piece": 1000, "a middle piece": (2 << 20) + 17,
+              "last partial piece": size - 60, "last byte": size - 1}[where]
+    blob[start + offset] ^= 0x40
+    path.write_bytes(bytes(blob))
+    assert store.get_into("k", lambda n, _peek: memoryview(bytearray(n)), peek=False) is None
+    assert counters(store)["corrupt"] == 1
+    assert not path.exists()
+    assert store.put("k", data)  # a recompute stores it again
+    assert store.get_into("k", lambda n, _peek: memoryview(bytearray(n)), peek=False) == size
+
+
+def test_a_shard_directory_removed_under_a_running_store_is_made_again(tmp_path: Path) -> None:
+    # The store makes its 256 shard directories when it opens (no mkdir on the put path); one removed while it
+    # runs (by hand, by a cleanup job) costs the next put into it a mkdir, not the value.
+    store = open_store(f"fs://{tmp_path}", NS)
+    shard = stored_path(store, "k").parent
+    assert shard.is_dir()
+    shard.rmdir()
+    assert store.put("k", value(1))
+    assert bytes(store.get("k") or b"") == value(1)
+    restarted = open_store(f"fs://{tmp_path}", NS)  # a second process on the directory finds what is there
+    assert bytes(restarted.get("k") or b"") == value(1)
+
+
+def test_shard_directories_that_cannot_be_made_at_open_leave_the_store_up(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Making the shards up front only saves puts a mkdir: a disk or inode quota too full for them (the probe's one
+    # small file still fits) must not take the store down, reads of what is there included.
+    store = open_store(f"fs://{tmp_path}", NS)
+    assert store.put("k", value(1))
+    empty = next(p for p in stored_path(store, "k").parent.parent.iterdir() if p.is_dir() and not any(p.iterdir()))
+    empty.rmdir()
+
+    def full(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "mkdir", full)
+        reopened = open_store(f"fs://{tmp_path}", NS)
+        assert reopened.up
+        assert bytes(reopened.get("k") or b"") == value(1)
+    assert not empty.exists()
+    key = next(f"n{i}" for i in range(100000) if stored_path(reopened, f"n{i}").parent == empty)
+    assert reopened.put(key, value(2))  # the first put into the missing shard makes it
+    assert bytes(reopened.get(key) or b"") == value(2)

@@ -211,3 +211,21 @@ def test_clear_removes_this_namespace_only(tmp_path: Path, backends: list[Any]) 
     assert store.clear()
     assert store.batch_exists([key(0), key(1)]) == 0
     assert other.batch_exists([key(0)]) == 1
+
+
+def test_strided_pages_are_stored_and_read_back_as_their_values(tmp_path: Path, backends: list[Any]) -> None:
+    # HiCache hands over flat contiguous pages, read and written in place; any other tensor (a strided view, a
+    # slice of a larger buffer) is copied through a contiguous one, and holds the same values.
+    import torch
+
+    store = make(backends, f"fs://{tmp_path}")
+    strided = torch.stack([page(7), page(8)], dim=1)[:, 0]  # page(7)'s values, every other element of a buffer
+    assert not strided.is_contiguous()
+    assert store.set(key(7), strided)
+    assert same(store.get(key(7), dummy_page()), page(7))
+    target = torch.zeros(2 * dummy_page().numel(), dtype=torch.bfloat16)[::2]
+    assert store.get(key(7), target) is target  # read into the caller's own (strided) tensor
+    assert same(target.contiguous(), page(7))
+    window = torch.zeros(3 * dummy_page().numel(), dtype=torch.bfloat16)[dummy_page().numel():2 * dummy_page().numel()]
+    assert store.get(key(7), window) is window  # a contiguous slice of a larger buffer: read straight into it
+    assert same(window, page(7))

@@ -261,22 +261,80 @@ def blob_frame(key: str, fingerprint: str, size: int, keyed: bool) -> BlobFrame 
     (True, 3, True)
     """
     tag = mac.TAG_BYTES if keyed else 0
-    # as _frame writes the header: sorted compact ASCII JSON, the checksum's 32 hex digits first
-    body = (f'","dtype":"{BLOB_DTYPE}","fingerprint":{json.dumps(fingerprint)},"key":{json.dumps(key)},'
-            f'"kind":"{BLOB_KIND}","payload_bytes":')
-    fixed = _OPEN_CHECKSUM + 32 + len(body) + _CLOSE_SHAPE
-    most = len(str(size))
-    for digits in range(most, 0, -1):  # the payload is shorter than the file: as many digits or fewer
-        raw_len = fixed + 2 * digits
-        offset = _PREFIX.size + raw_len + (-(_PREFIX.size + raw_len) % _ALIGN)
-        n = size - offset - tag
-        if n < 0 or len(str(n)) != digits:
-            continue
-        raw_end = f'{body}{n},"scale_shape":null,"shape":[{n}]}}'
-        before = _PREFIX.pack(MAGIC, VERSION_KEYED if keyed else VERSION, offset - _PREFIX.size) + b'{"checksum":"'
-        after = raw_end.encode("ascii") + b" " * (offset - len(before) - 32 - len(raw_end))
-        return BlobFrame(offset, n, keyed, before, after)
+    body = _frame_body(key, fingerprint)
+    for digits in range(len(str(size)), 0, -1):  # the payload is shorter than the file: as many digits or fewer
+        raw_len = _OPEN_CHECKSUM + 32 + len(body) + _CLOSE_SHAPE + 2 * digits
+        n = size - (_PREFIX.size + raw_len + (-(_PREFIX.size + raw_len) % _ALIGN)) - tag
+        if n >= 0 and len(str(n)) == digits:
+            return _blob_frame_of(body, n, keyed)
     return None
+
+
+def blob_frame_for(key: str, fingerprint: str, payload_bytes: int, keyed: bool) -> BlobFrame:
+    """The frame ``encode_blob`` gives ``key``'s value of ``payload_bytes`` bytes in namespace ``fingerprint``: what a
+    writer needs to write the payload before its checksum is known (``encode_blob_unsummed``).
+
+    >>> pieces = encode_blob("k", "ns", b"abc")
+    >>> blob_frame_for("k", "ns", 3, keyed=False) == blob_frame("k", "ns", len(pieces[0]) + 3, keyed=False)
+    True
+    """
+    return _blob_frame_of(_frame_body(key, fingerprint), payload_bytes, keyed)
+
+
+def _frame_body(key: str, fingerprint: str) -> str:
+    """The header's JSON from the checksum's closing quote to ``payload_bytes``' value, as ``_frame`` writes it:
+    sorted compact ASCII JSON, the checksum's 32 hex digits first."""
+    return (f'","dtype":"{BLOB_DTYPE}","fingerprint":{json.dumps(fingerprint)},"key":{json.dumps(key)},'
+            f'"kind":"{BLOB_KIND}","payload_bytes":')
+
+
+def _blob_frame_of(body: str, n: int, keyed: bool) -> BlobFrame:
+    raw_end = f'{body}{n},"scale_shape":null,"shape":[{n}]}}'
+    raw_len = _OPEN_CHECKSUM + 32 + len(raw_end)
+    offset = _PREFIX.size + raw_len + (-(_PREFIX.size + raw_len) % _ALIGN)
+    before = _PREFIX.pack(MAGIC, VERSION_KEYED if keyed else VERSION, offset - _PREFIX.size) + b'{"checksum":"'
+    after = raw_end.encode("ascii") + b" " * (offset - len(before) - 32 - len(raw_end))
+    return BlobFrame(offset, n, keyed, before, after)
+
+
+@dataclass(frozen=True)
+class Unsummed:
+    """An unkeyed opaque value laid out before its checksum is known (``encode_blob_unsummed``): ``parts`` go at
+    ``offset``, and ``head(checksum)`` before them. The bytes are exactly ``encode_blob``'s; a file writer writes the
+    payload first, hashing each piece just before the kernel copies it (which then reads it from the CPU's cache),
+    and the header last (``fileio.write_unsummed``)."""
+
+    frame: BlobFrame
+    parts: list[memoryview]
+
+    @property
+    def offset(self) -> int:
+        return self.frame.offset
+
+    @property
+    def size(self) -> int:
+        """The whole file's size."""
+        return self.frame.offset + self.frame.payload_bytes
+
+    def head(self, checksum: str) -> bytes:
+        """Prefix and header holding ``checksum`` (the payload's XXH3-128 in hex, as ``payload_hasher`` gives it)."""
+        if len(checksum) != 32:
+            raise ValueError(f"an XXH3-128 hex digest has 32 characters, not {len(checksum)}")
+        return self.frame.before + checksum.encode("ascii") + self.frame.after
+
+
+def encode_blob_unsummed(
+    key: str, fingerprint: str, value: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+) -> Unsummed:
+    """``encode_blob`` (unkeyed) with the checksum left for the writer to compute as it writes the payload.
+
+    >>> later = encode_blob_unsummed("k", "ns", [b"ab", b"c"])
+    >>> later.head(payload_checksum(b"abc")) == encode_blob("k", "ns", b"abc")[0]
+    True
+    """
+    pieces = [value] if isinstance(value, bytes | bytearray | memoryview) else list(value)
+    parts = [memoryview(p).cast("B") for p in pieces]
+    return Unsummed(blob_frame_for(key, fingerprint, sum(len(p) for p in parts), keyed=False), parts)
 
 
 def head_length(prefix: bytes | bytearray | memoryview) -> int:
@@ -351,6 +409,11 @@ def check_checksum(payload: Sequence[memoryview], checksum: str, key: str) -> No
             digest.update(part)
         got = digest.hexdigest()
     check_digest(got, checksum, key)
+
+
+def payload_checksum(payload: bytes | bytearray | memoryview) -> str:
+    """The checksum of a payload in one buffer (XXH3-128, hex), as the header holds it."""
+    return xxhash.xxh3_128_hexdigest(payload)
 
 
 def payload_hasher() -> xxhash.xxh3_128:

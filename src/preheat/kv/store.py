@@ -53,6 +53,7 @@ import xxhash
 from preheat.config import parse_size
 from preheat.errors import ConfigError
 from preheat.kv import chunkfile, mac
+from preheat.kv.blob_reads import PEEK_BYTES, Allocate, fitted, framed_reader, split_reader
 from preheat.kv.settings import DEFAULT_TTL_S, check_redis_url
 from preheat.kv.tier import Check, Encode, TierStats
 
@@ -66,10 +67,6 @@ NAMESPACE_FILE = "namespace.json"
 _SAFE = frozenset(string.ascii_letters + string.digits + "-_@=+,.")
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_@=+,.-]*")  # every character in _SAFE
 _MAX_NAME = 160  # escaped keys longer than this are stored under a hash (file names stop at 255 bytes)
-PEEK_BYTES = 256  # how much of a value ``get_into`` shows its caller before the value is read
-PIECEWISE_BYTES = 16 << 20  # a value this large is read and hashed a MiB at a time (fs.fill_pieces); smaller ones
-# are read in one preadv with their header and hashed after it (at 4-8 MiB the extra system calls cost more)
-Allocate = Callable[[int, bytes], "memoryview | Sequence[memoryview] | None"]  # (n, peek) -> buffers for n bytes
 _HEAD_BYTES = 16 + 64 * 1024  # enough to read any header's claimed key (prefix + the largest header)
 
 
@@ -181,10 +178,9 @@ class BlobStore:
         self.namespace = namespace
         self.expect = expect
         self._described = threading.Event()
-        from preheat.kv.fs import FileTier, fill, fill_pieces  # here: the file tier imports torch
+        from preheat.kv.fs import FileTier  # here: the file tier imports torch
 
         self._files = storage if isinstance(storage, FileTier) else None  # fs://: reads straight into buffers
-        self._fill, self._fill_pieces = fill, fill_pieces
 
     @property
     def stats(self) -> TierStats:
@@ -244,14 +240,14 @@ class BlobStore:
             return None
         if self._files is not None:
             if peek:
-                return self._files.read_split(name, chunkfile.head_length, *self._split_reader(key, allocate),
+                return self._files.read_split(name, chunkfile.head_length, *split_reader(key, self.expect, allocate),
                                               extra=PEEK_BYTES)
-            return self._files.read_framed(name, self._framed_reader(key, allocate),
-                                           lambda: (chunkfile.head_length, *self._split_reader(key, allocate)))
+            return self._files.read_framed(name, framed_reader(key, self.expect, allocate),
+                                           lambda: (chunkfile.head_length, *split_reader(key, self.expect, allocate)))
         value = self.get(key)
         if value is None:
             return None
-        buffers = _fitted(allocate(len(value), bytes(value[:PEEK_BYTES]) if peek else b""), len(value))
+        buffers = fitted(allocate(len(value), bytes(value[:PEEK_BYTES]) if peek else b""), len(value))
         if buffers is None:
             return None
         offset = 0
@@ -288,8 +284,13 @@ class BlobStore:
                           self.expect.max_payload_bytes)
                 continue
             todo.append((i, key, name, parts))
-        written = self.storage.write_many([(name, self._encoder(key, data), self._checker(key))
-                                           for _, key, name, data in todo])
+        if self._files is not None and self.expect.mac_key is None:  # checksum computed as the payload is written
+            files = self._files
+            written = [files.write_unsummed(name, self._unsummed(key, data), self._checker(key))
+                       for _, key, name, data in todo]
+        else:
+            written = self.storage.write_many([(name, self._encoder(key, data), self._checker(key))
+                                               for _, key, name, data in todo])
         for (i, _key, _name, _data), ok in zip(todo, written, strict=True):
             done[i] = ok
         return done
@@ -360,6 +361,9 @@ class BlobStore:
     def _encoder(self, key: str, data: list[memoryview]) -> Callable[[], list[bytes | memoryview]]:
         return lambda: chunkfile.encode_blob(key, self.expect.fingerprint, data, self.expect.mac_key)
 
+    def _unsummed(self, key: str, data: list[memoryview]) -> Callable[[], chunkfile.Unsummed]:
+        return lambda: chunkfile.encode_blob_unsummed(key, self.expect.fingerprint, data)
+
     def _checker(self, key: str) -> Callable[[bytes | bytearray], memoryview]:
         expect = self.expect
         return lambda blob: chunkfile.decode_blob(blob, key, expect).toreadonly()
@@ -375,107 +379,12 @@ class BlobStore:
         n = self.get_into(key, allocate, peek=False)
         return None if n is None else memoryview(found[-1]).toreadonly()
 
-    def _framed_reader(self, key: str, allocate: Allocate) -> Callable[[int, int], int]:
-        """``FileTier.read_framed``'s ``frame`` for ``get_into(peek=False)``: the header's length is predicted from
-        the file's size (``chunkfile.blob_frame``), header and value are read by one ``preadv`` straight into the
-        caller's buffers, the header is compared byte for byte with the one this key's value must have (a JSON
-        parse only when it differs: to say what is wrong, or where the value starts in a file of another writer),
-        and the value's checksum is computed over those buffers: one copy, one pass of the hash."""
-        expect, fill, fill_pieces = self.expect, self._fill, self._fill_pieces
-        keyed = expect.mac_key is not None
-
-        def frame(fd: int, size: int) -> int:
-            found = chunkfile.blob_frame(key, expect.fingerprint, size, keyed)
-            if found is None:  # no value of this key fits the file: read its header first to say why
-                raise chunkfile.Reframe
-            buffers = _fitted(allocate(found.payload_bytes, b""), found.payload_bytes)
-            if buffers is None:  # no room, or a damaged file whose size says another length: its header tells
-                raise chunkfile.Reframe
-            head = bytearray(found.offset)
-            if not keyed and len(buffers) == 1 and found.payload_bytes >= PIECEWISE_BYTES:
-                fill(fd, [memoryview(head)], 0, found.offset, key)
-                checksum = found.checksum_in(head)
-                if checksum is None:  # damaged, or another writer's layout: parsing the header says which
-                    raise chunkfile.Reframe
-                digest = chunkfile.payload_hasher()
-                fill_pieces(fd, buffers[0], found.offset, size, key, each=digest.update)  # hashed while in cache
-                chunkfile.check_digest(digest.hexdigest(), checksum, key)
-                return found.payload_bytes
-            if not keyed:
-                fill(fd, [memoryview(head), *buffers], 0, size, key)
-                checksum = found.checksum_in(head)
-                if checksum is not None:  # the common case: exactly the header this value must have
-                    chunkfile.check_checksum(buffers, checksum, key)
-                    return found.payload_bytes
-                tag = memoryview(b"")
-            else:
-                tag = memoryview(bytearray(mac.TAG_BYTES))
-                fill(fd, [memoryview(head), *buffers, tag], 0, size, key)
-                checksum = found.checksum_in(head)
-            if checksum is None:
-                parsed = chunkfile.blob_head(head, key, expect)  # raises for what is wrong
-                if parsed.offset != found.offset:
-                    raise chunkfile.Reframe
-            else:
-                parsed = chunkfile.BlobHead(found.offset, found.payload_bytes, checksum, keyed)
-            chunkfile.check_blob(head, buffers, tag=tag.tobytes(), parsed=parsed, key=key, expect=expect)
-            return parsed.payload_bytes
-
-        return frame
-
-    def _split_reader(
-        self, key: str, allocate: Allocate
-    ) -> tuple[Callable[[bytes, int], list[memoryview] | None], Callable[[bytes, list[memoryview]], int]]:
-        """``FileTier.read_split``'s ``place`` and ``finish`` for ``get_into``: the header is parsed and checked once,
-        by ``place``, and ``finish`` verifies the payload against it."""
-        parsed_by_place: list[chunkfile.BlobHead] = []
-
-        def place(head: bytes, size: int) -> list[memoryview] | None:
-            frame = chunkfile.blob_frame(key, self.expect.fingerprint, size, self.expect.mac_key is not None)
-            checksum = frame.checksum_in(head[: frame.offset]) if frame is not None else None
-            if frame is not None and checksum is not None:  # exactly the header this key's value has: no parse
-                parsed = chunkfile.BlobHead(frame.offset, frame.payload_bytes, checksum, frame.keyed)
-            else:
-                parsed = chunkfile.blob_head(head, key, self.expect)
-            if parsed.size != size:
-                raise chunkfile.CorruptChunkError(f"value {key!r}: {size} bytes, its header says {parsed.size}")
-            parsed_by_place.append(parsed)
-            peek = head[parsed.offset : parsed.offset + PEEK_BYTES]
-            buffers = _fitted(allocate(parsed.payload_bytes, peek), parsed.payload_bytes)
-            if buffers is None:
-                return None
-            return [*buffers, memoryview(bytearray(mac.TAG_BYTES))] if parsed.keyed else buffers
-
-        def finish(head: bytes, buffers: list[memoryview]) -> int:
-            parsed = parsed_by_place[-1]
-            payload, tag = (buffers[:-1], buffers[-1].tobytes()) if parsed.keyed else (buffers, b"")
-            chunkfile.check_blob(head, payload, tag=tag, parsed=parsed, key=key, expect=self.expect)
-            return parsed.payload_bytes
-
-        return place, finish
-
     def _describe_namespace(self) -> None:
         """Leave the namespace's description beside its values, once per process (``preheat kv ls`` shows it)."""
         if self._described.is_set():
             return
         self._described.set()
         self.storage.describe_namespace(json.dumps(self.namespace.to_dict(), sort_keys=True, indent=1).encode())
-
-
-def _fitted(buffers: memoryview | Sequence[memoryview] | None, n: int) -> list[memoryview] | None:
-    """``buffers`` cut to exactly ``n`` bytes in all (byte views), or None when they hold fewer."""
-    if buffers is None:
-        return None
-    if isinstance(buffers, memoryview) and buffers.format == "B" and buffers.c_contiguous and len(buffers) == n:
-        return [buffers]  # one flat byte buffer of the value's size (SGLang's page, vLLM's chunk): as it is
-    out: list[memoryview] = []
-    left = n
-    for buffer in [buffers] if isinstance(buffers, memoryview) else buffers:
-        view = memoryview(buffer).cast("B")[:left]
-        if len(view):
-            out.append(view)
-        left -= len(view)
-    return out if left == 0 else None
 
 
 def open_store(
