@@ -330,14 +330,14 @@ def test_what_runs_while_torch_imports_needs_no_torch(tiny_model: str) -> None:
     code = (
         "import sys, preheat.server.app, preheat.server.lifecycle\n"
         "from preheat.server.prepare import prepare\n"
-        "from preheat.text.forked import TokenizerProcess\n"
+        "from preheat.text.process import TokenizerProcess\n"
         "from preheat.timeline import Timeline\n"
-        f"prepared = prepare({tiny_model!r}, Timeline(), TokenizerProcess.fork(), premap=True)\n"
+        f"prepared = prepare({tiny_model!r}, Timeline(), TokenizerProcess.start(), premap=True)\n"
         "prepared.tokenizer.result()\n"
         "print('torch' in sys.modules, 'tokenizers' in sys.modules, len(prepared.mapped))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    # The tokenizer was built in the forked process: this one has not even imported the tokenizers library.
+    # The tokenizer was built in its own process: this one has not even imported the tokenizers library.
     assert done.stdout.split() == ["False", "False", "1"]
 
 
@@ -346,7 +346,7 @@ def test_the_tokenizer_is_built_beside_torch_in_another_process_which_leaves_onc
 ) -> None:
     client.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     stages = {s["name"]: s for s in client.get("/v1/preheat/timeline").json()["stages"]}
-    assert stages["tokenizer"]["detail"]["process"] == "forked"
+    assert stages["tokenizer"]["detail"]["process"] == "own"
     assert stages["tokenizer"]["start"] < stages["engine_imports"]["end"]
     # The weights were mapped and populated while torch imported: the load only made views of them.
     assert stages["page_in"]["detail"]["mapped"] == 1

@@ -14,6 +14,7 @@ Routes: docs/server.md. Only ``/v1/*`` needs the API key (``/health`` and ``/met
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -29,10 +30,10 @@ from preheat.errors import ConfigError, PreheatError
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
 from preheat.server import openai, sse
-from preheat.server.lifecycle import LOADING, STANDBY, Lifecycle
+from preheat.server.lifecycle import LOADING, STANDBY, Lifecycle, resume_gc
 from preheat.server.metrics import ServerMetrics
 from preheat.server.settings import ServeSettings
-from preheat.text.forked import ForkedTokenizer, TokenizerProcess
+from preheat.text.process import ProcessTokenizer, TokenizerProcess
 from preheat.text.request import MAX_BODY_BYTES, APIError
 from preheat.timeline import Timeline, process_start_time
 
@@ -73,7 +74,7 @@ class ServerState:
         self.life = Lifecycle(STANDBY if settings.standby else LOADING)
         self.dashboard: ReplicaDashboard | None = None  # GET /dashboard's, made on the first visit (cold-start path)
         self.findings: Findings | None = None  # the doctor's, for the dashboard (run() is given them)
-        self.text: TokenizerProcess | None = None  # the tokenizer process forked at the start (run())
+        self.text: TokenizerProcess | None = None  # the tokenizer process started at the start (run())
 
     def set_timeline(self, timeline: Timeline) -> None:
         """Start a new timeline (an activation's or a wake's, from its request): its first token is marked anew."""
@@ -379,14 +380,15 @@ def run(
 
     Returns the process exit code: 0 after a clean shutdown, 1 when the model failed to load.
     """
+    gc.disable()  # during the start only: lifecycle.resume_gc says why, and turns it back on
     say = announce or (lambda line: print(line, flush=True))
     timeline = Timeline.from_env()
     record_imports(timeline)
     with timeline.stage("config"):
         settings = ServeSettings.resolve(flags)
-        # Before any thread and before the socket: the tokenizer's GIL-bound build then runs beside torch's import
-        # on another core (preheat.text.forked). A standby replica's activations build it on a thread instead.
-        text = None if settings.standby else TokenizerProcess.fork()
+        # First: the tokenizer's GIL-bound build then runs beside torch's import, on another core
+        # (preheat.text.process). A standby replica's activations build it on a thread instead.
+        text = None if settings.standby else TokenizerProcess.start()
         state = ServerState(settings, timeline)
         state.text = text
         state.findings = findings
@@ -461,7 +463,8 @@ def _load_in_background(httpd: PreheatHTTPServer, say: Callable[[str], None]) ->
             log.error("--follow: %s", exc)
             say(f"preheat serve: not following versions: {exc}")
     install(state, loaded, say)  # worker, ready, KV-tier metrics, the peer server (lifecycle.py)
-    if isinstance(loaded.engine.tokenizer, ForkedTokenizer):
+    resume_gc()
+    if isinstance(loaded.engine.tokenizer, ProcessTokenizer):
         loaded.engine.tokenizer.settle()  # this process's own copy, once the first answers are out
     if state.refit is not None:
         from preheat.server.following import start_follow

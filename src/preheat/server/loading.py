@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from preheat.kv.tiered import TieredKV
     from preheat.server.prepare import EngineImports
     from preheat.store.cache import Lease
-    from preheat.text.forked import TokenizerProcess
+    from preheat.text.process import TokenizerProcess
     from preheat.text.tokenizer import TextTokenizer
 
 log = logging.getLogger("preheat.server")
@@ -92,7 +92,7 @@ def load(
 
     ``imports``: the engine's import, already started (a standby replica did it before any model was asked for);
     ``keep``: what a replica kept of its engine while asleep (a wake builds only the model);
-    ``text``: the tokenizer process ``preheat serve`` forked at its start (``preheat.text.forked``), if any.
+    ``text``: the tokenizer process ``preheat serve`` started (``preheat.text.process``), if any.
     """
     from preheat.server.prepare import page_in, prepare, start_engine_imports, weight_files
 

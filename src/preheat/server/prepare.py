@@ -4,9 +4,10 @@
 while reading the model's config, checking its files, paging its weights in and building its tokenizer and chat
 template need nothing of torch. So ``start_engine_imports`` imports the engine on a thread of its own, and
 ``prepare`` meanwhile reads the config and checks the manifest (``model_config``), asks the kernel to page the
-weights in (``page_in``) and builds the tokenizer and compiles the chat template (``tokenizer``, on a thread of its
-own, so it also overlaps the weights' load), each a stage on the timeline: the waterfall shows them as parallel
-bars. Nothing here imports torch (a test checks it).
+weights in (``page_in``: for a CPU load also mapped and their page tables filled, ``preheat.io.premap``) and has
+the tokenizer built and the chat template compiled (``tokenizer``: in the process ``preheat serve`` started for it,
+``preheat.text.process``, since that work holds the GIL as the import does; else on a thread), each a stage on the
+timeline: the waterfall shows them as parallel bars. Nothing here imports torch (a test checks it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
 from preheat.engine.config import ModelConfig, read_model_config
 from preheat.errors import CheckpointError
 from preheat.io.premap import Premapped, map_files
-from preheat.text.forked import TokenizerProcess, build_tokenizer
+from preheat.text.process import TokenizerProcess, build_tokenizer
 from preheat.text.tokenizer import TextTokenizer
 from preheat.timeline import Timeline
 
@@ -83,7 +84,7 @@ class Prepared:
 
 def prepare(path: str, timeline: Timeline, text: TokenizerProcess | None = None, *, premap: bool = False) -> Prepared:
     """Read ``path``'s config (``model_config``), start building its tokenizer (``tokenizer``: in ``text``, the
-    process ``preheat serve`` forked at its start, else on a thread), and ask the kernel to read its weights ahead
+    process ``preheat serve`` started at its start, else on a thread), and ask the kernel to read its weights ahead
     (``page_in``), while the engine imports elsewhere or the weights load.
 
     ``premap``: also map the weights files as the loader's ``mmap`` mode would and fill their page tables

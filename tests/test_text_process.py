@@ -1,7 +1,6 @@
-"""The tokenizer built in a forked process while torch imports (preheat.text.forked): the same text as an in-process
-tokenizer, every failure either reported like one or absorbed by building the tokenizer here, and no process left.
-
-Each case runs in a fresh single-threaded interpreter: only such a process forks (``fork_allowed``).
+"""The tokenizer built in a process of its own while torch imports (preheat.text.process): the same text as an
+in-process tokenizer, every failure either reported like one or absorbed by building the tokenizer here, and no
+process left. Each case runs in a fresh interpreter, as ``preheat serve`` does.
 """
 
 from __future__ import annotations
@@ -20,13 +19,13 @@ from preheat.checkpoint.synthetic import make_tiny_servable_model
 
 SCRIPT = r"""
 import json, os, signal, sys, time
-from preheat.text.forked import ForkedTokenizer, TokenizerProcess
+from preheat.text.process import ProcessTokenizer, TokenizerProcess
 from preheat.text.tokenizer import TextTokenizer
 from preheat.timeline import Timeline
 
 case, root = sys.argv[1], sys.argv[2]
-process = TokenizerProcess.fork()
-assert process is not None, "a single-threaded interpreter forks"
+process = TokenizerProcess.start()
+assert process is not None
 timeline = Timeline()
 future = process.build(root, [], timeline)
 out = {"case": case}
@@ -36,7 +35,7 @@ except Exception as exc:
     out.update(error=type(exc).__name__, message=str(exc), path=getattr(exc, "path", None))
     print(json.dumps(out))
     sys.exit(0)
-out["forked"] = isinstance(tok, ForkedTokenizer) and not tok.local
+out["own_process"] = isinstance(tok, ProcessTokenizer) and not tok.local
 out["stage"] = next(s.detail for s in timeline.stages() if s.name == "tokenizer")
 messages = [{"role": "user", "content": "Héllo, wörld! 🙂 What is 2+2?"}]
 text = "The quick brown fox 🦊 jumps; naïve café."
@@ -80,7 +79,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_servable_model(tmp_path_factory.mktemp("forked") / "tiny")
+    return make_tiny_servable_model(tmp_path_factory.mktemp("tokenizer") / "tiny")
 
 
 def run_case(case: str, root: Path, **env: str) -> dict[str, Any]:  # Any: the script's JSON
@@ -96,10 +95,10 @@ def run_case(case: str, root: Path, **env: str) -> dict[str, Any]:  # Any: the s
     return result
 
 
-def test_the_forked_tokenizer_gives_the_same_ids_and_text_as_one_built_here(model: Path) -> None:
+def test_the_tokenizer_process_gives_the_same_ids_and_text_as_one_built_here(model: Path) -> None:
     got = run_case("same", model)
-    assert got["forked"] is True
-    assert got["stage"]["process"] == "forked"
+    assert got["own_process"] is True
+    assert got["stage"]["process"] == "own"
     assert got["remote"] == got["reference"]
     assert got["remote"]["chat_ids"]
     assert "<|im_start|>" in got["remote"]["chat"]
@@ -144,10 +143,9 @@ def test_a_model_without_chat_template_refuses_chats_as_an_in_process_tokenizer_
     assert got["remote"]["ids"] == got["reference"]["ids"]
 
 
-def test_only_a_single_threaded_process_forks_and_the_variable_turns_it_off() -> None:
-    # This pytest process may run other threads; a fresh interpreter has one.
-    code = "from preheat.text.forked import fork_allowed; print(fork_allowed())"
-    for value, want in (("1", "True"), ("0", "False")):
+def test_the_variable_keeps_the_tokenizer_in_the_servers_process() -> None:
+    code = "from preheat.text.process import TokenizerProcess; p = TokenizerProcess.start(); print(p is not None)"
+    for value, want in (("1", "True"), ("0", "False"), ("off", "False")):
         done = subprocess.run(
             [sys.executable, "-c", code],
             capture_output=True,
@@ -157,11 +155,3 @@ def test_only_a_single_threaded_process_forks_and_the_variable_turns_it_off() ->
             env={**os.environ, "PREHEAT_TOKENIZER_PROCESS": value},
         )
         assert done.stdout.strip() == want
-    code = (
-        "import threading, time\n"
-        "from preheat.text.forked import fork_allowed\n"
-        "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
-        "print(fork_allowed())\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert done.stdout.strip() == "False"

@@ -1,4 +1,5 @@
-"""A checkpoint's tokenizer built in a forked process while this one imports torch (docs/server.md, *Start-up order*).
+"""A checkpoint's tokenizer built in a process of its own while the server imports torch (docs/server.md,
+*Start-up order*).
 
 Building SmolLM2's tokenizer (``tokenizer.json``'s 49k-token vocabulary and 49k merges) and compiling its chat
 template take ~0.12 s of one core, and both hold the GIL the whole time (the ``tokenizers`` library does not release
@@ -6,17 +7,16 @@ it while parsing), as ``import torch`` does. On a thread beside the import they 
 their own time: a cold start's critical path is the sum of all GIL-holding work. A process of its own runs them on
 another core instead, so they cost the start nothing.
 
-``TokenizerProcess.fork()`` forks at the very start of ``preheat serve``, before any thread and before the socket
-is bound (nothing of the parent's is shared but memory copied on write), and the child waits for the checkpoint's
-path (known only after the fetch). ``build(root)`` sends it; the child builds the tokenizer, compiles the template,
-answers with the few facts the engine needs at once (end-of-sequence ids, special tokens, vocabulary size), and from
-then on encodes, renders and decodes for the ``ForkedTokenizer`` the engine holds, one small JSON message each way
-(~50 us). Once the replica is serving and has been idle ``SETTLE_IDLE_S`` (after the first answers, not before
-them), ``ForkedTokenizer.settle`` builds this process's own copy on a thread, switches to it and lets the child go:
-a long-lived replica keeps no extra process. Should the child die first, the next call builds the copy at once.
-
-Only a single-threaded process forks (``fork_allowed``): a fork beside running threads may copy a lock one of them
-holds. Anything else (a standby activation, a server started inside another program) builds on a thread as before.
+``TokenizerProcess.start()`` runs ``python -m preheat.text.process`` at the very start of ``preheat serve`` (a new
+interpreter, not a fork: a forked child shares the server's memory copy-on-write, and every page the server then
+wrote cost it a fault, measured ~0.1 s of its weight load alone), handing it one end of a socket pair; the child
+waits for the checkpoint's path (known only after the fetch). ``build(root)`` sends it; the child builds the
+tokenizer, compiles the template, answers with the few facts the engine needs at once (end-of-sequence ids, special
+tokens, vocabulary size), and from then on encodes, renders and decodes for the ``ProcessTokenizer`` the engine
+holds, one small JSON message each way (~50 us). Once the replica is serving and has been idle ``SETTLE_IDLE_S``
+(after the first answers, not before them), ``ProcessTokenizer.settle`` builds this process's own copy on a thread,
+switches to it and lets the child go: a long-lived replica keeps no extra process. Should the child die first, the
+next call builds the copy at once. ``PREHEAT_TOKENIZER_PROCESS=0`` keeps everything in the server's process.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -46,11 +47,9 @@ _HEADER = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1
 
 
-def fork_allowed() -> bool:
-    """Whether this process may fork its tokenizer: Linux, one thread, and ``PREHEAT_TOKENIZER_PROCESS`` not 0."""
-    if os.environ.get("PREHEAT_TOKENIZER_PROCESS", "1").strip() in ("0", "false", "no", "off"):
-        return False
-    return sys.platform.startswith("linux") and threading.active_count() == 1
+def process_allowed() -> bool:
+    """Whether the tokenizer may have a process of its own: ``PREHEAT_TOKENIZER_PROCESS`` is not 0."""
+    return os.environ.get("PREHEAT_TOKENIZER_PROCESS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class ChildGoneError(Exception):
@@ -79,38 +78,37 @@ def _recv(sock: socket.socket) -> Any:  # Any: a JSON message of this module's o
 
 
 class TokenizerProcess:
-    """The parent's handle on a forked tokenizer process: ``build(root, ...)`` once, then its ``ForkedTokenizer``."""
+    """The server's handle on its tokenizer process: ``build(root, ...)`` once, then its ``ProcessTokenizer``."""
 
-    def __init__(self, sock: socket.socket, pid: int) -> None:
-        self._sock, self.pid = sock, pid
+    def __init__(self, sock: socket.socket, child: subprocess.Popen[bytes]) -> None:
+        self._sock, self._child = sock, child
+        self.pid = child.pid
 
     @classmethod
-    def fork(cls) -> TokenizerProcess | None:
-        """Fork the child now (see the module docstring); None where ``fork_allowed()`` says no or the fork fails."""
-        if not fork_allowed():
+    def start(cls) -> TokenizerProcess | None:
+        """Start the child now (see the module docstring); None where ``process_allowed()`` says no or the start
+        fails (the tokenizer is then built on a thread, as without a child)."""
+        if not process_allowed():
             return None
         parent_end, child_end = socket.socketpair()
-        parent, arm = os.getpid(), _death_signal()  # looked up here: the child only makes the system call
         try:
-            pid = os.fork()
+            child = subprocess.Popen(
+                [sys.executable, "-m", "preheat.text.process", str(child_end.fileno()), str(os.getpid())],
+                pass_fds=(child_end.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # a reader of the server's stdout must see EOF when the server exits
+            )
         except OSError as exc:  # out of processes or memory: build on a thread instead
-            log.info("tokenizer process not forked: %s", exc)
+            log.info("tokenizer process not started: %s", exc)
             parent_end.close()
-            child_end.close()
             return None
-        if pid == 0:  # the child: never returns into the parent's code
-            status = 1
-            try:
-                parent_end.close()
-                status = _child(child_end, parent, arm)
-            finally:
-                os._exit(status)
-        child_end.close()
-        return cls(parent_end, pid)
+        finally:
+            child_end.close()
+        return cls(parent_end, child)
 
     def build(self, root: str, config_eos_ids: Iterable[int], timeline: Timeline) -> Future[TextTokenizer]:
         """Ask the child for ``root``'s tokenizer, recorded as the ``tokenizer`` stage; the future holds a
-        ``ForkedTokenizer`` (or the ``CheckpointError`` the child met) once the child answers."""
+        ``ProcessTokenizer`` (or the ``CheckpointError`` the child met) once the child answers."""
         out: Future[TextTokenizer] = Future()
         started = timeline.now()
         try:
@@ -128,11 +126,11 @@ class TokenizerProcess:
                 return
             if "error" in ready:
                 self.close()
-                timeline.add("tokenizer", started, timeline.now(), process="forked", failed=True)
+                timeline.add("tokenizer", started, timeline.now(), process="own", failed=True)
                 out.set_exception(_error(ready["error"]))
                 return
-            timeline.add("tokenizer", started, timeline.now(), process="forked", pid=self.pid)
-            out.set_result(ForkedTokenizer(self, root, config_eos_ids, ready["ready"]))
+            timeline.add("tokenizer", started, timeline.now(), process="own", pid=self.pid)
+            out.set_result(ProcessTokenizer(self, root, config_eos_ids, ready["ready"]))
 
         threading.Thread(target=wait, name="preheat-tokenizer", daemon=True).start()
         return out
@@ -151,19 +149,14 @@ class TokenizerProcess:
     def close(self) -> None:
         """Let the child go: it exits when its end of the channel closes, and a thread reaps it (no zombie)."""
         self._sock.close()
-        threading.Thread(target=_reap, args=(self.pid,), name="preheat-tokenizer-reap", daemon=True).start()
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+        threading.Thread(target=self._child.wait, name="preheat-tokenizer-reap", daemon=True).start()
 
 
 def build_tokenizer(
     root: str, config_eos_ids: Iterable[int], timeline: Timeline, process: TokenizerProcess | None = None
 ) -> Future[TextTokenizer]:
     """``root``'s tokenizer with its template compiled, recorded as the ``tokenizer`` stage: built by ``process``
-    (``TokenizerProcess.fork()``) when there is one, else on a thread of this process."""
+    (``TokenizerProcess.start()``) when there is one, else on a thread of this process."""
     if process is not None:
         return process.build(root, config_eos_ids, timeline)
     return _build_on_thread(root, config_eos_ids, timeline, Future())
@@ -207,8 +200,8 @@ def _error(payload: dict[str, str]) -> PreheatError:
     return RequestError(message)
 
 
-class ForkedTokenizer(TextTokenizer):
-    """A ``TextTokenizer`` whose work runs in the forked process until ``settle`` builds this process's own copy.
+class ProcessTokenizer(TextTokenizer):
+    """A ``TextTokenizer`` whose work runs in the tokenizer process until ``settle`` builds this process's own copy.
 
     Thread-safe: one call at a time goes over the channel. The raw ``tokenizers`` object (``self.tokenizer`` of a
     plain ``TextTokenizer``) exists only after the switch; the server uses the methods alone.
@@ -278,7 +271,7 @@ class ForkedTokenizer(TextTokenizer):
                     self._last = time.monotonic()
         return self._own()._dispatch_locally(request)
 
-    def _own(self) -> ForkedTokenizer:
+    def _own(self) -> ProcessTokenizer:
         self.settle_now()
         return self
 
@@ -334,17 +327,12 @@ def _dispatch(tokenizer: TextTokenizer, request: dict[str, Any]) -> Any:  # Any:
     raise RequestError(f"tokenizer process: unknown operation {op!r}")
 
 
-def _child(sock: socket.socket, parent: int, arm: Callable[[], None] | None) -> int:
-    """The forked process: build the tokenizer it is asked for, then answer calls until the channel closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's graceful-shutdown handler
-    if arm is not None:
-        arm()
-    if os.getppid() != parent:  # the parent died before the signal was armed
+def _child(sock: socket.socket, parent: int) -> int:
+    """The tokenizer process: build the tokenizer it is asked for, then answer calls until the channel closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server decides
+    _die_with_parent()
+    if os.getppid() != parent:  # the server died before the signal was armed
         return 0
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)  # a parent's reader of stdout must see EOF when the parent exits, not when we do
     try:
         request = _recv(sock)
     except (ChildGoneError, OSError, ValueError):
@@ -385,17 +373,22 @@ def _payload(exc: PreheatError) -> dict[str, str]:
     return payload
 
 
-def _death_signal() -> Callable[[], None] | None:
-    """Linux: a function asking for SIGKILL when the parent dies, even by SIGKILL (the channel's EOF covers the
-    rest); resolved before the fork."""
-    try:
-        import ctypes
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the server dies, even by SIGKILL (the channel's EOF covers the rest, and other systems)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
-    return arm
+def main(argv: list[str]) -> int:
+    """``python -m preheat.text.process FD PARENT_PID``: what ``TokenizerProcess.start`` runs."""
+    fd, parent = int(argv[0]), int(argv[1])
+    with socket.socket(fileno=fd) as sock:
+        return _child(sock, parent)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
