@@ -110,19 +110,19 @@ class TokenizerProcess:
         """Ask the child for ``root``'s tokenizer, recorded as the ``tokenizer`` stage; the future holds a
         ``ProcessTokenizer`` (or the ``CheckpointError`` the child met) once the child answers."""
         out: Future[TextTokenizer] = Future()
-        started = timeline.now()
+        started, eos = timeline.now(), sorted(config_eos_ids)  # a list: used again below
         try:
-            _send(self._sock, {"root": root, "config_eos_ids": sorted(config_eos_ids)})
+            _send(self._sock, {"root": root, "config_eos_ids": eos})
         except OSError:  # the child is gone already: build here, as without one
             self.close()
-            return _build_on_thread(root, config_eos_ids, timeline, out)
+            return _build_on_thread(root, eos, timeline, out)
 
         def wait() -> None:  # blocked in recv, the GIL released: costs the start nothing
             try:
                 ready = _recv(self._sock)
             except (ChildGoneError, OSError, ValueError):
                 self.close()
-                _build_on_thread(root, config_eos_ids, timeline, out, started=started)
+                _build_on_thread(root, eos, timeline, out, started=started)
                 return
             if "error" in ready:
                 self.close()
@@ -130,7 +130,7 @@ class TokenizerProcess:
                 out.set_exception(_error(ready["error"]))
                 return
             timeline.add("tokenizer", started, timeline.now(), process="own", pid=self.pid)
-            out.set_result(ProcessTokenizer(self, root, config_eos_ids, ready["ready"]))
+            out.set_result(ProcessTokenizer(self, root, eos, ready["ready"]))
 
         threading.Thread(target=wait, name="preheat-tokenizer", daemon=True).start()
         return out
