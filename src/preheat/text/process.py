@@ -269,13 +269,7 @@ class ProcessTokenizer(TextTokenizer):
                 finally:
                     self._busy -= 1
                     self._last = time.monotonic()
-        return self._own()._dispatch_locally(request)
-
-    def _own(self) -> ProcessTokenizer:
-        self.settle_now()
-        return self
-
-    def _dispatch_locally(self, request: dict[str, object]) -> Any:  # Any: as _call
+        self.settle_now()  # the child is gone (or was let go meanwhile): from now on the copy built here
         local = self._local
         assert local is not None  # settle_now() set it or raised
         return _dispatch(local, request)

@@ -24,7 +24,7 @@ from preheat.checkpoint.layout import Checkpoint, open_checkpoint, read_manifest
 from preheat.errors import ConfigError
 from preheat.integrations.vllm.options import LoadOptions
 from preheat.integrations.vllm.sharded import Split, check_engine_cut, dress, rank_splits
-from preheat.io.buffers import PAGE, round_down, round_up
+from preheat.io.buffers import PAGE, populate_read, round_down, round_up
 from preheat.io.reads import plan_ops
 from preheat.loader import LoadResult, load, plan_file
 
@@ -157,17 +157,22 @@ class Prefault:
     def __init__(self, chunks: list[tuple[int, int]], workers: int) -> None:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="preheat-prefault")
         for address, length in chunks:
-            self._pool.submit(_madvise, address, length, MADV_POPULATE_READ)
+            self._pool.submit(_populate, address, length)
 
     def join(self) -> None:
         """Wait for the chunks under way; the ones not started are dropped (the copy faults what it still needs)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)  # CDLL calls release the GIL: prefault threads run in parallel
-# madvise(2) advice of Linux 5.14 (not in Python's mmap module before 3.13 on every build); older kernels refuse it
-# (EINVAL, logged) and the pages come in on vLLM's faults after the MADV_WILLNEED read-ahead, as before.
-MADV_POPULATE_READ = 22
+def _populate(address: int, length: int) -> None:
+    # io.buffers.populate_read: MADV_POPULATE_READ (Linux 5.14) through ctypes, the GIL released, so the prefault
+    # threads run in parallel. An older kernel refuses it and the pages come in on vLLM's faults after the
+    # MADV_WILLNEED read-ahead, as before.
+    if not populate_read(address, length):
+        log.debug("MADV_POPULATE_READ of %#x (%d bytes) refused; vLLM's copy faults these pages in", address, length)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # madvise/mincore; CDLL calls release the GIL
 PREFAULT_CHUNK = 16 * 1024 * 1024
 PREFAULT_THREADS = 8
 WARM = 0.9  # a file this much in the page cache is not prefaulted
