@@ -124,9 +124,16 @@ class Result:
     get_p99: list[float] = field(default_factory=list)
     put_calls: list[float] = field(default_factory=list)  # every call's seconds, rounds one after the other
     get_calls: list[float] = field(default_factory=list)
+    put_cpu: list[float] = field(default_factory=list)  # CPU seconds (every thread's) per GB, one per round
+    get_cpu: list[float] = field(default_factory=list)
 
-    def record(self, nbytes: int, count: int, puts: list[float], gets: list[float]) -> None:
-        """One round: ``count`` values of ``nbytes`` each, put then got, with each call's seconds."""
+    def record(self, nbytes: int, count: int, puts: list[float], gets: list[float],
+               cpu: tuple[float, float] | None = None) -> None:
+        """One round: ``count`` calls of ``nbytes`` each, put then got, with each call's seconds, and (when
+        measured) the CPU seconds the puts and the gets took in all."""
+        if cpu is not None:
+            self.put_cpu.append(cpu[0] / (nbytes * count / 1e9))
+            self.get_cpu.append(cpu[1] / (nbytes * count / 1e9))
         self.put_gbs.append(nbytes * count / sum(puts) / 1e9)
         self.get_gbs.append(nbytes * count / sum(gets) / 1e9)
         self.put_p50.append(p(puts, 0.5))
@@ -153,6 +160,9 @@ class Result:
                 row[f"{way}_x"], row[f"{way}_x_min"], row[f"{way}_x_max"] = med(ratios), min(ratios), max(ratios)
             for way, mine, peers in (("put", self.put_calls, peer.put_calls), ("get", self.get_calls, peer.get_calls)):
                 row[f"{way}_paired"] = med([b / a for a, b in zip(mine, peers, strict=True)])
+            for way, used, peer_used in (("put", self.put_cpu, peer.put_cpu), ("get", self.get_cpu, peer.get_cpu)):
+                if used and peer_used:
+                    row[f"{way}_cpu_x"] = med(used) / med(peer_used)
         return row
 
 
@@ -327,7 +337,7 @@ def lmcache_round(stores: dict[str, str], size: int, redis: RedisServer | None, 
 # -- SGLang HiCache ------------------------------------------------------------------------------------------------
 
 
-def sglang_backend(name: str, directory: str) -> Any:  # Any: SGLang's HiCacheStorage
+def sglang_backend(name: str, directory: str, io_threads: int | None = None) -> Any:  # Any: SGLang's HiCacheStorage
     """SGLang's ``file`` backend or preheat's (``dynamic``) on ``directory``, built by SGLang's own factory."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -336,6 +346,8 @@ def sglang_backend(name: str, directory: str) -> Any:  # Any: SGLang's HiCacheSt
     if name.startswith("preheat"):
         extra = {"backend_name": "preheat", "module_path": "preheat.integrations.sglang",
                  "class_name": "PreheatHiCacheStorage", "url": f"fs://{directory}"}
+        if io_threads is not None:
+            extra["io_threads"] = io_threads
     config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                   is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
                                   model_name=MODEL, extra_config=extra)
@@ -356,39 +368,45 @@ def sglang_page(size: int, seed: int) -> torch.Tensor:
 
 
 def sglang_round(stores: Sequence[str], base: str, size: int, count: int, results: dict[str, Result], *,
-                 restart: bool) -> dict[str, str]:
-    """One round: ``count`` pages put into every store, then got back, one page per call, the stores' calls
-    interleaved page by page (their order rotating), so that whatever else the machine runs meanwhile slows them
-    alike. Each store has its own directory under ``base`` (one filesystem). With ``restart``, what a fresh backend
-    of each store finds, and what a flipped byte in one stored file gives."""
+                 restart: bool, batch: int = 1, io_threads: int | None = None) -> dict[str, str]:
+    """One round: ``count`` pages put into every store, then got back, ``batch`` pages per call (each into a
+    target of its own), the stores' calls interleaved call by call (their order rotating), so that whatever else
+    the machine runs meanwhile slows them alike. Each store has its own directory under ``base`` (one filesystem).
+    The CPU time of every thread of the process is summed over each store's calls. With ``restart``, what a fresh
+    backend of each store finds, and what a flipped byte in one stored file gives."""
     shutil.rmtree(base, ignore_errors=True)
     directories = {name: os.path.join(base, name) for name in stores}
     for directory in directories.values():
         os.makedirs(directory)
     settle()
-    backends = {name: sglang_backend(name, directories[name]) for name in stores}
+    backends = {name: sglang_backend(name, directories[name], io_threads) for name in stores}
     page = sglang_page(size, 1)
-    target = torch.empty_like(page)
+    targets = [torch.empty_like(page).fill_(0) for _ in range(batch)]  # written once: no store pays their faults
+    calls = [[sglang_key(i) for i in range(start, min(count, start + batch))] for start in range(0, count, batch)]
     puts: dict[str, list[float]] = {name: [] for name in stores}
     gets: dict[str, list[float]] = {name: [] for name in stores}
-    for i in range(count):
+    cpu = {name: [0.0, 0.0] for name in stores}
+    for i, keys in enumerate(calls):
         for name in rotated(stores, i):
             with checksum_for(name):
-                start = time.perf_counter()
-                ok = backends[name].batch_set([sglang_key(i)], [page])
+                used, start = time.process_time(), time.perf_counter()
+                ok = backends[name].batch_set(keys, [page] * len(keys))
                 puts[name].append(time.perf_counter() - start)
+                cpu[name][0] += time.process_time() - used
             if not ok:
-                raise SystemExit(f"{name}: page {i} not stored")
-    for i in range(count):
+                raise SystemExit(f"{name}: pages {keys} not stored")
+    for i, keys in enumerate(calls):
         for name in rotated(stores, i):
             with checksum_for(name):
-                start = time.perf_counter()
-                got = backends[name].batch_get([sglang_key(i)], [target])
+                used, start = time.process_time(), time.perf_counter()
+                got = backends[name].batch_get(keys, targets[: len(keys)])
                 gets[name].append(time.perf_counter() - start)
-            if got[0] is None:
-                raise SystemExit(f"{name}: page {i} not found")
+                cpu[name][1] += time.process_time() - used
+            if any(g is None for g in got):
+                raise SystemExit(f"{name}: pages {keys} not found")
     for name in stores:
-        results[name].record(size << 20, count, puts[name], gets[name])
+        results[name].record((size << 20) * batch, len(calls), puts[name], gets[name],
+                             (cpu[name][0], cpu[name][1]))
         close(backends[name])
         print(f"  {name} {size} MiB: put {results[name].put_gbs[-1]:.2f} GB/s, "
               f"get {results[name].get_gbs[-1]:.2f} GB/s", file=sys.stderr)
@@ -449,10 +467,12 @@ def main_sglang(args: argparse.Namespace) -> int:
     try:
         for size in (int(s) for s in args.sizes.split(",")):
             count = max(16, args.mib_per_size // size)
+            count -= count % args.batch  # whole batches only: every call moves the same bytes
             checksum[size] = checksum_cost(size << 20)
             results = {name: Result(name, size) for name in stores}
             for r in range(args.rounds):
-                restart.update(sglang_round(stores, base, size, count, results,
+                restart.update(sglang_round(stores, base, size, count, results, batch=args.batch,
+                                            io_threads=args.io_threads,
                                             restart=r == args.rounds - 1 and size == 4))
             rows.extend(results[name].summary(results["sglang-file"] if name != "sglang-file" else None)
                         for name in stores)
@@ -474,6 +494,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=".bench/kvstore")
     parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument("--io-threads", type=int, default=None,
+                        help="--engine sglang: preheat's io_threads (default: its own, min(4, cores))")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="--engine sglang: pages per batch_set/batch_get call (HiCache's controller passes up "
+                             "to 128; preheat spreads a batch over its io threads)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.engine == "sglang":
@@ -530,6 +555,11 @@ def print_table(rows: list[dict[str, float | str]], checksum: dict[int, float], 
         print(f"{r['store']:<19}{r['size_mib']:>4}{float(r['put_gbs']):>10.2f}{float(r['put_p50_ms']):>8.1f}"
               f"{float(r['put_p99_ms']):>8.1f}{float(r['get_gbs']):>10.2f}{float(r['get_p50_ms']):>8.1f}"
               f"{float(r['get_p99_ms']):>8.1f}{ratios[0]:>19}{ratios[1]:>19}{paired:>18}")
+    print()
+    for r in rows:
+        if "get_cpu_x" in r:
+            print(f"{r['store']} {r['size_mib']} MiB: CPU seconds per GB (all threads) {float(r['put_cpu_x']):.2f}x "
+                  f"the built-in store's on puts, {float(r['get_cpu_x']):.2f}x on gets")
     print()
     for size, seconds in checksum.items():
         print(f"checksum (XXH3-128) of one {size} MiB value: {seconds * 1e3:.2f} ms "

@@ -229,3 +229,20 @@ def test_strided_pages_are_stored_and_read_back_as_their_values(tmp_path: Path, 
     window = torch.zeros(3 * dummy_page().numel(), dtype=torch.bfloat16)[dummy_page().numel():2 * dummy_page().numel()]
     assert store.get(key(7), window) is window  # a contiguous slice of a larger buffer: read straight into it
     assert same(window, page(7))
+
+
+def test_a_batch_spread_over_io_threads_fills_each_target_with_its_page(tmp_path: Path, backends: list[Any]) -> None:
+    # 136 pages of 16 KiB: past fanout.MIN_BYTES, so the store reads and writes them on two threads
+    store = make(backends, f"fs://{tmp_path}", io_threads=2)
+    keys = [key(i) for i in range(136)]
+    pages = [page(i) for i in range(136)]
+    assert store.batch_set(keys, pages)
+    path = stored_file(store, keys[77])
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) - 100] ^= 0x01
+    path.write_bytes(bytes(blob))
+    targets = [dummy_page() for _ in keys]
+    got = store.batch_get(keys, targets)
+    assert [g is None for g in got] == [i == 77 for i in range(136)]  # the damaged page alone is a miss
+    assert all(got[i] is targets[i] and same(got[i], pages[i]) for i in range(136) if i != 77)
+    assert store.store.stats.snapshot()["corrupt"] == 1

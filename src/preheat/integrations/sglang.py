@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from preheat.errors import ConfigError
@@ -139,6 +139,12 @@ def _cpu_bytes(tensor: torch.Tensor) -> memoryview | None:
     return memoryview(_byte_array(nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+def _exactly(view: memoryview) -> Callable[[int, bytes], memoryview | None]:
+    """``get_into``'s ``allocate`` for one target: the target when the value is exactly its size, else no room (a
+    page of another size is not this layout's page: a miss)."""
+    return lambda n, peek: view if n == len(view) else None
+
+
 @functools.lru_cache(maxsize=64)  # a host pool has one page size: the ctypes type is made once, not per call
 def _byte_array(nbytes: int) -> type[ctypes.Array[ctypes.c_char]]:
     return ctypes.c_char * nbytes
@@ -172,32 +178,43 @@ class _Backend:
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         """Each page read into its target tensor (HiCache's flat dummy page), or None: absent, damaged, of
-        another size, storage down. Without targets, a new uint8 tensor per page."""
+        another size, storage down. Without targets, a new uint8 tensor per page. The pages of a batch are read
+        on the store's ``io_threads`` threads (``kv/fanout.py``), each straight into its own target."""
         targets: Sequence[Any] = target_locations if target_locations is not None else [None] * len(keys)
-        out: list[torch.Tensor | None] = []
-        for key, target in zip(keys, targets, strict=False):
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        flat: list[tuple[int, str, memoryview]] = []  # (position, key, the target's bytes): read in one batch
+        for i, (key, target) in enumerate(zip(keys, targets, strict=False)):
+            view = _cpu_bytes(target) if target is not None else None
+            if view is not None:  # HiCache's flat page: read straight into it
+                flat.append((i, key, view))
+                continue
             try:
-                out.append(self._get_one(key, target))
+                out[i] = self._get_one(key, target)
             except Exception:  # never an exception into HiCache's prefetch thread: a miss
                 log.exception("SGLang HiCache get of %s failed; a miss", key)
-                out.append(None)
-        return out + [None] * (len(keys) - len(out))
+        try:
+            found = self.store.get_into_many([(key, _exactly(view)) for _, key, view in flat], peek=False,
+                                             nbytes=sum(len(view) for *_, view in flat))
+        except Exception:
+            log.exception("SGLang HiCache get of %d pages failed; misses", len(flat))
+            found = [None] * len(flat)
+        for (i, _key, _view), n in zip(flat, found, strict=True):
+            if n is not None:
+                out[i] = targets[i]
+        return out
 
     def _get_one(self, key: str, target: Any) -> torch.Tensor | None:
+        """A page without a flat CPU target: into a new tensor (no target), or read then copied (a strided or
+        device target)."""
         import torch
 
         if target is None:
             found = self.store.get(key)
             return None if found is None else torch.frombuffer(bytearray(found), dtype=torch.uint8)
         page: torch.Tensor = target
-        view = _cpu_bytes(page)
-        if view is not None:  # HiCache's flat page: read straight into it
-            if self.store.get_into(key, lambda n, peek: view if n == len(view) else None, peek=False) is None:
-                return None  # (a page of another size than the target is not this layout's page: a miss)
-            return page
-        buffer = torch.empty(page.shape, dtype=page.dtype)  # a strided or device tensor: read, then copy
+        buffer = torch.empty(page.shape, dtype=page.dtype)
         staged = _bytes_of(buffer)
-        if self.store.get_into(key, lambda n, peek: staged if n == len(staged) else None, peek=False) is None:
+        if self.store.get_into(key, _exactly(staged), peek=False) is None:
             return None
         page.copy_(buffer)
         return page

@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,15 +216,18 @@ class _Tier:
         return [True if there else next(written) for there in present]
 
     def _load(self, job: _Job) -> list[bool]:
-        out = []
-        for key, chunk in zip(job.keys, job.chunk_ids, strict=True):
-            row = self._row(chunk)
+        """Each chunk read straight into its row of the CPU tier, the job's chunks spread over the store's io
+        threads (``kv/fanout.py``)."""
+        rows = [self._row(chunk) for chunk in job.chunk_ids]
+        found = self.store.get_into_many([(key, _exactly(row)) for key, row in zip(job.keys, rows, strict=True)],
+                                         peek=False, nbytes=sum(len(row) for row in rows))
+        return [n is not None for n in found]
 
-            def allocate(n: int, peek: bytes, row: memoryview = row) -> memoryview | None:
-                return row if n == len(row) else None  # a value of another size is not this layout's chunk
 
-            out.append(self.store.get_into(key, allocate, peek=False) is not None)
-        return out
+def _exactly(row: memoryview) -> Callable[[int, bytes], memoryview | None]:
+    """``get_into``'s ``allocate`` for one row: the row when the value is exactly its size (a value of another size
+    is not this layout's chunk: a miss)."""
+    return lambda n, peek: row if n == len(row) else None
 
 
 @functools.cache

@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
-from preheat.kv.fileio import fill, read_all, write_all, write_unsummed
+from preheat.kv.fileio import fill, preallocate, read_all, write_all, write_unsummed
 from preheat.kv.tier import Check, Encode, EvictHook, Health, TierStats, chunk_expect
 
 log = logging.getLogger("preheat.kv")
@@ -92,6 +92,7 @@ class FileTier:
         self.dir = os.path.join(self.root, "v1", expect.fingerprint)
         self._on_evict = on_evict
         self._written_since_sweep = 0
+        self._written_lock = threading.Lock()  # a blob store's batch writes from several threads (kv/fanout.py)
         self._sweep_lock = threading.Lock()
         self._probe()
         if self.health.up and max_bytes is not None:
@@ -362,6 +363,7 @@ class FileTier:
                 os.makedirs(shard, exist_ok=True)
                 fd = os.open(temp, _CREATE_FLAGS, 0o666)
             try:
+                preallocate(fd, size)
                 if isinstance(pieces, chunkfile.Unsummed):
                     write_unsummed(fd, pieces)
                 else:
@@ -382,8 +384,10 @@ class FileTier:
         self.stats.add(stores=1, bytes_written=size)
         self.health.ok()
         if self.max_bytes is not None:
-            self._written_since_sweep += size
-            if self._written_since_sweep >= max(self.max_bytes * SWEEP_FRACTION, 1):
+            with self._written_lock:
+                self._written_since_sweep += size
+                due = self._written_since_sweep >= max(self.max_bytes * SWEEP_FRACTION, 1)
+            if due:
                 self.sweep()
         return True
 
@@ -412,7 +416,8 @@ class FileTier:
         if self.max_bytes is None:
             return 0
         with self._sweep_lock:
-            self._written_since_sweep = 0
+            with self._written_lock:
+                self._written_since_sweep = 0
             try:
                 lock = os.open(os.path.join(self.root, "v1", ".sweep.lock"), os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:

@@ -54,6 +54,7 @@ from preheat.config import parse_size
 from preheat.errors import ConfigError
 from preheat.kv import chunkfile, mac
 from preheat.kv.blob_reads import PEEK_BYTES, Allocate, fitted, framed_reader, split_reader
+from preheat.kv.fanout import DEFAULT_THREADS, FanOut
 from preheat.kv.settings import DEFAULT_TTL_S, check_redis_url
 from preheat.kv.tier import Check, Encode, TierStats
 
@@ -170,7 +171,7 @@ def key_of(name: str) -> str | None:
 class BlobStore:
     """Opaque values under engine keys in one namespace, on one L2 (``open_store`` builds it from a URL)."""
 
-    def __init__(self, storage: Storage, namespace: Namespace) -> None:
+    def __init__(self, storage: Storage, namespace: Namespace, *, io_threads: int = DEFAULT_THREADS) -> None:
         expect = storage.expect
         if not isinstance(expect, chunkfile.BlobExpect) or expect.fingerprint != namespace.id:
             raise ConfigError(f"{storage.describe()}: not opened for the values of namespace {namespace.id}")
@@ -181,6 +182,7 @@ class BlobStore:
         from preheat.kv.fs import FileTier  # here: the file tier imports torch
 
         self._files = storage if isinstance(storage, FileTier) else None  # fs://: reads straight into buffers
+        self._fanout = FanOut(io_threads)  # fs:// batches over threads (Redis batches are one round trip)
 
     @property
     def stats(self) -> TierStats:
@@ -286,8 +288,13 @@ class BlobStore:
             todo.append((i, key, name, parts))
         if self._files is not None and self.expect.mac_key is None:  # checksum computed as the payload is written
             files = self._files
-            written = [files.write_unsummed(name, self._unsummed(key, data), self._checker(key))
-                       for _, key, name, data in todo]
+            written = self._fanout.map(
+                lambda item: files.write_unsummed(item[2], self._unsummed(item[1], item[3]), self._checker(item[1])),
+                todo, sum(sum(map(len, data)) for *_, data in todo))
+        elif self._files is not None:
+            written = self._fanout.map(lambda item: self.storage.write(*item), [
+                (name, self._encoder(key, data), self._checker(key)) for _, key, name, data in todo
+            ], sum(sum(map(len, data)) for *_, data in todo))
         else:
             written = self.storage.write_many([(name, self._encoder(key, data), self._checker(key))
                                                for _, key, name, data in todo])
@@ -298,7 +305,7 @@ class BlobStore:
     def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
         """``get`` of every key, in order; one round trip on Redis."""
         if self._files is not None:  # one read per value, into a buffer of its own
-            return [self._get_file(key) for key in keys]
+            return self._fanout.map(self._get_file, keys, len(keys) * self._typical_value())
         out: list[memoryview | None] = [None] * len(keys)
         names = [(i, self._name(key), key) for i, key in enumerate(keys)]
         valid = [(i, name, key) for i, name, key in names if name is not None]
@@ -308,6 +315,17 @@ class BlobStore:
         for (i, _name, _key), value in zip(valid, found, strict=True):
             out[i] = value
         return out
+
+    def get_into_many(self, items: Sequence[tuple[str, Allocate]], *, peek: bool = True,
+                      nbytes: int | None = None) -> list[int | None]:
+        """``get_into`` of every (key, allocate), in order. On ``fs://`` a batch of ``nbytes`` (the caller's buffers;
+        estimated from the values read so far when not given) of ``fanout.MIN_BYTES`` or more is read on up to
+        ``io_threads`` threads, each value by one of them: ``allocate`` may then be called from any of those
+        threads, once per value."""
+        if self._files is None:
+            return [self.get_into(key, allocate, peek=peek) for key, allocate in items]
+        total = nbytes if nbytes is not None else len(items) * self._typical_value()
+        return self._fanout.map(lambda item: self.get_into(item[0], item[1], peek=peek), items, total)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """``exists`` of every key, in order; one round trip on Redis."""
@@ -349,6 +367,7 @@ class BlobStore:
         return [key for key, _size in self.entries(limit)]
 
     def close(self) -> None:
+        self._fanout.close()
         self.storage.close()
 
     # -- helpers ----------------------------------------------------------------------------------------------------
@@ -367,6 +386,12 @@ class BlobStore:
     def _checker(self, key: str) -> Callable[[bytes | bytearray], memoryview]:
         expect = self.expect
         return lambda blob: chunkfile.decode_blob(blob, key, expect).toreadonly()
+
+    def _typical_value(self) -> int:
+        """The mean size of the values this store has read (its largest value before the first): a batch's bytes
+        when the caller does not say."""
+        stats = self.storage.stats
+        return stats.bytes_read // stats.hits if stats.hits else self.expect.max_payload_bytes
 
     def _get_file(self, key: str) -> memoryview | None:
         """``get`` on ``fs://``: the value read (in one call with its header) into a buffer of its size, verified."""
@@ -395,6 +420,7 @@ def open_store(
     max_bytes: int | str | None = None,
     ttl_s: int = DEFAULT_TTL_S,
     secret_file: str | None = None,
+    io_threads: int = DEFAULT_THREADS,
 ) -> BlobStore:
     """The blob store of ``namespace`` at ``url``: ``fs:///shared/kv`` (an existing directory), or
     ``redis://[user:password@]host:port/db`` / ``rediss://...``.
@@ -402,12 +428,15 @@ def open_store(
     ``max_value_bytes``: the largest value accepted (larger stored values are refused unread); ``max_bytes``: the
     quota of an ``fs://`` directory across every process and namespace sharing it (``8GiB``; LRU by last use);
     ``ttl_s``: Redis expiry after the last read; ``secret_file``: the fleet secret (docs/kv-cache.md), values are
-    then signed and only signed ones are read. A bad URL or secret raises ``ConfigError``; an unreachable store
-    does not: it comes back down (every call a miss) and is retried.
+    then signed and only signed ones are read; ``io_threads``: how many threads an ``fs://`` batch is read or
+    written on (``kv/fanout.py``). A bad URL or secret raises ``ConfigError``; an unreachable store does not: it
+    comes back down (every call a miss) and is retried.
     """
     mac_key = mac.derive_key(mac.read_secret_file(secret_file)) if secret_file is not None else None
     expect = chunkfile.BlobExpect(namespace.id, max_value_bytes, mac_key=mac_key)
-    return BlobStore(open_storage(url, expect, max_bytes=max_bytes, ttl_s=ttl_s), namespace)
+    if io_threads < 1:
+        raise ConfigError(f"io_threads must be at least 1, not {io_threads}")
+    return BlobStore(open_storage(url, expect, max_bytes=max_bytes, ttl_s=ttl_s), namespace, io_threads=io_threads)
 
 
 def list_namespaces(url: str) -> list[tuple[str, dict[str, object] | None]]:
