@@ -4,6 +4,8 @@ before a value is written (``fileio.preallocate``): same bytes, same misses, eve
 from __future__ import annotations
 
 import os
+import select
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -131,3 +133,25 @@ def test_io_threads_is_a_store_setting() -> None:
         StoreSettings.from_mapping({"url": "fs:///kv", "io_threads": 0}, where="test")
     with pytest.raises(ConfigError, match="test"):
         StoreSettings.from_mapping({"url": "fs:///kv", "io_threads": "many"}, where="test")
+
+
+def test_a_forked_child_spreads_its_batches_on_threads_of_its_own() -> None:
+    pool = fanout.FanOut(2, min_bytes=0)
+    assert pool.map(abs, [-1, -2, -3], nbytes=1) == [1, 2, 3]  # the parent's pool thread is running
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its copy of the pool has no threads; a batch must not wait for them forever
+        try:
+            os.write(write, b"ok" if pool.map(abs, [-4, -5], nbytes=1) == [4, 5] else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        got = os.read(read, 2) if select.select([read], [], [], 20)[0] else b"hung"
+    finally:
+        os.close(read)
+        if got == b"hung":
+            os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert got == b"ok"
+    pool.close()

@@ -37,6 +37,7 @@ class FanOut:
         self.threads = threads
         self.min_bytes = min_bytes
         self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
         self._lock = threading.Lock()
 
     def map(self, one: Callable[[A], R], items: Sequence[A], nbytes: int) -> list[R]:
@@ -58,8 +59,9 @@ class FanOut:
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="preheat-kv-io")
+            if self._pool is None or self._pid != os.getpid():  # a forked child has none of its parent's threads
+                self._pool, self._pid = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="preheat-kv-io"), \
+                    os.getpid()
             return self._pool
 
     def close(self) -> None:
