@@ -31,9 +31,12 @@ and can read (``get``, verified by preheat).
 HiCache backend, both built by SGLang's ``StorageBackendFactory`` on directories of one filesystem (calls
 interleaved as above, ``preheat-fs-nosum`` beside them), driven as HiCache's cache
 controller drives them without zero-copy (``batch_set`` of host-pool pages, ``batch_get`` into the flat page tensor
-the host pool hands out), one page of 1, 4 or 16 MiB per call. Restart: a fresh backend on the directory counts the
-pages ``batch_exists`` finds and those ``batch_get`` returns with the bytes stored; then one stored file of each
-store gets a flipped byte, and the table says whether the next ``get`` returns wrong bytes or misses.
+the host pool hands out), one page of 1, 4 or 16 MiB per call, or ``--batch N`` pages per call, each into a
+target of its own (HiCache's controller passes up to 128; preheat spreads a batch over its ``io_threads``,
+``--io-threads`` sets them). The CPU seconds of every thread are summed per store and printed as ratios. Restart: a
+fresh backend on the directory counts the pages ``batch_exists`` finds and those ``batch_get`` returns with the
+bytes stored; then one stored file of each store gets a flipped byte, and the table says whether the next ``get``
+returns wrong bytes or misses.
 
 Every round builds its stores afresh on empty directories, untimed: preheat's ``fs://`` makes its 256 shard
 directories then (as it does whenever it opens a directory that lacks them), SGLang's and LMCache's their one.
