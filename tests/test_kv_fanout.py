@@ -71,6 +71,23 @@ def test_an_error_waits_for_every_share_before_it_is_raised() -> None:
     pool.close()
 
 
+def test_a_failing_share_of_another_thread_waits_for_every_other_share() -> None:
+    pool = fanout.FanOut(4, min_bytes=0)
+    finished: list[int] = []
+
+    def one(i: int) -> int:
+        if i == 1:  # the first pool thread's share fails at once
+            raise RuntimeError("boom")
+        threading.Event().wait(0.2 if i in (2, 3) else 0)  # the other pool threads' shares are still running
+        finished.append(i)
+        return i
+
+    with pytest.raises(RuntimeError, match="boom"):
+        pool.map(one, [0, 1, 2, 3], nbytes=1)
+    assert sorted(finished) == [0, 2, 3]  # when map raised, nothing was left running
+    pool.close()
+
+
 def test_a_batch_read_over_threads_lands_each_value_in_its_own_buffer(tmp_path: Path) -> None:
     store = open_store(f"fs://{tmp_path}", NS, io_threads=2)
     items = [(f"page-{i}", value(i, BIG)) for i in range(8)]

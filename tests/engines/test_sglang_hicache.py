@@ -246,3 +246,11 @@ def test_a_batch_spread_over_io_threads_fills_each_target_with_its_page(tmp_path
     assert [g is None for g in got] == [i == 77 for i in range(136)]  # the damaged page alone is a miss
     assert all(got[i] is targets[i] and same(got[i], pages[i]) for i in range(136) if i != 77)
     assert store.store.stats.snapshot()["corrupt"] == 1
+
+
+def test_a_target_that_is_no_tensor_is_a_miss_not_an_exception(tmp_path: Path, backends: list[Any]) -> None:
+    store = make(backends, f"fs://{tmp_path}")
+    assert store.batch_set([key(0), key(1)], [page(0), page(1)])
+    got = store.batch_get([key(0), key(1)], [object(), dummy_page()])
+    assert got[0] is None
+    assert same(got[1], page(1))

@@ -179,28 +179,29 @@ class _Backend:
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         """Each page read into its target tensor (HiCache's flat dummy page), or None: absent, damaged, of
         another size, storage down. Without targets, a new uint8 tensor per page. The pages of a batch are read
-        on the store's ``io_threads`` threads (``kv/fanout.py``), each straight into its own target."""
+        on the store's ``io_threads`` threads (``kv/fanout.py``), each straight into its own target. Never raises
+        into HiCache's prefetch thread: what fails is a miss."""
         targets: Sequence[Any] = target_locations if target_locations is not None else [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
-        flat: list[tuple[int, str, memoryview]] = []  # (position, key, the target's bytes): read in one batch
+        flat: list[tuple[int, str, Any, memoryview]] = []  # (position, key, target, its bytes): read in one batch
         for i, (key, target) in enumerate(zip(keys, targets, strict=False)):
-            view = _cpu_bytes(target) if target is not None else None
-            if view is not None:  # HiCache's flat page: read straight into it
-                flat.append((i, key, view))
-                continue
             try:
-                out[i] = self._get_one(key, target)
-            except Exception:  # never an exception into HiCache's prefetch thread: a miss
+                view = _cpu_bytes(target) if target is not None else None
+                if view is not None:  # HiCache's flat page: read straight into it, with the batch
+                    flat.append((i, key, target, view))
+                else:
+                    out[i] = self._get_one(key, target)
+            except Exception:
                 log.exception("SGLang HiCache get of %s failed; a miss", key)
         try:
-            found = self.store.get_into_many([(key, _exactly(view)) for _, key, view in flat], peek=False,
+            found = self.store.get_into_many([(key, _exactly(view)) for _, key, _, view in flat], peek=False,
                                              nbytes=sum(len(view) for *_, view in flat))
-        except Exception:
+        except Exception:  # (the store itself never raises; its threads have all finished when this is reached)
             log.exception("SGLang HiCache get of %d pages failed; misses", len(flat))
             found = [None] * len(flat)
-        for (i, _key, _view), n in zip(flat, found, strict=True):
+        for (i, _key, target, _view), n in zip(flat, found, strict=True):
             if n is not None:
-                out[i] = targets[i]
+                out[i] = target
         return out
 
     def _get_one(self, key: str, target: Any) -> torch.Tensor | None:

@@ -16,20 +16,23 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 A = TypeVar("A")
 R = TypeVar("R")
 
 MIN_BYTES = 2 << 20  # a batch smaller than this is not worth waking another thread for
-DEFAULT_THREADS = min(4, os.cpu_count() or 1)  # the engine's own I/O threads also want cores
+DEFAULT_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+# (the cores this process may run on, as a container's limit says; at most 4: the engine's own threads want cores)
 
 
 class FanOut:
     """``map(one, items, nbytes)``: ``one`` of every item, in order, on up to ``threads`` threads (the calling
-    thread is one of them). ``one`` must not raise: the store's per-value calls turn every failure into a miss or a
-    False. Threads are started on first use and kept; ``close`` lets them go."""
+    thread is one of them). The store's per-value calls turn every failure into a miss or a False; should ``one``
+    raise all the same, ``map`` raises the first exception only once every share has finished. The items must not
+    share buffers: two threads may work on two items at once. Threads are started on first use and kept; ``close``
+    lets them go."""
 
     def __init__(self, threads: int = DEFAULT_THREADS, *, min_bytes: int = MIN_BYTES) -> None:
         if threads < 1:
@@ -46,11 +49,15 @@ class FanOut:
             return [one(item) for item in items]
         pool = self._executor()
         shares = [range(i, len(items), n) for i in range(n)]  # interleaved: a batch of like values splits evenly
-        futures: list[Future[list[R]]] = [pool.submit(_run, one, items, share) for share in shares[1:]]
+        futures: list[Future[list[R]]] = []
+        mine: list[R] = []
         try:
+            futures.extend(pool.submit(_run, one, items, share) for share in shares[1:])
             mine = _run(one, items, shares[0])
         finally:
-            done = [future.result() for future in futures]  # never leave a thread writing into the caller's buffers
+            wait(futures)  # every share has finished, or failed, before map returns or raises: no thread is left
+            # writing into the caller's buffers (an engine reuses them after a miss)
+        done = [future.result() for future in futures]  # the first share's exception, if one failed
         out: list[R] = [None] * len(items)  # type: ignore[list-item]  # every slot is filled below
         for share, results in zip(shares, [mine, *done], strict=True):
             for i, result in zip(share, results, strict=True):

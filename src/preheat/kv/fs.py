@@ -387,6 +387,8 @@ class FileTier:
             with self._written_lock:
                 self._written_since_sweep += size
                 due = self._written_since_sweep >= max(self.max_bytes * SWEEP_FRACTION, 1)
+                if due:  # claimed by this write: the others of a batch do not walk the directory again
+                    self._written_since_sweep = 0
             if due:
                 self.sweep()
         return True

@@ -321,7 +321,7 @@ class BlobStore:
         """``get_into`` of every (key, allocate), in order. On ``fs://`` a batch of ``nbytes`` (the caller's buffers;
         estimated from the values read so far when not given) of ``fanout.MIN_BYTES`` or more is read on up to
         ``io_threads`` threads, each value by one of them: ``allocate`` may then be called from any of those
-        threads, once per value."""
+        threads, once per value, and the buffers of two values must not overlap."""
         if self._files is None:
             return [self.get_into(key, allocate, peek=peek) for key, allocate in items]
         total = nbytes if nbytes is not None else len(items) * self._typical_value()
@@ -388,10 +388,10 @@ class BlobStore:
         return lambda blob: chunkfile.decode_blob(blob, key, expect).toreadonly()
 
     def _typical_value(self) -> int:
-        """The mean size of the values this store has read (its largest value before the first): a batch's bytes
-        when the caller does not say."""
+        """The mean size of the values this store has read (0 before the first: a first batch of unknown values
+        stays on the calling thread): a batch's bytes when the caller does not say."""
         stats = self.storage.stats
-        return stats.bytes_read // stats.hits if stats.hits else self.expect.max_payload_bytes
+        return stats.bytes_read // stats.hits if stats.hits else 0
 
     def _get_file(self, key: str) -> memoryview | None:
         """``get`` on ``fs://``: the value read (in one call with its header) into a buffer of its size, verified."""
