@@ -53,7 +53,7 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from preheat.kv.store import list_namespaces
+    from preheat.kv.namespace import list_namespaces
 
     found = list_namespaces(args.url)
     if args.json:
