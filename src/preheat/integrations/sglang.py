@@ -33,11 +33,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from preheat.errors import ConfigError
 from preheat.integrations.store_settings import StoreSettings
+from preheat.kv.blob_reads import exactly
 from preheat.kv.store import DEFAULT_MAX_VALUE, BlobStore, Namespace
 
 if TYPE_CHECKING:
@@ -139,12 +140,6 @@ def _cpu_bytes(tensor: torch.Tensor) -> memoryview | None:
     return memoryview(_byte_array(nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def _exactly(view: memoryview) -> Callable[[int, bytes], memoryview | None]:
-    """``get_into``'s ``allocate`` for one target: the target when the value is exactly its size, else no room (a
-    page of another size is not this layout's page: a miss)."""
-    return lambda n, peek: view if n == len(view) else None
-
-
 @functools.lru_cache(maxsize=64)  # a host pool has one page size: the ctypes type is made once, not per call
 def _byte_array(nbytes: int) -> type[ctypes.Array[ctypes.c_char]]:
     return ctypes.c_char * nbytes
@@ -194,7 +189,7 @@ class _Backend:
             except Exception:
                 log.exception("SGLang HiCache get of %s failed; a miss", key)
         try:
-            found = self.store.get_into_many([(key, _exactly(view)) for _, key, _, view in flat], peek=False,
+            found = self.store.get_into_many([(key, exactly(view)) for _, key, _, view in flat], peek=False,
                                              nbytes=sum(len(view) for *_, view in flat))
         except Exception:  # (the store itself never raises; its threads have all finished when this is reached)
             log.exception("SGLang HiCache get of %d pages failed; misses", len(flat))
@@ -215,7 +210,7 @@ class _Backend:
         page: torch.Tensor = target
         buffer = torch.empty(page.shape, dtype=page.dtype)
         staged = _bytes_of(buffer)
-        if self.store.get_into(key, _exactly(staged), peek=False) is None:
+        if self.store.get_into(key, exactly(staged), peek=False) is None:
             return None
         page.copy_(buffer)
         return page

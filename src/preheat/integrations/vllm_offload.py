@@ -35,11 +35,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from preheat.integrations.store_settings import StoreSettings
+from preheat.kv.blob_reads import exactly
 from preheat.kv.store import BlobStore, Namespace
 
 log = logging.getLogger("preheat.integrations.vllm_offload")
@@ -219,15 +220,9 @@ class _Tier:
         """Each chunk read straight into its row of the CPU tier, the job's chunks spread over the store's io
         threads (``kv/fanout.py``)."""
         rows = [self._row(chunk) for chunk in job.chunk_ids]
-        found = self.store.get_into_many([(key, _exactly(row)) for key, row in zip(job.keys, rows, strict=True)],
+        found = self.store.get_into_many([(key, exactly(row)) for key, row in zip(job.keys, rows, strict=True)],
                                          peek=False, nbytes=sum(len(row) for row in rows))
         return [n is not None for n in found]
-
-
-def _exactly(row: memoryview) -> Callable[[int, bytes], memoryview | None]:
-    """``get_into``'s ``allocate`` for one row: the row when the value is exactly its size (a value of another size
-    is not this layout's chunk: a miss)."""
-    return lambda n, peek: row if n == len(row) else None
 
 
 @functools.cache

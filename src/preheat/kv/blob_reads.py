@@ -101,6 +101,12 @@ def split_reader(key: str, expect: chunkfile.BlobExpect, allocate: Allocate) -> 
     return place, finish
 
 
+def exactly(buffer: memoryview) -> Allocate:
+    """An ``allocate`` for one engine buffer (SGLang's page, vLLM's chunk row): the buffer when the value is exactly
+    its size, else no room (a value of another size is not that layout's: a miss)."""
+    return lambda n, peek: buffer if n == len(buffer) else None
+
+
 def fitted(buffers: memoryview | Sequence[memoryview] | None, n: int) -> list[memoryview] | None:
     """``buffers`` cut to exactly ``n`` bytes in all (byte views), or None when they hold fewer."""
     if buffers is None:

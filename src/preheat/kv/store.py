@@ -206,6 +206,7 @@ class BlobStore:
         self._describe_namespace()
         done = [False] * len(items)
         todo: list[tuple[int, str, str, list[memoryview]]] = []
+        total = 0  # the batch's bytes: whether to spread it over threads (fs://)
         for i, (key, value) in enumerate(items):
             name = self._name(key)
             parts = [memoryview(p).cast("B") for p in (value if isinstance(value, tuple) else (value,))]
@@ -218,15 +219,15 @@ class BlobStore:
                           self.expect.max_payload_bytes)
                 continue
             todo.append((i, key, name, parts))
-        if self._files is not None and self.expect.mac_key is None:  # checksum computed as the payload is written
-            files = self._files
+            total += size
+        files = self._files
+        if files is not None and self.expect.mac_key is None:  # checksum computed as the payload is written
             written = self._fanout.map(
                 lambda item: files.write_unsummed(item[2], self._unsummed(item[1], item[3]), self._checker(item[1])),
-                todo, sum(sum(map(len, data)) for *_, data in todo))
-        elif self._files is not None:
-            written = self._fanout.map(lambda item: self.storage.write(*item), [
-                (name, self._encoder(key, data), self._checker(key)) for _, key, name, data in todo
-            ], sum(sum(map(len, data)) for *_, data in todo))
+                todo, total)
+        elif files is not None:
+            written = self._fanout.map(
+                lambda item: files.write(item[2], self._encoder(item[1], item[3]), self._checker(item[1])), todo, total)
         else:
             written = self.storage.write_many([(name, self._encoder(key, data), self._checker(key))
                                                for _, key, name, data in todo])
