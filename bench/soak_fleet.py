@@ -284,11 +284,15 @@ class Fleet:
         assert replica.child is not None
         replica.child.signal_group(signum)
 
-    def kill(self, replica: Replica) -> None:
-        replica.counters.append(kv_counters(replica.url))  # what this incarnation counted, before it goes
+    def kill(self, replica: Replica) -> float:
+        """SIGKILL ``replica`` (after reading what this incarnation counted); returns ``time.monotonic()`` just
+        before the signal: a stream the router opened while the counters were read is still open then."""
+        replica.counters.append(kv_counters(replica.url))
         assert replica.child is not None
+        at = time.monotonic()
         self.kill_child(replica.child)
         replica.child = None
+        return at
 
     def restart(self, replica: Replica) -> None:
         """Start ``replica`` again on its port and wait until it loaded; a failed start is tried again (5 at most)."""
@@ -392,8 +396,7 @@ class Scheduler:
 
     def replica_kill(self, rng: random.Random) -> bool:
         replica = rng.choice(self.fleet.replicas)
-        at = time.monotonic()
-        self.fleet.kill(replica)
+        at = self.fleet.kill(replica)  # the kill's own instant: reading the counters first took a while (a CI flake)
         index = self._record(Fault("replica_kill", replica.url, at))
         time.sleep(rng.uniform(0.1, 1.0))
         self.fleet.restart(replica)
