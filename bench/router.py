@@ -156,7 +156,7 @@ def run_workload(url: str, name: str, args: argparse.Namespace) -> Result:
 
 def start_router(replicas: list[str], policy: str, model: str, chunk_tokens: int = 256) -> Child:
     args = ["router", *(a for u in replicas for a in ("--replica", u)), "--policy", policy, "--port", "0"]
-    args += ["--chunk-tokens", str(chunk_tokens)]
+    args += ["--kv-chunk-tokens", str(chunk_tokens)]
     router = Child("router", [*args, "--model", model], echo=lambda line: None)
     router.wait_address()
     return router
@@ -266,7 +266,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--stagger", type=float, default=0.5, help="seconds between users' first requests")
     parser.add_argument("--kv-l1", default="64MiB", help="per replica: about 1.3 users' contexts")
-    parser.add_argument("--chunk-tokens", type=int, default=64, help="the replicas' --kv-chunk-tokens")
+    parser.add_argument("--kv-chunk-tokens", type=int, default=64, help="the replicas' --kv-chunk-tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overhead-requests", type=int, default=50)
     parser.add_argument("--only", nargs="*", default=None, help="run only these configurations (by name)")

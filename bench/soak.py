@@ -166,7 +166,7 @@ def _x(value: float | None) -> str:
 
 
 def table(report: dict[str, Any]) -> str:  # Any: the JSON report
-    """The results as Markdown tables (pasted into the README as they are)."""
+    """The results as Markdown tables (pasted into docs/benchmarks.md as they are)."""
     phases, seconds = report["phases"], report["seconds"]
     lines = [
         "| phase | seconds | sent | ok | differ | cut mid-answer | failed | TTFT p50 | TTFT p99 | latency p99 "

@@ -261,7 +261,7 @@ class Fleet:
     def start_router(self) -> str:
         c = self.config
         replicas = [x for r in self.replicas for x in ("--replica", r.url)]
-        args = ["router", *replicas, "--policy", c.policy, "--model", c.model, "--chunk-tokens", str(c.chunk_tokens),
+        args = ["router", *replicas, "--policy", c.policy, "--model", c.model, "--kv-chunk-tokens", str(c.chunk_tokens),
                 "--host", HOST, "--port", "0"]  # fmt: skip
         self.router = self.spawn("router", args)
         url = self.router.wait_address(START_TIMEOUT)

@@ -64,7 +64,7 @@ build() {
   rm -rf "$venv"
   "$BASE" -m venv "$venv"
   "$py" -m pip install -q --upgrade pip
-  "$py" -m pip install -q torch==2.13.0
+  bash scripts/install_torch.sh "$py" 2.13.0  # the CPU build: a bare torch==2.13.0 is the CUDA one on Linux
   if [[ $RELOCK == 1 || ! -f $lock ]]; then
     # shellcheck disable=SC2046
     "$py" -m pip install -q --no-deps $(engine_wheels "$engine")

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 from netfaults import LoopbackProxy
@@ -38,6 +39,8 @@ def running_router(replicas: Sequence[str], policy: str = "round-robin", **flags
     """A router on a free port in this process (its own threads), stopped on exit; a ``findings`` flag (a callable)
     feeds its dashboard instead of becoming a setting."""
     findings: Callable[[], Mapping[str, Any] | None] | None = flags.pop("findings", None)
+    unknown = set(flags) - {f.name for f in fields(RouterSettings)}
+    assert not unknown, f"not RouterSettings fields (a renamed flag?): {sorted(unknown)}"  # resolve() ignores them
     settings = RouterSettings.resolve({"replicas": list(replicas), "policy": policy, "port": 0, **flags}, {})
     service = RouterService(settings, findings)
     service.start()

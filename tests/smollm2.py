@@ -23,6 +23,7 @@ from preheat.convert import convert, inputs
 from preheat.convert import pipeline as convert_module
 from preheat.errors import ConfigError
 from preheat.models import find_smollm2_gguf
+from preheat.store import locks
 
 PROMPTS = Path(__file__).parent / "data" / "prompts.txt"
 
@@ -60,13 +61,17 @@ class SmolLM2:
         )
         key = f"{file_digest(source)[9:25]}-{digest_bytes(code)[9:21]}"
         target = self.root / f"smollm2-{key}-{dtype}"
-        if not (target / "preheat.json").is_file():
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"smollm2-*-{dtype}"):
-                if stale != target and ".tmp-" not in stale.name:
-                    shutil.rmtree(stale, ignore_errors=True)
-            src = source if dtype == "keep" else str(self.path("keep"))
-            convert(src, target, dtype=dtype, force=True)
+        if (target / "preheat.json").is_file():
+            return target
+        src = source if dtype == "keep" else str(self.path("keep"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        # Test workers (pytest -n) share this cache: one converts, the others wait and reuse it.
+        with locks.exclusive(str(self.root / f".smollm2-{dtype}.lock")):
+            if not (target / "preheat.json").is_file():
+                for stale in self.root.glob(f"smollm2-*-{dtype}"):
+                    if stale != target and ".tmp-" not in stale.name:
+                        shutil.rmtree(stale, ignore_errors=True)
+                convert(src, target, dtype=dtype, force=True)
         return target
 
 

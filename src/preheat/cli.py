@@ -13,9 +13,9 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from preheat.cli_common import CommandParser, progress_for
 from preheat.config import format_bytes, parse_size
 from preheat.errors import ConfigError, PreheatError
-from preheat.progress import ProgressBars
 
 EPILOG = """\
 environment:
@@ -30,7 +30,8 @@ docs: README.md (quick start), docs/loader.md (how loading works), docs/architec
 
 # The modules that add commands, in the order ``preheat --help`` lists them, and the commands each adds. A command
 # line naming one of these builds only that module's parsers: a replica's start (``preheat serve``) then imports and
-# builds its own flags, not the other commands' (~10 ms of a cold start). tests/test_cli.py checks the table.
+# builds its own flags, not the other commands' (~10 ms of a cold start). tests/integration/test_cli.py checks
+# the table.
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "cli_store": ("pull", "cache"),
     "cli_kv": ("kv",),
@@ -52,7 +53,7 @@ def _command_module(argv: Sequence[str]) -> str | None:
 
 def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line, or (``only``, a ``COMMAND_MODULES`` key) just that module's commands."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(  # every subcommand inherits its class: a misspelt flag gets that command's usage
         prog="preheat",
         description="Take an LLM replica from cold to serving in seconds.",
         epilog=EPILOG,
@@ -99,8 +100,8 @@ def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
         default="auto",
         help="'auto' (Llama/Mistral/Qwen2 names) or a JSON file mapping name patterns to a dim or null",
     )
-    load.add_argument("--threads", type=int, default=None, help="reader threads (default: tuned)")
-    load.add_argument("--chunk-bytes", default=None, help="bytes per read, e.g. 16MiB (default: tuned)")
+    load.add_argument("--threads", type=int, default=None, metavar="N", help="reader threads (default: tuned)")
+    load.add_argument("--chunk-bytes", default=None, metavar="SIZE", help="bytes per read, e.g. 16MiB (default: tuned)")
     load.add_argument("--repeat", type=int, default=1, help="load N times and report each run and the median")
     load.add_argument(
         "--verify",
@@ -137,7 +138,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
     plan = _tp_plan(args.tp_plan)
     reports: list[LoadReport] = []
     for _ in range(max(1, args.repeat)):
-        with ProgressBars(enabled=_bars(args), label=f"loading {args.path}", delay=2.0, transient=True) as bar:
+        with progress_for(args, label=f"loading {args.path}", transient=True) as bar:
             weights = load(
                 args.path,
                 args.device,
@@ -168,9 +169,15 @@ def _print_reports(reports: Sequence[object]) -> None:
     runs = [r for r in reports if isinstance(r, LoadReport)]
     median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
     console = Console()
-    table = Table(
-        title=f"{median.source} — mode {median.mode}, device {median.device}, rank {median.rank}/{median.world_size}"
+    # The source on a line of its own, never wrapped by rich: a table title wraps at the table's width, which cut a
+    # long path mid-word; a terminal wraps this line instead, and the path stays one word to copy.
+    console.print(
+        f"{median.source}: mode {median.mode}, device {median.device}, rank {median.rank}/{median.world_size}",
+        soft_wrap=True,
+        highlight=False,
+        markup=False,
     )
+    table = Table()
     table.add_column("stage")
     table.add_column("seconds", justify="right")
     table.add_column("GB/s", justify="right")
@@ -179,11 +186,13 @@ def _print_reports(reports: Sequence[object]) -> None:
         table.add_row(stage, f"{seconds:.4f}", rate)
     table.add_row("total", f"{median.seconds:.4f}", f"{median.gbps:.2f}", style="bold")
     console.print(table)
-    console.print(
-        f"{median.tensors} tensors, {format_bytes(median.bytes)} in {median.files} file(s); "
-        f"read {format_bytes(median.bytes_read)} from storage; {median.tuning}"
-        + ("; every tensor checked against preheat.json" if median.verified else "")
-    )
+    facts = [
+        f"{median.tensors} tensors, {format_bytes(median.bytes)} in {median.files} file(s)",
+        f"read {format_bytes(median.bytes_read)} from storage",
+        median.tuning,  # empty for mmap: nothing tuned
+        "every tensor checked against preheat.json" if median.verified else "",
+    ]
+    console.print("; ".join(fact for fact in facts if fact))
     for note in median.notes:
         console.print(f"note: {note}", style="yellow")
     if len(runs) > 1:
@@ -197,7 +206,7 @@ def _print_reports(reports: Sequence[object]) -> None:
         )
 
 
-def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_checkpoint_commands(commands: argparse._SubParsersAction[CommandParser]) -> None:
     """``convert``, ``verify`` and ``info``: making and checking preheat checkpoints (docs/checkpoint-format.md)."""
     convert = commands.add_parser(
         "convert",
@@ -228,7 +237,11 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.Argum
     convert.add_argument("dst", help="directory to create (must not exist unless --force)")
     convert.add_argument("--tp", type=int, default=1, help="pre-shard for N tensor-parallel ranks (default: 1)")
     convert.add_argument(
-        "--dtype", default="keep", choices=["keep", "bf16", "fp16", "fp8", "int8"], help="stored dtype (default: keep)"
+        "--dtype",
+        default="keep",
+        choices=["keep", "bf16", "fp16", "fp8", "int8"],
+        metavar="DTYPE",
+        help="stored dtype: keep, bf16, fp16, fp8 or int8 (default: keep)",
     )
     convert.add_argument("--force", action="store_true", help="replace DST if it exists (only once DST is verified)")
     convert.add_argument("--shard-size", default="2GiB", help="largest weights file, e.g. 2GiB (default: 2GiB)")
@@ -249,7 +262,9 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.Argum
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("path", help="preheat checkpoint directory (one with preheat.json)")
-    verify.add_argument("--threads", type=int, default=None, help="files hashed at once (default: cores, up to 8)")
+    verify.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="files hashed at once (default: cores, up to 8)"
+    )
     verify.add_argument("--json", action="store_true", help="print the full report as JSON")
     verify.set_defaults(func=_cmd_verify)
 
@@ -274,7 +289,7 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.Argum
 def _cmd_convert(args: argparse.Namespace) -> int:
     from preheat.convert import convert
 
-    with ProgressBars(enabled=_bars(args)) as bar:
+    with progress_for(args) as bar:
         result = convert(
             args.src,
             args.dst,
@@ -299,7 +314,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from preheat.checkpoint.verify import verify_checkpoint
 
-    with ProgressBars(enabled=_bars(args), label=f"verifying {args.path}", delay=2.0, transient=True) as bar:
+    with progress_for(args, label=f"verifying {args.path}", transient=True) as bar:
         report = verify_checkpoint(args.path, progress=bar.update, threads=args.threads)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -346,11 +361,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
     table.add_row("side files", ", ".join(info.extra_files) or "none")
     Console().print(table)
     return 0
-
-
-def _bars(args: argparse.Namespace) -> bool:
-    """Progress bars for people: on a terminal, and not when the output is ``--json``."""
-    return not args.json and sys.stderr.isatty()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -72,14 +72,14 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     sign = verbs.add_parser("sign", help="sign blobs (default: those this node built in its node cache)")
     sign.add_argument("blobs", nargs="*", metavar="BLOB", help="blob files to sign in place")
     sign.add_argument("--key", required=True, metavar="PRIV", help="private key from `preheat artifacts keygen`")
-    sign.add_argument("--cache-dir", default=None, help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    _cache_dir(sign)
     sign.add_argument("--json", action="store_true", help="print what was signed as JSON")
     sign.set_defaults(func=_cmd_sign)
 
     verify = verbs.add_parser("verify", help="check blobs against trusted keys (default: the node cache's)")
     verify.add_argument("blobs", nargs="*", metavar="BLOB", help="blob files (default: the node cache's)")
     _trust_flag(verify)
-    verify.add_argument("--cache-dir", default=None, help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    _cache_dir(verify)
     verify.add_argument("--json", action="store_true", help="print the results as JSON")
     verify.set_defaults(func=_cmd_verify)
 
@@ -111,7 +111,7 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     )
     push.add_argument("blobs", nargs="+", metavar="BLOB", help="blob files")
     _trust_flag(push)
-    push.add_argument("--cache-dir", default=None, help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    _cache_dir(push)
     push.add_argument("--json", action="store_true", help="print what was published as JSON")
     push.set_defaults(func=_cmd_push)
 
@@ -134,7 +134,7 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     pull.add_argument(
         "--peer", action="append", default=None, metavar="HOST:PORT", help="a peer to ask (repeatable; PREHEAT_PEERS)"
     )
-    pull.add_argument("--registry", default=None, help="registry whose peers to ask (PREHEAT_REGISTRY)")
+    pull.add_argument("--registry", default=None, metavar="URL", help="registry whose peers to ask (PREHEAT_REGISTRY)")
     _trust_flag(pull)
     pull.set_defaults(func=_cmd_pull)
 
@@ -142,6 +142,12 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
 def _para(text: str) -> str:
     """A description paragraph wrapped for the raw formatter (which keeps the examples' lines as written)."""
     return textwrap.fill(text, 100)
+
+
+def _cache_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cache-dir", default=None, metavar="DIR", help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)"
+    )
 
 
 def _trust_flag(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +170,9 @@ def _vllm_key_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, help="the model exactly as `vllm serve` gets it (vLLM's own cache hash includes it)"
     )
-    parser.add_argument("--dtype", required=True, help="bfloat16, float16 or float32, as `vllm serve --dtype`")
+    parser.add_argument(
+        "--dtype", required=True, metavar="DTYPE", help="bfloat16, float16 or float32, as `vllm serve --dtype`"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cpu for a CPU build of vLLM, else cuda)")
@@ -174,7 +182,7 @@ def _vllm_key_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a TRITON_CACHE_DIR you set for vllm serve (default: none; without it Triton's cache is inside vLLM's)",
     )
-    parser.add_argument("--cache-dir", default=None, help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    _cache_dir(parser)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

@@ -29,7 +29,7 @@ the manifests are printed (`kubectl kustomize` of that overlay, so kubectl must 
 examples:
   preheat deploy render --values fleet.yaml -o overlays/prod && kubectl apply -k overlays/prod
   preheat deploy render --values fleet.yaml --profile cuda --profile fs-l2 | kubectl apply -f -
-  preheat simulate --trace day.jsonl --cold-start t.json --emit-values policy.yaml
+  preheat simulate day.jsonl --cold-start t.json --emit-values policy.yaml
   preheat deploy render --values fleet.yaml --values policy.yaml -o overlays/prod
 """
 

@@ -7,15 +7,17 @@ import json
 import sys
 from typing import Any
 
+from preheat.cli_common import renamed
 from preheat.config import format_bytes, parse_size
+from preheat.errors import ConfigError
 
 KV_HELP = """\
 The shared KV store (docs/kv-store.md): preheat's own L2 chunks and the values LMCache (and other engines) keep in
 it, one namespace per model identity + engine + KV layout.
 
 examples:
-  preheat kv ls --url fs:///shared/kv
-  preheat kv warm --url fs:///shared/kv --namespace 6f1c...e2 --bytes 20GiB
+  preheat kv ls fs:///shared/kv
+  preheat kv warm fs:///shared/kv --namespace 6f1c...e2 --bytes 20GiB
 """
 
 WARM_HELP = """\
@@ -25,8 +27,8 @@ inside it: `preheat serve --kv-warm SIZE` (its /health says "warming" until done
 preheat.integrations.lmcache.warm(connector).
 
 examples:
-  preheat kv warm --url fs:///shared/kv --namespace 6f1c...e2 --bytes 20GiB
-  PREHEAT_KV_L2=redis://kv:6379/0 preheat kv warm --url redis://kv:6379/0 --namespace 6f1c...e2 --entries 500 --json
+  preheat kv warm fs:///shared/kv --namespace 6f1c...e2 --bytes 20GiB
+  preheat kv warm redis://kv:6379/0 --namespace 6f1c...e2 --entries 500 --json
 """
 
 
@@ -38,24 +40,41 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     verbs.required = True
     ls = verbs.add_parser("ls", help="the namespaces of a store (id, model, engine)", description=KV_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    ls.add_argument("--url", required=True, help="fs:///shared/kv or redis://host:port/db")
+    _store_url(ls)
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=_cmd_ls)
     warm = verbs.add_parser("warm", help="read and verify a namespace's hottest values before a replica starts",
                             description=WARM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    warm.add_argument("--url", required=True, help="fs:///shared/kv or redis://host:port/db")
+    _store_url(warm)
     warm.add_argument("--namespace", required=True, help="the namespace id (32 hex digits: preheat kv ls)")
     warm.add_argument("--bytes", default=None, metavar="SIZE", help="stop after this much (e.g. 20GiB; default: all)")
     warm.add_argument("--entries", type=int, default=None, metavar="N", help="stop after N values")
-    warm.add_argument("--secret-file", default=None, metavar="FILE", help="the fleet secret: check signed values' MAC")
+    secret = warm.add_argument(
+        "--kv-secret-file", default=None, metavar="FILE", help="the fleet secret: check signed values' MAC"
+    )
+    renamed(warm, "--secret-file", secret)
     warm.add_argument("--json", action="store_true", help="print the report as JSON")
     warm.set_defaults(func=_cmd_warm)
+
+
+def _store_url(parser: argparse.ArgumentParser) -> None:
+    # Positional, as every command's main URI is; --url, its spelling before, still works (into ``url_flag``).
+    url = parser.add_argument("url", nargs="?", default=None, metavar="URL",
+                              help="fs:///shared/kv or redis://host:port/db")
+    renamed(parser, "--url", url, dest="url_flag")
+
+
+def _url(args: argparse.Namespace) -> str:
+    url: str | None = args.url or args.url_flag
+    if url is None:
+        raise ConfigError(f"kv {args.kv_command} needs the store's URL: preheat kv {args.kv_command} fs:///shared/kv")
+    return url
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     from preheat.kv.namespace import list_namespaces
 
-    found = list_namespaces(args.url)
+    found = list_namespaces(_url(args))
     if args.json:
         print(json.dumps([{"id": ident, "namespace": description} for ident, description in found], indent=2))
         return 0
@@ -78,8 +97,8 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         print(f"\rwarmed {report.loaded} values, {format_bytes(report.bytes)}", end="", file=sys.stderr)
         last[0] = 1.0
 
-    report = warm_namespace(args.url, args.namespace, max_bytes=parse_size(args.bytes) if args.bytes else None,
-                            max_entries=args.entries, secret_file=args.secret_file, progress=progress)
+    report = warm_namespace(_url(args), args.namespace, max_bytes=parse_size(args.bytes) if args.bytes else None,
+                            max_entries=args.entries, secret_file=args.kv_secret_file, progress=progress)
     if last[0]:
         print(file=sys.stderr)
     if args.json:

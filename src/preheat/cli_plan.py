@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from preheat.cli_common import renamed
 from preheat.errors import ConfigError
 
 ANALYZE_HELP = """\
@@ -57,9 +58,9 @@ traces: preheat JSON Lines (timestamp in seconds), Mooncake JSON Lines, Azure LL
 ContextTokens, GeneratedTokens), BurstGPT CSV. Samples: examples/traces/ (made by scripts/make_traces.py).
 
 examples:
-  preheat simulate --trace examples/traces/burstgpt-hour.csv --cold-start examples/traces/coldstart-8b.json
-  preheat simulate --trace day.jsonl --cold-start http://replica:8000 --policy all-four:pool=1
-  preheat simulate --trace AzureLLMInferenceTrace_conv.csv --cold-start t.json --policy scale-to-zero \\
+  preheat simulate examples/traces/burstgpt-hour.csv --cold-start examples/traces/coldstart-8b.json
+  preheat simulate day.jsonl --cold-start http://replica:8000 --policy all-four:pool=1
+  preheat simulate AzureLLMInferenceTrace_conv.csv --cold-start t.json --policy scale-to-zero \\
       --policy warm-replicas:min=2 --gpu-cost-per-hour 4 --plot frontier.png --json
 """
 
@@ -77,7 +78,10 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     analyze.add_argument("--replicas", type=int, default=4, help="replicas behind the router (default: 4)")
     analyze.add_argument("--l1", default=None, help="host-DRAM KV cache per replica, e.g. 16GiB (default: none)")
     analyze.add_argument("--l2", default=None, help="shared KV cache all replicas see, e.g. 1TiB (default: none)")
-    analyze.add_argument("--chunk", type=int, default=256, help="tokens per KV chunk (default: 256)")
+    chunk = analyze.add_argument(
+        "--kv-chunk-tokens", type=int, default=256, metavar="C", help="tokens per KV chunk (default: 256)"
+    )
+    renamed(analyze, "--chunk", chunk)
     analyze.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token (default: model)")
     analyze.add_argument("--prefill-ms-per-token", type=float, default=None, help="default: measured on --model")
     analyze.add_argument("--l2-gbps", type=float, default=None, help="L2 read speed in GB/s (default: 4.4)")
@@ -93,10 +97,16 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         description=SIMULATE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    simulate.add_argument("--trace", required=True, help="request trace (JSON Lines, Azure or BurstGPT CSV)")
+    # TRACE is positional, as in `analyze`; --trace, its spelling before, still works (into ``trace_flag``).
+    trace = simulate.add_argument(
+        "trace", nargs="?", default=None, metavar="TRACE", help="request trace (JSON Lines, Azure or BurstGPT CSV)"
+    )
+    renamed(simulate, "--trace", trace, dest="trace_flag")
     simulate.add_argument("--cold-start", required=True, help="timeline: a saved JSON file or a server URL")
     simulate.add_argument("--policy", action="append", default=None, help="a policy (repeat; default: all presets)")
-    simulate.add_argument("--gpu-cost-per-hour", type=float, default=32.0, help="per replica (default: 32)")
+    simulate.add_argument(
+        "--gpu-cost-per-hour", type=float, default=32.0, metavar="USD", help="per replica (default: 32)"
+    )
     simulate.add_argument(
         "--spot-discount", type=float, default=0.6, help="spot price = (1 - this) x price (default: 0.6)"
     )
@@ -161,8 +171,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from preheat.plan.prefix import KeyTable
     from preheat.plan.traces import Problems, iter_requests, with_tokens
 
-    if args.replicas < 1 or args.chunk < 1:
-        raise ConfigError(f"--replicas and --chunk must be at least 1 (got {args.replicas}, {args.chunk})")
+    if args.replicas < 1 or args.kv_chunk_tokens < 1:
+        raise ConfigError(
+            f"--replicas and --kv-chunk-tokens must be at least 1 (got {args.replicas}, {args.kv_chunk_tokens})"
+        )
     if args.l2_gbps is not None and args.l2_gbps <= 0:
         raise ConfigError(f"--l2-gbps must be positive (got {args.l2_gbps})")
     for name in ("prefill_ms_per_token", "l2_read_ms_per_token", "kv_bytes_per_token", "l2_gbps"):
@@ -174,24 +186,24 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         from preheat.plan.measure import batch_encoder, model_facts
 
         facts = model_facts(args.model)
-        seed = facts.fingerprint(args.chunk)
+        seed = facts.fingerprint(args.kv_chunk_tokens)
         kv_bytes = kv_bytes or facts.kv_bytes_per_token
         encode = batch_encoder(args.model)
     if (l1 or l2) and not kv_bytes:
         raise ConfigError("--l1/--l2 are sizes in bytes: pass --model or --kv-bytes-per-token to turn them into chunks")
     for flag, size in (("--l1", l1), ("--l2", l2)):
-        if size is not None and kv_bytes and size < kv_bytes * args.chunk:
+        if size is not None and kv_bytes and size < kv_bytes * args.kv_chunk_tokens:
             raise ConfigError(
-                f"{flag} {size} bytes holds no chunk: one is {kv_bytes * args.chunk} bytes ({args.chunk} "
-                f"tokens x {kv_bytes} KV bytes per token)"
+                f"{flag} {size} bytes holds no chunk: one is {kv_bytes * args.kv_chunk_tokens} bytes "
+                f"({args.kv_chunk_tokens} tokens x {kv_bytes} KV bytes per token)"
             )
     # Without a model any fixed seed will do: keys only have to agree within this one analysis.
-    seed = seed or fingerprint(identity=f"trace:{args.trace}", layout={}, chunk_tokens=args.chunk)
+    seed = seed or fingerprint(identity=f"trace:{args.trace}", layout={}, chunk_tokens=args.kv_chunk_tokens)
     problems = Problems(args.trace, strict=args.strict)
     table = KeyTable()
     settings = plan.AnalyzeSettings(
         fingerprint=seed,
-        chunk_tokens=args.chunk,
+        chunk_tokens=args.kv_chunk_tokens,
         replicas=args.replicas,
         l1_bytes=l1,
         l2_bytes=l2,
@@ -302,6 +314,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     if not 0 <= args.spot_discount < 1:
         raise ConfigError(f"--spot-discount must be in [0, 1) (got {args.spot_discount})")
+    args.trace = args.trace or args.trace_flag
+    if args.trace is None:
+        raise ConfigError("simulate needs a request trace: preheat simulate TRACE --cold-start TIMELINE (see --help)")
     policies = [
         sim.parse_policy(text, max_replicas=args.max_replicas, idle_timeout_s=args.idle_timeout)
         for text in (args.policy or list(sim.PRESETS))

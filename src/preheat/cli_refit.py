@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Any
 
+from preheat.cli_common import renamed
+
 REFIT_HELP = """\
 Live weight updates (docs/refit.md): a trainer publishes versions of preheat://NAME from memory
 (preheat.refit.Publisher), replicas started with `preheat serve ... --follow --registry URL` pull the tensors that
@@ -49,8 +51,12 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         formatter_class=raw,
     )  # fmt: skip
     publish.add_argument("dir", help="checkpoint directory (*.safetensors)")
-    publish.add_argument("--name", required=True, help="the served name replicas follow (preheat://NAME)")
-    publish.add_argument("--registry", required=True, help="redis://host:port[/db] or file:///shared/dir")
+    publish.add_argument(
+        "--name", required=True, metavar="NAME", help="the served name replicas follow (preheat://NAME)"
+    )
+    publish.add_argument(
+        "--registry", required=True, metavar="URL", help="redis://host:port[/db] or file:///shared/dir"
+    )
     # dest: the top-level parser's --version flag lives in the same namespace
     # Required: a process started from a checkpoint knows no history, and a version at or below what replicas serve
     # is ignored by them, so guessing "1" would publish nothing anyone takes.
@@ -58,10 +64,17 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         "--version", dest="refit_version", type=int, required=True,
         help="version number: higher than any version replicas of NAME serve (e.g. the training step)",
     )  # fmt: skip
-    publish.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast float tensors before serving")
+    publish.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, metavar="DTYPE",
+        help="cast float tensors before serving: bf16, fp16 or fp32",
+    )  # fmt: skip
     publish.add_argument("--host", default="127.0.0.1", help="where the refit server listens (default: loopback)")
     publish.add_argument("--port", type=int, default=0, help="refit server port (default: 0, free)")
-    publish.add_argument("--token", default=None, help="token pullers must send (prefer PREHEAT_PEER_TOKEN)")
+    # --peer-token, as `preheat serve` names the same secret (PREHEAT_PEER_TOKEN); --token, its spelling before.
+    token = publish.add_argument(
+        "--peer-token", default=None, metavar="TOKEN", help="token pullers must send (prefer PREHEAT_PEER_TOKEN)"
+    )
+    renamed(publish, "--token", token)
     publish.set_defaults(func=_cmd_publish)
     status = verbs.add_parser("status", help="the version a --follow replica serves, and its last pull")
     status.add_argument("url", help="the replica: http://host:port")
@@ -84,7 +97,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     for name in files:
         weights.update(load_file(os.path.join(args.dir, name)))
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    token = args.token or os.environ.get("PREHEAT_PEER_TOKEN")
+    token = args.peer_token or os.environ.get("PREHEAT_PEER_TOKEN")
     with Publisher(args.name, registry=args.registry, host=args.host, port=args.port, token=token) as publisher:
         manifest = publisher.publish(weights, args.refit_version, dtype=dtype)
         print(

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+from preheat.cli_common import renamed
+
 ROUTER_HELP = """\
 An OpenAI-compatible reverse proxy in front of `preheat serve`, vLLM or SGLang replicas: clients change only the URL.
 Request and response bodies pass through unchanged; streams are relayed chunk by chunk.
@@ -134,8 +136,8 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     router.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help="the replicas' model, for its tokenizer; @replicas: ask the replicas for theirs",
+        metavar="MODEL",
+        help="the replicas' model directory, for its tokenizer; @replicas: ask the replicas for theirs",
     )
     router.add_argument(
         "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (PREHEAT_ROUTER_API_KEY)"
@@ -173,7 +175,9 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         description=UP_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    up.add_argument("model", help="checkpoint directory (served by every replica; the router's tokenizer)")
+    up.add_argument(
+        "model", help="checkpoint directory or node-cache entry name (served by every replica; the router's tokenizer)"
+    )
     up.add_argument("--replicas", type=int, default=2, help="how many replicas (default: 2)")
     up.add_argument(
         "--standby",
@@ -184,8 +188,8 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     )
     up.add_argument("--port", type=int, default=8080, help="the router's port (default: 8080; 0 picks a free one)")
     _router_flags(up)
-    for flag in ("--kv-l1", "--kv-l2", "--max-model-len", "--served-model-name", "--device", "--dtype", "--max-queue"):
-        up.add_argument(flag, default=None, help=f"passed to each replica's `preheat serve {flag}`")
+    for flag, how in REPLICA_FLAGS.items():
+        up.add_argument(flag, default=None, **how, help=f"passed to each replica's `preheat serve {flag}`")
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for healthy replicas")
     up.add_argument(
         "--api-key",
@@ -218,7 +222,11 @@ class _ReplicaOption(argparse.Action):
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=None, choices=POLICIES, help="routing policy (default: round-robin)")
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="prefix: tokens per chunk key (default: 256)")
+    # The replicas' --kv-chunk-tokens: one name for one chunk size (`up` gives the replicas the same value).
+    chunk = parser.add_argument(
+        "--kv-chunk-tokens", type=int, default=None, metavar="C", help="prefix: tokens per chunk key (default: 256)"
+    )
+    renamed(parser, "--chunk-tokens", chunk)
     parser.add_argument("--guard-gap", type=int, default=None, help="in-flight gap that forces least-load (2)")
     parser.add_argument("--hot-in-flight", type=int, default=None, help="in flight that spreads a hot prefix (3)")
     parser.add_argument(
@@ -263,7 +271,18 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ROUTER_FLAGS = ("policy", "chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
+# What `up` passes through to every replica's `preheat serve`, each parsed as serve parses it
+# (tests/integration/test_cli.py compares every flag's spelling, metavar and type across commands).
+REPLICA_FLAGS: dict[str, dict[str, Any]] = {  # Any: add_argument's keyword values
+    "--kv-l1": {"metavar": "SIZE"},
+    "--kv-l2": {"metavar": "URL"},
+    "--max-model-len": {"type": int},
+    "--served-model-name": {"metavar": "NAME"},
+    "--device": {},
+    "--dtype": {"metavar": "DTYPE"},
+    "--max-queue": {"type": int},
+}
+ROUTER_FLAGS = ("policy", "kv_chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
                 "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout", "saturation",
                 "activation_timeout")  # fmt: skip
 
@@ -290,7 +309,8 @@ def _doctor_findings(model: str | None) -> Any:  # Any: a Refreshing[dict], impo
 def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The command-line arguments ``preheat up`` gives every replica, and the router."""
     replica_args: list[str] = []
-    for name in ("kv_l1", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
+    # --kv-chunk-tokens (a router flag too): the router's prefix keys and the replicas' chunks are the same size.
+    for name in ("kv_l1", "kv_chunk_tokens", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
         value = getattr(args, name)
         if value is not None:
             replica_args += ["--" + name.replace("_", "-"), str(value)]
@@ -301,6 +321,8 @@ def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             router_args += ["--" + name.replace("_", "-"), str(value)]
     if args.wake is False:
         router_args.append("--no-wake")
+    if args.newest_version:
+        router_args.append("--newest-version")
     if args.standby:
         # The standbys' --allow-model (cluster.py) and the router's --standby-model name the model the same way.
         model = os.path.abspath(args.model) if "://" not in args.model else args.model
@@ -312,7 +334,7 @@ def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from preheat.http.server import sigterm_interrupts
-    from preheat.router.cluster import start_cluster, wait_healthy
+    from preheat.router.cluster import kv_report, start_cluster, wait_healthy
 
     def echo(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -320,6 +342,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.standby < 0 or args.replicas < 0 or args.replicas + args.standby < 1:
         print("preheat up: give at least one replica (--replicas N, --standby N)", file=sys.stderr)
         return 2
+    from preheat.store.cache import resolve_model
+
+    # A node-cache entry's name (smollm2-135m-instruct) becomes its directory once, here: the replicas, the standby
+    # slots' --allow-model and the router's tokenizer then all name the same checkpoint.
+    args.model = resolve_model(args.model)
     replica_args, router_args = _up_arguments(args)
     # Secrets reach the children through their environment, never their command lines (visible to all users): the
     # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
@@ -355,6 +382,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 alive=lambda: all(c.proc.poll() is None for c in live.children),
                 standby=args.standby,
             )
+            # Every tier's state before `ready`, and a tier that is down loudly: otherwise it shows only in the
+            # children's log above, and the fleet looks whole while every request recomputes.
+            tiers, warnings = kv_report(cluster, args.kv_l1, args.kv_l2)
+            if tiers:
+                print(tiers, flush=True)
+            for warning in warnings:
+                print(f"preheat up: WARNING: {warning}", file=sys.stderr, flush=True)
             print(f"ready: {cluster.router.url}/v1 (Ctrl-C stops everything)", flush=True)
             while cluster.router.proc.poll() is None:
                 time.sleep(0.25)

@@ -15,7 +15,8 @@ SERVE_HELP = """\
 Serve MODEL with an OpenAI-compatible API, recording every stage of the cold start.
 
 The socket is bound first: GET /health answers 503 while the model loads in the background, then 200. MODEL is a
-preheat or Hugging Face checkpoint directory, or an http(s):// or s3:// URI pulled through the node cache first.
+preheat or Hugging Face checkpoint directory, the name of a node-cache entry (`preheat cache ls`; `preheat demo`
+leaves smollm2-135m-instruct), or an http(s):// or s3:// URI pulled through the node cache first.
 
 endpoints:
   POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending with data: [DONE])
@@ -37,6 +38,7 @@ environment (each flag has one; the flag wins):
                RBAC: get pods, list events; read on a thread, never delaying the start)
 
 examples:
+  preheat serve smollm2-135m-instruct --port 8000                  # the demo's model, by its name
   preheat serve ./smollm2 --port 8000
   preheat serve s3://models/llama-3-8b --device cuda --dtype bf16 --api-key "$KEY"
   preheat serve ./smollm2 --kv-l1 20% --kv-l2 fs:///shared/kv      # reuse prompt prefixes across replicas
@@ -91,16 +93,29 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         description=SERVE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("model", nargs="?", default=None, help="checkpoint directory, or http(s)://, s3:// URI")
+    serve.add_argument(
+        "model", nargs="?", default=None, help="checkpoint directory, node-cache entry name, or http(s)://, s3:// URI"
+    )
     serve.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=None, help="port (default: 8000; 0 picks a free one)")
     serve.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
-    serve.add_argument("--dtype", default=None, help="compute dtype: auto, bf16, fp16 or fp32 (default: auto)")
+    serve.add_argument(
+        "--dtype", default=None, metavar="DTYPE", help="compute dtype: auto, bf16, fp16 or fp32 (default: auto)"
+    )
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    serve.add_argument("--served-model-name", default=None, help="name in 'model' (default: MODEL's last part)")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="name in 'model' (default: a node-cache entry's name, with its key as an alias; else MODEL's last part)",
+    )
     serve.add_argument("--max-queue", type=int, default=None, help="requests waiting before 429 (default: 16)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: off)")
-    serve.add_argument("--cache-dir", default=None, help="node cache for URIs (default: ~/.cache/preheat)")
+    serve.add_argument(
+        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (default: off)"
+    )
+    serve.add_argument(
+        "--cache-dir", default=None, metavar="DIR", help="node cache for URIs (default: ~/.cache/preheat)"
+    )
     kv = serve.add_argument_group("KV tiers (docs/kv-cache.md; off unless --kv-l1 or --kv-l2 is given)")
     kv.add_argument("--kv-l1", default=None, metavar="SIZE", help="host-memory tier: 8GiB or 20%% of RAM")
     kv.add_argument("--kv-l2", default=None, metavar="URL", help="shared tier: fs:///dir or redis://host:port/db")
@@ -123,7 +138,9 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         metavar="ADDR",
         help="peer server address (default: --host; beyond loopback it needs PREHEAT_PEER_TOKEN)",
     )
-    peer.add_argument("--peer-token", default=None, help="shared token peers require (prefer PREHEAT_PEER_TOKEN)")
+    peer.add_argument(
+        "--peer-token", default=None, metavar="TOKEN", help="shared token peers require (prefer PREHEAT_PEER_TOKEN)"
+    )
     peer.add_argument("--peer-max-mbps", type=float, default=None, metavar="MBPS", help="total outbound cap, MB/s")
     peer.add_argument("--registry", default=None, metavar="URL", help="redis://host:port[/db] or file:///shared/dir")
     peer.add_argument("--origin", default=None, metavar="URI", help="where a preheat:// model falls back to")
@@ -182,9 +199,11 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     activate.add_argument("model", nargs="?", default=None, help="checkpoint directory or URI to load")
     activate.add_argument("--sleep", type=int, choices=(1, 2), default=None, help="put it to sleep at this level")
     activate.add_argument("--wake", action="store_true", help="wake a sleeping replica")
-    activate.add_argument("--served-model-name", default=None, help="name in 'model' (default: MODEL's last part)")
+    activate.add_argument(
+        "--served-model-name", default=None, metavar="NAME", help="name in 'model' (default: as preheat serve names it)"
+    )
     activate.add_argument("--no-wait", action="store_true", help="return once accepted (202), not when ready")
-    activate.add_argument("--api-key", default=None, help="the replica's key (default: PREHEAT_API_KEY)")
+    activate.add_argument("--api-key", default=None, metavar="KEY", help="the replica's key (default: PREHEAT_API_KEY)")
     activate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (600)")
     activate.set_defaults(func=_cmd_activate)
 
@@ -195,9 +214,13 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     timeline.add_argument("source", help="server URL (http://host:port) or a saved timeline JSON file")
-    timeline.add_argument("--gpu-cost-per-hour", type=float, default=32.0, help="accelerator price (default: 32)")
+    timeline.add_argument(
+        "--gpu-cost-per-hour", type=float, default=32.0, metavar="USD", help="accelerator price (default: 32)"
+    )
     timeline.add_argument("--plot", default=None, help="also draw the waterfall: out.html (inline SVG) or out.png")
-    timeline.add_argument("--api-key", default=None, help="bearer token for the server (default: PREHEAT_API_KEY)")
+    timeline.add_argument(
+        "--api-key", default=None, metavar="KEY", help="bearer token for the server (default: PREHEAT_API_KEY)"
+    )
     timeline.add_argument("--json", action="store_true", help="print the waterfall and costs as JSON")
     timeline.set_defaults(func=_cmd_timeline)
 
@@ -209,7 +232,9 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     )
     demo.add_argument("--question", default="What is the capital of France?", help="the chat question to ask")
     demo.add_argument("--max-tokens", type=int, default=48, help="longest answer in tokens (default: 48)")
-    demo.add_argument("--gpu-cost-per-hour", type=float, default=32.0, help="accelerator price (default: 32)")
+    demo.add_argument(
+        "--gpu-cost-per-hour", type=float, default=32.0, metavar="USD", help="accelerator price (default: 32)"
+    )
     demo.set_defaults(func=_cmd_demo)
 
 
@@ -221,10 +246,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # Every settings field is a flag of the same name (None when not given: the environment or default applies).
     flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(ServeSettings)}
-    return run(flags, findings=_doctor_findings(getattr(args, "model", None)))
+    return run(flags, findings=_doctor_findings(getattr(args, "model", None), getattr(args, "cache_dir", None)))
 
 
-def _doctor_findings(model: object) -> Any:  # Any: a Refreshing[dict] (imported here: --help stays fast)
+def _doctor_findings(model: object, cache_dir: str | None = None) -> Any:  # Any: a Refreshing[dict] (lazy imports)
     """The doctor's findings of this node for the replica's ``/dashboard``: run when a page first asks (never on the
     cold-start path), then at most once a minute; the cheap checks only (no read or bandwidth probes), within 5 s."""
     import os
@@ -233,8 +258,11 @@ def _doctor_findings(model: object) -> Any:  # Any: a Refreshing[dict] (imported
 
     def produce() -> dict[str, Any]:  # Any: the doctor's JSON document
         from preheat.doctor import DoctorOptions, run_doctor
+        from preheat.store.cache import resolve_model
 
-        directory = model if isinstance(model, str) and os.path.isdir(model) else None
+        # MODEL may be a node-cache entry's name, as `preheat serve` takes it: the doctor checks its directory.
+        path = resolve_model(model, cache_dir) if isinstance(model, str) else None
+        directory = path if path is not None and os.path.isdir(path) else None
         return run_doctor(DoctorOptions(model=directory, io=False, budget_s=5)).to_json()
 
     return Refreshing(produce, every=60.0)

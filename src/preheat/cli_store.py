@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from preheat.config import format_bytes, parse_size
@@ -47,8 +48,12 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     )
     pull.add_argument("uri", help="http(s)://..., s3://bucket/prefix, preheat://NAME (from peers) or a local directory")
     _common(pull)
-    pull.add_argument("--registry", default=None, help="preheat://: peer registry, redis://... or file:///dir")
-    pull.add_argument("--origin", default=None, help="preheat://: where to fall back to when no peer has it")
+    pull.add_argument(
+        "--registry", default=None, metavar="URL", help="preheat://: peer registry, redis://... or file:///dir"
+    )
+    pull.add_argument(
+        "--origin", default=None, metavar="URI", help="preheat://: where to fall back to when no peer has it"
+    )
     pull.set_defaults(func=_cmd_pull)
 
     cache = commands.add_parser(
@@ -59,12 +64,12 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     )
     verbs = cache.add_subparsers(dest="cache_command", metavar="VERB")
     ls = verbs.add_parser("ls", help="list entries, most recently used first")
-    ls.add_argument("--cache-dir", default=None, help="cache root (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    _cache_dir(ls)
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=_cmd_ls)
     rm = verbs.add_parser("rm", help="remove an entry (by key or by the URI it was pulled from)")
     rm.add_argument("target", help="an entry key (see 'cache ls') or its URI")
-    rm.add_argument("--cache-dir", default=None, help="cache root")
+    _cache_dir(rm)
     rm.set_defaults(func=_cmd_rm)
     gc = verbs.add_parser(
         "gc",
@@ -77,7 +82,7 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         default=None,
         help="remove partial pulls no process runs and temp files untouched this long (30m, 2h, 0; default 1h)",
     )
-    gc.add_argument("--cache-dir", default=None, help="cache root")
+    _cache_dir(gc)
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)
     warm = verbs.add_parser("warm", help="make sure URI is cached (pull it if not) and print the entry's path")
@@ -87,10 +92,18 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     cache.set_defaults(func=lambda args: (cache.print_help(), 2)[1])
 
 
+def _cache_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cache-dir", default=None, metavar="DIR", help="cache root (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)"
+    )
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir", default=None, help="cache root (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
-    parser.add_argument("--threads", type=int, default=16, help="parallel streams (default: 16)")
-    parser.add_argument("--chunk-bytes", default="16MiB", help="bytes per ranged request (default: 16MiB)")
+    _cache_dir(parser)
+    parser.add_argument("--threads", type=int, default=16, metavar="N", help="parallel streams (default: 16)")
+    parser.add_argument(
+        "--chunk-bytes", default="16MiB", metavar="SIZE", help="bytes per ranged request (default: 16MiB)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -101,11 +114,10 @@ def _cache(args: argparse.Namespace) -> Any:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from preheat.progress import ProgressBars
+    from preheat.cli_common import progress_for
     from preheat.store.pull import pull
 
-    show = not args.json and sys.stderr.isatty()
-    with ProgressBars(enabled=show, label=f"pulling {args.uri}", transient=True) as bar:
+    with progress_for(args, label=f"pulling {args.uri}", transient=True) as bar:
         progress = bar.update
         peers = args.uri.startswith("preheat://")
         if peers:  # a name peers hold: tokens only from PREHEAT_PEER_TOKEN (a command line is public)
@@ -135,21 +147,34 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    entries = _cache(args).entries()
+    cache = _cache(args)
+    entries = cache.entries()
     if args.json:
         print(json.dumps([e.to_dict() for e in entries], indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"preheat cache: {_cache(args).root}")
-    for column in ("key", "size", "last used", "in use", "uri"):
-        table.add_column(column)
-    for e in entries:
-        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
-        table.add_row(e.key, format_bytes(e.size), used, "yes" if e.in_use else "", e.uri)
-    Console().print(table)
+    count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+    print(f"preheat cache {cache.root}: {count}, {format_bytes(sum(e.size for e in entries))}")
+    rows = [
+        (e.name, e.key, format_bytes(e.size), time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
+         "yes" if e.in_use else "", e.uri, e.path)
+        for e in entries
+    ]  # fmt: skip
+    # name: what `preheat serve NAME` takes; key: what `cache rm` takes; path: where the files are.
+    for line in columns(("NAME", "KEY", "SIZE", "LAST USED", "IN USE", "URI", "PATH"), rows) if rows else ():
+        print(line)
     return 0
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Plain left-aligned columns, each as wide as its longest cell: a key, URI or path is never cut or wrapped
+    mid-value, so it can be copied from the terminal (which wraps a long line) or cut from a pipe.
+
+    >>> columns(("KEY", "PATH"), [("k1", "/a/very/long/path")])
+    ['KEY  PATH', 'k1   /a/very/long/path']
+    """
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = [(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in (header, *rows)]
+    return ["  ".join(cells).rstrip() for cells in lines]
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:

@@ -189,6 +189,25 @@ def test_cli_pull_ls_gc_rm_warm(origin_dir: Path, tmp_path: Path) -> None:
     assert "no cache entry" in missing.stderr
 
 
+def test_cli_cache_ls_shows_whole_keys_uris_and_paths_on_a_narrow_terminal(tmp_path: Path) -> None:
+    # What a user copies from `cache ls` (the key for `cache rm`, the path to load, the URI) is never cut at 80
+    # columns, and the entry's path has a column of its own.
+    deep = tmp_path / ("a-long-directory-name-" * 4) / "origin"
+    tiny = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    origin = make_origin(deep, shape=tiny)
+    env = {"PREHEAT_CACHE_DIR": str(tmp_path / ("cache-root-with-a-long-name-" * 2)), "COLUMNS": "80"}
+    doc = json.loads(cli("pull", str(origin), "--json", env=env).stdout)
+    listed = cli("cache", "ls", env=env)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[1].split() == ["NAME", "KEY", "SIZE", "LAST", "USED", "IN", "USE", "URI", "PATH"]
+    (row,) = lines[2:]
+    for whole in (doc["key"], str(origin), doc["path"]):
+        assert len(whole) > 40, whole  # longer than its share of 80 columns
+        assert whole in row.split(), whole
+    assert "…" not in listed.stdout
+
+
 def _journal_bytes(cache_root: Path, chunk: int) -> int:
     journals = list((cache_root / "partial").glob("*/.journal"))
     if not journals:

@@ -17,7 +17,8 @@ import pytest
 
 from preheat.dashboard.prom import parse, total
 from preheat.dashboard.refresh import Refreshing
-from preheat.dashboard.state import SCHEMA, ReplicaRow, TokenRate, replica_entry, waterfall
+from preheat.dashboard.state import SCHEMA, ReplicaRow, TokenRate, document, replica_entry, waterfall
+from preheat.dashboard.watch import ReplicaDashboard
 from preheat.dashboard.web import ASSETS, asset
 from preheat.http.metrics import Counter, Gauge, render
 from preheat.router.app import RouterService
@@ -79,6 +80,36 @@ def test_a_replica_shows_its_hit_rate_per_tier_and_its_cached_token_share() -> N
     fresh = replica_entry(ReplicaRow("http://r:1", True), parse(replica_metrics({"l1": 0}, {}, 0, 0)), None, None)
     assert fresh["kv"]["l1"]["hit_rate"] is None  # no lookup yet: unknown, not 0%
     assert fresh["cached_share"] is None
+
+
+def tier_metrics(**up: float) -> str:
+    """A replica's /metrics with its KV tiers' up/down gauge, as ``preheat serve`` writes it."""
+    gauge = Gauge("preheat_kv_tier_up", "u")
+    for tier, value in up.items():
+        gauge.set(value, tier=tier)
+    return render([gauge])
+
+
+def test_a_replica_whose_l2_is_down_keeps_the_header_from_saying_ok() -> None:
+    def fleet(*replicas: tuple[ReplicaRow, str]) -> dict[str, Any]:
+        entries = [replica_entry(row, parse(text), None, None) for row, text in replicas]
+        return document("router", entries, now=0.0, status="ok")
+
+    a, b = ReplicaRow("http://a:1", True, "ok"), ReplicaRow("http://b:1", True, "ok")
+    broken = fleet((a, tier_metrics(l1=1, l2=1)), (b, tier_metrics(l1=1, l2=0)))
+    assert broken["status"] == "degraded"
+    assert [t["text"] for t in broken["tiers"]] == ["L1 up", "L2 down on 1/2 replicas"]
+    whole = fleet((a, tier_metrics(l1=1, l2=1)), (b, tier_metrics(l1=1, l2=1)))
+    assert whole["status"] == "ok"
+    assert [t["text"] for t in whole["tiers"]] == ["L1 up", "L2 up"]  # the header names every tier
+    # A replica out of rotation keeps it from "ok" too; a standby replica, out by design, does not.
+    assert fleet((a, tier_metrics(l1=1)), (ReplicaRow("http://b:1", False, "down"), ""))["status"] == "degraded"
+    standby = ReplicaRow("http://s:1", False, "standby", standby=True)
+    assert fleet((a, tier_metrics(l1=1)), (standby, ""))["status"] == "ok"
+    # A replica's own page says the same of itself.
+    own = ReplicaDashboard().state(b, tier_metrics(l1=1, l2=0), {})
+    assert own["status"] == "degraded"
+    assert [t["text"] for t in own["tiers"]] == ["L1 up", "L2 down"]
 
 
 def test_tokens_per_second_is_measured_over_a_window_and_restarts_with_the_replica() -> None:

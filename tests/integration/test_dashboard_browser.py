@@ -70,7 +70,7 @@ def test_the_page_shows_both_replicas_and_their_cold_starts(fleet: Fleet, browse
         waterfall = page.locator(f'.waterfall[data-replica="{url}"]')
         assert waterfall.locator("[data-stage=ready]").count() == 1  # the bars run up to the replica's ready
         assert waterfall.locator("[data-stage=weight_load] rect").count() == 1
-    assert "2/2 healthy" in page.locator("#status").inner_text()
+    assert page.locator("#status").inner_text() == "ok · L1 up · L2 up · 2/2 healthy"  # every tier's state
     # The router's own doctor (preheat router runs it in the background) has reported.
     page.wait_for_function("() => document.getElementById('doctor-status').textContent !== ''", timeout=30_000)
     screenshot(page, "fleet")

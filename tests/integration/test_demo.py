@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from preheat.demo import next_steps, preheat_command, render_next_steps
 from smollm2 import cache_root, gguf_path
 
 pytestmark = pytest.mark.slow
@@ -55,6 +56,8 @@ def test_demo_answers_paris_and_shows_the_timeline() -> None:
     url = re.search(r"listening on (http://\S+);", out)
     assert url is not None
     assert port_is_closed(url.group(1)), "the demo's server is gone"
+    # It ends by saying what to run next: the steps tests/integration/test_readme.py finds in the README and runs.
+    assert out.rstrip().endswith(render_next_steps(next_steps(preheat_command()), preheat_command()))
 
 
 def test_interrupted_demo_leaves_no_server_behind() -> None:

@@ -38,7 +38,7 @@ def render(tmp_path: Path, *values: Path, profiles: tuple[str, ...] = ()) -> lis
 
 def assert_valid(docs: list[Doc]) -> None:
     for doc in docs:
-        if not doc["apiVersion"].startswith("keda.sh/"):  # a custom resource: tests/test_deploy_manifests.py
+        if not doc["apiVersion"].startswith("keda.sh/"):  # a custom resource: test_deploy_manifests.py
             kubernetes_validate.validate(doc, "1.33", strict=True)
 
 
@@ -182,7 +182,7 @@ def test_simulate_emits_values_that_render_a_valid_fleet(tmp_path: Path) -> None
     emitted = tmp_path / "policy.yaml"
     argv = [
         "simulate",
-        "--trace", str(TRACES / "burstgpt-hour.csv"),
+        str(TRACES / "burstgpt-hour.csv"),
         "--cold-start", str(TRACES / "coldstart-8b.json"),
         "--policy", "scale-to-zero:idle=120",
         "--policy", "warm-replicas:min=2,pool=1",
@@ -213,7 +213,7 @@ def test_a_scale_to_zero_recommendation_renders_keda(tmp_path: Path) -> None:
     emitted = tmp_path / "policy.yaml"
     argv = [
         "simulate",
-        "--trace", str(TRACES / "burstgpt-hour.csv"),
+        str(TRACES / "burstgpt-hour.csv"),
         "--cold-start", str(TRACES / "coldstart-8b.json"),
         "--policy", "scale-to-zero:idle=120",
         "--emit-values", str(emitted),

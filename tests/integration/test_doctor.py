@@ -22,7 +22,7 @@ from preheat.doctor.findings import rank
 from preheat.doctor.node import bracketed, classify_fs
 from preheat.doctor.run import RESERVE_S, Budget, Check, checks_for, run_check, run_checks
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 SCHEMA = json.loads((DOCS / "doctor.schema.json").read_text(encoding="utf-8"))
 
 
@@ -314,7 +314,7 @@ def test_on_cuda_the_gpu_is_described_and_host_to_device_bandwidth_measured(tmp_
 def test_without_cuda_the_gpu_checks_say_so_as_info() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: tests/test_gpu.py covers it")
+        pytest.skip("this machine has CUDA: tests/unit/test_gpu.py covers it")
     report = run_doctor(DoctorOptions(io=True))
     gpu = [f for f in report.findings if f.area == "gpu"]
     assert {f.id for f in gpu} >= {"gpu.none", "gpu.h2d", "gpu.gds", "gpu.nixl"}
@@ -347,6 +347,33 @@ def test_cli_prints_paths_with_brackets_as_they_are(
     assert code == 2
     assert "[/models]" in out
     assert "[bold]m" in out
+
+
+def test_cli_is_compact_by_default_and_prints_every_check_with_v(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = str(write_model(tmp_path / "m"))
+    main(["doctor", model, "--no-io", "--json"])
+    document = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("COLUMNS", "80")
+    main(["doctor", model, "--no-io"])
+    compact = capsys.readouterr().out.splitlines()
+    assert len(compact) <= 25, "\n".join(compact)  # it was ~75 lines: a table row per check, ok ones included
+    assert all(len(line) <= 80 for line in compact)
+    assert compact[0].startswith(f"preheat doctor: {document['status']}, {len(document['findings'])} checks in ")
+    for finding in document["findings"]:
+        if finding["severity"] in ("fail", "warn"):  # every problem, with its fix
+            assert any(f"({finding['id']})" in line for line in compact), finding["id"]
+    for area in {finding["area"] for finding in document["findings"]}:  # one line per area, with its counts
+        assert sum(line.startswith(f"{area} ") for line in compact) == 1, area
+    assert "preheat doctor -v" in compact[-1]
+    main(["doctor", model, "--no-io", "-v"])
+    every = capsys.readouterr().out
+    assert len(every.splitlines()) > len(compact)
+    monkeypatch.setenv("COLUMNS", "400")  # one line per cell: each id whole
+    main(["doctor", model, "--no-io", "--verbose"])
+    every = capsys.readouterr().out
+    assert all(f"({finding['id']})" in every for finding in document["findings"])
 
 
 @pytest.mark.parametrize("budget", ["0", "-3", "nan"])

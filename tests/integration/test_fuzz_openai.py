@@ -1,5 +1,6 @@
-"""OpenAI request bodies from anyone: every body is a validated request or a 400 naming the problem, in the pure
-parser (fuzzed) and over the wire, from ``preheat serve`` and from the router in front of it, which reads bodies too.
+"""OpenAI request bodies from anyone: every body is a validated request, a 404 for a model not served, or a 400 naming
+the problem, in the pure parser (fuzzed) and over the wire, from ``preheat serve`` and from the router in front of it,
+which reads bodies too.
 """
 
 from __future__ import annotations
@@ -65,10 +66,12 @@ def parsed(raw: bytes, kind: str) -> GenerationRequest | APIError:
 
 
 def check(raw: bytes, kind: str) -> None:
-    """``raw`` is a valid request of ``kind`` within every bound, or an APIError 400."""
+    """``raw`` is a valid request of ``kind`` within every bound, an APIError 404 for a model this server does not
+    serve (as OpenAI answers), or an APIError 400."""
     request = parsed(raw, kind)
     if isinstance(request, APIError):
-        assert request.status == 400
+        assert request.status in (400, 404)
+        assert (request.status == 404) == (request.code == "model_not_found")
         assert request.message
         return
     assert request.kind == kind
@@ -103,7 +106,7 @@ def replica(tiny_servable_model: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def urls(replica: ServerProcess, tiny_servable_model: Path) -> Iterator[dict[str, str]]:
-    with running_router([replica.url], "prefix", model=str(tiny_servable_model), chunk_tokens=16) as router:
+    with running_router([replica.url], "prefix", model=str(tiny_servable_model), kv_chunk_tokens=16) as router:
         yield {"replica": replica.url, "router": router.url}
 
 
@@ -146,5 +149,32 @@ def test_a_content_length_that_is_not_a_byte_count_is_refused(urls: dict[str, st
         "latin-1"
     )
     status, answer = raw_request(urls[via], head, b'{"prompt": "Hi"}')
+    assert status == 411
+    assert answer["error"]["code"] == "length_required"
+
+
+@pytest.mark.parametrize("via", ["replica", "router"])
+def test_a_post_without_content_length_has_an_empty_body_not_a_411(urls: dict[str, str], via: str) -> None:
+    # RFC 9112 6.3: neither Content-Length nor Transfer-Encoding means no body. A route that needs one says so (400).
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    status, answer = raw_request(urls[via], head)
+    assert status == 400, answer
+    assert answer["error"]["code"] != "length_required"
+
+
+def test_a_bodiless_post_to_a_control_route_is_taken_as_an_empty_one(urls: dict[str, str]) -> None:
+    # `curl -X POST .../v1/preheat/wake` sends no Content-Length: answered as with an empty body (here: 409, the
+    # replica is awake), not 411.
+    head = b"POST /v1/preheat/wake HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    bodiless = raw_request(urls["replica"], head)
+    empty = raw_request(urls["replica"], head + b"Content-Length: 0\r\n")
+    assert bodiless == empty
+    assert bodiless[0] != 411
+
+
+@pytest.mark.parametrize("via", ["replica", "router"])
+def test_a_chunked_body_without_content_length_is_still_a_411(urls: dict[str, str], via: str) -> None:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n"
+    status, answer = raw_request(urls[via], head, b"5\r\nhello\r\n0\r\n\r\n")
     assert status == 411
     assert answer["error"]["code"] == "length_required"

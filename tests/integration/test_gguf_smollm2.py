@@ -94,3 +94,22 @@ def test_a_broken_gguf_is_a_checkpoint_error_naming_it(tmp_path: Path) -> None:
 
 def test_a_non_gguf_file_is_read_as_safetensors(single_checkpoint: WrittenCheckpoint) -> None:
     assert not is_gguf(str(single_checkpoint.single_file))
+
+
+def test_a_gguf_conversion_reports_every_stage_with_a_total_that_it_reaches(tmp_path: Path) -> None:
+    # The GGUF read took 37 of 39 s as one stage that said "0/? bytes": no bar to watch, no time left to read.
+    from preheat.checkpoint.gguf import DEQUANTIZE, METADATA, metadata_bytes
+
+    source = gguf_path()
+    reports: list[tuple[str, int, int]] = []
+    convert(source, tmp_path / "smollm2", progress=lambda stage, done, total: reports.append((stage, done, total)))
+    stages = list(dict.fromkeys(stage for stage, _, _ in reports))
+    assert stages == [METADATA, DEQUANTIZE, "write", "verify"]
+    for stage in stages:
+        seen = [(done, total) for name, done, total in reports if name == stage]
+        assert all(total > 0 for _, total in seen), stage  # a total from the start: a bar with an ETA
+        assert [done for done, _ in seen] == sorted(done for done, _ in seen), stage  # it only moves forward
+        assert seen[-1][0] == seen[-1][1], stage  # and reaches its total
+    assert {total for name, _, total in reports if name == METADATA} == {metadata_bytes(source)}
+    for stage in (METADATA, DEQUANTIZE):
+        assert len({done for name, done, _ in reports if name == stage}) > 10, stage  # advances along the way

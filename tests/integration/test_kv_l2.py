@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -14,11 +17,15 @@ from pathlib import Path
 import pytest
 
 from kvchunks import Clock, chunk, expect, key, same
+from preheat.errors import ConfigError
+from preheat.kv.fileio import make_root
 from preheat.kv.fs import FileTier
 from preheat.kv.redis_tier import RedisTier
 from redisserver import RedisServer
 
-TESTS = os.path.dirname(__file__)
+# A child imports this folder's test modules and the helpers one folder up (tests/).
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.pathsep.join((HERE, os.path.dirname(HERE)))
 
 
 def is_up(tier: RedisTier) -> bool:
@@ -248,19 +255,56 @@ def _one_file(root: Path) -> str:
     return tier.path(key(0))
 
 
-def test_fs_missing_directory_marks_the_tier_down_until_it_is_mounted(tmp_path: Path) -> None:
+def test_fs_missing_directory_is_created_when_the_tier_opens(tmp_path: Path) -> None:
+    root = tmp_path / "fresh-kv"  # a fresh machine: `--kv-l2 fs:///tmp/preheat-kv` names nothing yet
+    tier = FileTier(str(root), expect())
+    assert tier.up, tier.health.reason
+    assert root.is_dir()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700  # K/V reveal prompts: no other local user reads them
+    assert tier.put(key(0), chunk(0))
+    assert tier.get(key(0)) is not None
+
+
+def test_fs_directory_under_a_missing_parent_is_down_until_it_is_mounted(tmp_path: Path) -> None:
     clock = Clock()
-    tier = FileTier(str(tmp_path / "not-mounted"), expect(), retry_s=5, clock=clock)
+    root = tmp_path / "not-mounted" / "kv"
+    tier = FileTier(str(root), expect(), retry_s=5, clock=clock)
     assert not tier.up
+    assert str(tmp_path / "not-mounted") in tier.health.reason
     assert not tier.put(key(0), chunk(0))
     assert tier.get(key(0)) is None
-    assert not (tmp_path / "not-mounted").exists()  # never created: a missing mount must not fill the root disk
-    (tmp_path / "not-mounted").mkdir()
+    assert not root.parent.exists()  # no tree made: a missing mount must not put the cache on the root disk
+    root.mkdir(parents=True)  # mounted
     clock.advance(4.9)
     assert not tier.put(key(0), chunk(0))  # not probed again before retry_s
     clock.advance(0.2)
     assert tier.put(key(0), chunk(0))
     assert tier.up
+
+
+def test_fs_directory_gone_while_running_is_down_and_never_made_again(tmp_path: Path) -> None:
+    clock = Clock()
+    root = tmp_path / "kv"
+    tier = FileTier(str(root), expect(), retry_s=5, clock=clock)
+    assert tier.put(key(0), chunk(0))
+    shutil.rmtree(root)  # the share was unmounted under a running replica
+    assert not tier.put(key(1), chunk(1))
+    assert not tier.up
+    clock.advance(5.1)
+    assert not tier.put(key(1), chunk(1))
+    assert not root.exists()  # only opening a tier makes its directory, never a retry
+
+
+def test_fs_directory_that_cannot_be_made_is_refused_naming_it(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for root, named in ((blocker, blocker), (blocker / "kv", blocker)):
+        with pytest.raises(ConfigError, match=re.escape(str(named))):
+            make_root(str(root))
+        tier = FileTier(str(root), expect())  # an engine's integration opens it anyway: down, saying why
+        assert not tier.up
+        assert str(named) in tier.health.reason
+    assert blocker.read_text() == "not a directory"
 
 
 def test_fs_read_only_directory_marks_the_tier_down(tmp_path: Path) -> None:

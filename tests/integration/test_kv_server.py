@@ -4,6 +4,8 @@ restarted one, and a missing or dying L2 only ever costs recomputation."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,16 +135,30 @@ def test_without_kv_tiers_the_events_route_says_so(kv_model: Path) -> None:
         assert "--kv-l1" in reply.json()["error"]["message"]
 
 
-def test_missing_l2_directory_runs_with_the_tier_down(kv_model: Path, tmp_path: Path) -> None:
-    with serve(kv_model, "--kv-l1", "64MiB", "--kv-l2", f"fs://{tmp_path}/not-mounted") as replica:
+def test_a_missing_l2_directory_is_created_and_every_tier_says_it_is_up(kv_model: Path, tmp_path: Path) -> None:
+    root = tmp_path / "preheat-kv"  # a fresh machine: nothing there yet
+    with serve(kv_model, "--kv-l1", "64MiB", "--kv-l2", f"fs://{root}") as replica:
         client = Client(replica.url)
-        prompt = long_prompt(2)
-        text, _, cached = complete(client, prompt)
-        assert cached == 0
-        assert complete(client, prompt)[0] == text  # L1 still works
-        assert client.metric("preheat_kv_tier_up", tier="l2") == 0
+        assert client.metric("preheat_kv_tier_up", tier="l2") == 1
         assert client.metric("preheat_kv_tier_up", tier="l1") == 1
-        assert any("L2 fs://" in line and "DOWN" in line and "does not exist" in line for line in replica.lines)
+        complete(client, long_prompt(2))
+        _wait_for_l2(client, 1)  # chunks land in the directory it made
+    assert root.is_dir()
+    tiers = [line for line in replica.lines if "KV tiers:" in line]
+    assert len(tiers) == 1, replica.lines
+    assert "L1 64.00 MiB host memory up" in tiers[0]
+    assert f"L2 fs://{root} up" in tiers[0]
+
+
+def test_an_l2_directory_that_cannot_be_created_stops_the_start_naming_it(kv_model: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way")
+    command = [sys.executable, "-m", "preheat", "serve", str(kv_model), "--port", "0", "--kv-l2", f"fs://{blocker}/kv"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode != 0
+    assert "listening on" not in refused.stdout  # refused before it bound, let alone loaded the model
+    assert f"cannot create {blocker}/kv: its parent {blocker} is not a directory" in refused.stderr
+    assert blocker.read_text() == "in the way"
 
 
 def test_redis_down_at_start_then_killed_mid_run_never_fails_a_request(kv_model: Path, own_redis: RedisServer) -> None:

@@ -28,7 +28,9 @@ from preheat.kv.redis_tier import RedisTier
 from preheat.kv.store import BlobStore, Namespace, open_store, storage_name
 from redisserver import RedisServer
 
-TESTS = os.path.dirname(__file__)
+# A child imports this folder's test modules and the helpers one folder up (tests/).
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.pathsep.join((HERE, os.path.dirname(HERE)))
 NS = Namespace(model="org/model@0123abcd", engine="test-engine", layout={"chunk_tokens": 256, "dtype": "bfloat16"})
 OTHER = Namespace(model="org/other-model@0123abcd", engine="test-engine", layout=dict(NS.layout))
 # Keys as engines write them: LMCache's "fmt@model@world@worker@hash@dtype", SGLang's hex page hashes, vLLM's ints.
@@ -284,10 +286,13 @@ def test_bad_urls_are_refused_at_open(tmp_path: Path) -> None:
         assert "pw" not in str(caught.value)
     with pytest.raises(ConfigError):
         open_store("redis://127.0.0.1:6379/0", NS, max_bytes="1GiB")
-    missing = open_store(f"fs://{tmp_path / 'not-mounted'}", NS)  # a missing mount: down, not created
+    missing = open_store(f"fs://{tmp_path / 'not-mounted' / 'kv'}", NS)  # a missing mount: down, nothing made
     assert not missing.up
     assert not missing.put("k", b"v")
     assert not (tmp_path / "not-mounted").exists()
+    fresh = open_store(f"fs://{tmp_path / 'fresh'}", NS)  # its parent exists: made, as `preheat serve` does
+    assert fresh.up
+    assert fresh.put("k", b"v")
 
 
 def test_signed_values_refuse_unsigned_ones(tmp_path: Path) -> None:

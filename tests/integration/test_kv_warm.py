@@ -87,16 +87,16 @@ def test_kv_warm_cli_reads_verifies_and_removes_damaged_values(tmp_path: Path) -
     blob = bytearray(damaged.read_bytes())
     blob[-1] ^= 1
     damaged.write_bytes(bytes(blob))
-    listed = subprocess.run([sys.executable, "-m", "preheat", "kv", "ls", "--url", f"fs://{tmp_path}", "--json"],
+    listed = subprocess.run([sys.executable, "-m", "preheat", "kv", "ls", f"fs://{tmp_path}", "--json"],
                             capture_output=True, text=True, check=True)
     assert json.loads(listed.stdout) == [{"id": NS.id, "namespace": NS.to_dict()}]
-    done = subprocess.run([sys.executable, "-m", "preheat", "kv", "warm", "--url", f"fs://{tmp_path}",
+    done = subprocess.run([sys.executable, "-m", "preheat", "kv", "warm", f"fs://{tmp_path}",
                            "--namespace", NS.id, "--json"], capture_output=True, text=True, check=True)
     report = json.loads(done.stdout)
     assert (report["loaded"], report["skipped"], report["bytes"]) == (3, 1, 15000)
     assert not damaged.exists()
     assert bytes(store.get("k1") or b"") == bytes([1]) * 5000
-    bad = subprocess.run([sys.executable, "-m", "preheat", "kv", "warm", "--url", f"fs://{tmp_path}",
+    bad = subprocess.run([sys.executable, "-m", "preheat", "kv", "warm", f"fs://{tmp_path}",
                           "--namespace", "not-an-id"], capture_output=True, text=True, check=False)
     assert bad.returncode != 0
     assert "32 hex digits" in bad.stderr
@@ -106,7 +106,7 @@ def test_kv_warm_cli_checks_engine_chunks_without_taking_them_for_damaged_ones(t
     l2 = FileTier(str(tmp_path), expect())
     for i in range(3):
         l2.put(key(i), chunk(i))
-    done = subprocess.run([sys.executable, "-m", "preheat", "kv", "warm", "--url", f"fs://{tmp_path}",
+    done = subprocess.run([sys.executable, "-m", "preheat", "kv", "warm", f"fs://{tmp_path}",
                            "--namespace", FP, "--json"], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout)["loaded"] == 3
     assert all(Path(l2.path(key(i))).exists() for i in range(3))

@@ -9,7 +9,7 @@ import pytest
 
 from preheat.cli import main
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "traces"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
 TIMELINE = str(EXAMPLES / "coldstart-8b.json")
 
 
@@ -70,7 +70,7 @@ def test_analyze_draws_hit_rate_against_cache_size(tmp_path: Path, capsys: pytes
 def test_analyze_skips_bad_lines_and_reports_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"token_ids": [1, 2, 3, 4, 5]}\n{"token_ids": "x"}\n{"token_ids": [1, 2, 3, 4, 6]}\n')
-    doc = _json(capsys, ["analyze", str(trace), "--chunk", "2", "--json"])
+    doc = _json(capsys, ["analyze", str(trace), "--kv-chunk-tokens", "2", "--json"])
     assert doc["requests"] == 2
     assert doc["problems"] == {
         "skipped_lines": 1,
@@ -110,7 +110,7 @@ def test_analyze_text_prompts_need_a_model(tmp_path: Path, capsys: pytest.Captur
 
 def test_simulate_reports_each_policy_with_its_frontier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "frontier.png"
-    argv = ["simulate", "--trace", str(EXAMPLES / "burstgpt-hour.csv"), "--cold-start", TIMELINE, "--json"]
+    argv = ["simulate", str(EXAMPLES / "burstgpt-hour.csv"), "--cold-start", TIMELINE, "--json"]
     doc = _json(capsys, [*argv, "--policy", "scale-to-zero", "--policy", "warm-replicas:min=2", "--plot", str(out)])
     policies = doc["policies"]
     assert isinstance(policies, list)
@@ -126,7 +126,7 @@ def test_simulate_reports_each_policy_with_its_frontier(tmp_path: Path, capsys: 
 
 
 def test_simulate_reads_the_azure_csv_and_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["simulate", "--trace", str(EXAMPLES / "azure-day.csv"), "--cold-start", TIMELINE]
+    argv = ["simulate", str(EXAMPLES / "azure-day.csv"), "--cold-start", TIMELINE]
     assert main([*argv, "--policy", "node-cache", "--gpu-cost-per-hour", "4"]) == 0
     out = capsys.readouterr().out
     assert "node-cache" in out
@@ -143,7 +143,7 @@ def test_simulate_reads_the_azure_csv_and_prints_a_table(capsys: pytest.CaptureF
     ],
 )
 def test_simulate_refuses_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["simulate", "--trace", str(EXAMPLES / "burstgpt-hour.csv"), "--cold-start", TIMELINE]
+    base = ["simulate", str(EXAMPLES / "burstgpt-hour.csv"), "--cold-start", TIMELINE]
     assert main([*base, *argv]) == 1
     assert message in capsys.readouterr().err
 
@@ -160,7 +160,7 @@ def test_analyze_mixes_text_chats_and_token_ids_in_one_trace(
     ]
     trace = tmp_path / "mixed.jsonl"
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    argv = ["analyze", str(trace), "--model", str(tiny_servable_model), "--chunk", "16"]
+    argv = ["analyze", str(trace), "--model", str(tiny_servable_model), "--kv-chunk-tokens", "16"]
     doc = _json(capsys, [*argv, "--prefill-ms-per-token", "1", "--json"])
     assert doc["requests"] == 4
     reuse = doc["reusable_prefix_tokens"]

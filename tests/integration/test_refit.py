@@ -2,7 +2,7 @@
 from memory; engines that follow it compute bitwise what a fresh engine loaded from a checkpoint of the same version
 computes, move only the tensors that changed, and stay on the version they serve whenever a new one cannot be had.
 
-The engines here are in-process (the swap runs at once: ``run_now``); tests/test_refit_serve.py runs the same
+The engines here are in-process (the swap runs at once: ``run_now``); test_refit_serve.py runs the same
 protocol through ``preheat serve --follow`` replicas.
 """
 

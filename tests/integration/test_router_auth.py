@@ -53,7 +53,7 @@ def complete(url: str, prompt: str, key: str | None, **body: object) -> Reply:
 def test_a_request_without_the_routers_key_is_401_and_reaches_no_replica_and_no_index(
     urls: list[str], kv_model: Path
 ) -> None:
-    flags = {"model": str(kv_model), "chunk_tokens": C, "api_key": ROUTER_KEY, "replica_api_key": REPLICA_KEY}
+    flags = {"model": str(kv_model), "kv_chunk_tokens": C, "api_key": ROUTER_KEY, "replica_api_key": REPLICA_KEY}
     with running_router(urls, "prefix", **flags) as router:
         refused = [
             complete(router.url, STORY, None),
@@ -83,13 +83,13 @@ def test_a_request_without_the_routers_key_is_401_and_reaches_no_replica_and_no_
 
 def test_a_request_a_replica_did_not_answer_2xx_is_not_indexed(urls: list[str], kv_model: Path) -> None:
     # No router key and no replica key: the client's Authorization passes through, and the replicas judge it.
-    with running_router(urls, "prefix", model=str(kv_model), chunk_tokens=C) as router:
+    with running_router(urls, "prefix", model=str(kv_model), kv_chunk_tokens=C) as router:
         unauthenticated = complete(router.url, STORY + "One", None)  # the replica answers 401
-        wrong_model = complete(router.url, STORY + "One", REPLICA_KEY, model="not-served")  # the replica: 400
+        wrong_model = complete(router.url, STORY + "One", REPLICA_KEY, model="not-served")  # the replica: 404
         unlearnt = index_keys(router.url, urls, "routed") + index_keys(router.url, urls, "in_flight")
         first = complete(router.url, STORY + "Two", REPLICA_KEY)
         second = complete(router.url, STORY + "Three", REPLICA_KEY)
-    assert (unauthenticated.status, wrong_model.status) == (401, 400)
+    assert (unauthenticated.status, wrong_model.status) == (401, 404)
     assert {replica_of(unauthenticated), replica_of(wrong_model)} <= set(urls)  # the replicas' own answers
     assert unlearnt == 0
     assert first.status == 200, first.body

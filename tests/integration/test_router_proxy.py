@@ -62,7 +62,7 @@ def test_a_stream_passes_through_event_by_event(urls: list[str]) -> None:
 
 
 def test_malformed_requests_get_the_replicas_400(urls: list[str], tiny_servable_model: Path) -> None:
-    with running_router(urls, "prefix", model=str(tiny_servable_model), chunk_tokens=16) as router:
+    with running_router(urls, "prefix", model=str(tiny_servable_model), kv_chunk_tokens=16) as router:
         conn = http.client.HTTPConnection("127.0.0.1", int(router.url.rsplit(":", 1)[1]), timeout=30)
         conn.request("POST", "/v1/completions", body=b"{not json", headers={"Content-Type": "application/json"})
         response = conn.getresponse()
@@ -165,7 +165,7 @@ def test_session_requests_stick_to_one_replica(urls: list[str]) -> None:
 
 
 def test_prefix_sends_a_shared_prefix_where_it_went_before(urls: list[str], tiny_servable_model: Path) -> None:
-    with running_router(urls, "prefix", model=str(tiny_servable_model), chunk_tokens=16) as router:
+    with running_router(urls, "prefix", model=str(tiny_servable_model), kv_chunk_tokens=16) as router:
         client = Client(router.url)
         first = client.post("/v1/completions", {**GREEDY, "prompt": STORY + "The keeper"})
         followers = [client.post("/v1/completions", {**GREEDY, "prompt": STORY + f"Then {n}"}) for n in range(3)]
@@ -178,7 +178,7 @@ def test_prefix_sends_a_shared_prefix_where_it_went_before(urls: list[str], tiny
 
 def test_prefix_matches_chat_requests_by_their_rendered_tokens(urls: list[str], tiny_servable_model: Path) -> None:
     system = {"role": "system", "content": STORY}
-    with running_router(urls, "prefix", model=str(tiny_servable_model), chunk_tokens=16) as router:
+    with running_router(urls, "prefix", model=str(tiny_servable_model), kv_chunk_tokens=16) as router:
         client = Client(router.url)
         first = client.post("/v1/chat/completions", {**GREEDY, "messages": [system, {"role": "user", "content": "A"}]})
         second = client.post("/v1/chat/completions", {**GREEDY, "messages": [system, {"role": "user", "content": "B"}]})

@@ -159,7 +159,6 @@ def test_models_lists_the_served_name(client: Client) -> None:
     [
         ("/v1/completions", b"{not json", None, "invalid_json"),
         ("/v1/completions", b"[1, 2]", None, "invalid_json"),
-        ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, "model", "model_not_found"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": "ten"}, "max_tokens", "invalid_type"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
         ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, "temperature", "invalid_type"),
@@ -191,6 +190,21 @@ def test_bad_requests_get_400_with_an_openai_error(
     assert error["param"] == param
     assert error["code"] == code
     assert error["message"]
+
+
+def test_unknown_model_is_404_with_openais_error_body(client: Client) -> None:
+    # OpenAI and vLLM answer 404 here; a 400 told clients their request was malformed.
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": []})):
+        reply = client.post(path, {**body, "model": "gpt-4"})
+        assert reply.status == 404, reply.body
+        error = reply.json()["error"]
+        assert {k: error[k] for k in ("type", "param", "code")} == {
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        assert "'gpt-4'" in error["message"]
+        assert NAME in error["message"]
 
 
 def test_unknown_route_is_404_and_wrong_method_405(client: Client) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED = 7
 
 # The first test also waits for the module's soak (its fixture): the suite's 300 s default is too tight for it.

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,17 +21,25 @@ from serving import Client
 NAME = "tiny"
 
 
-def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list[int], list[str]]:
+def start_up(
+    model: Path, *extra: str, lines: list[str] | None = None, stderr: Path | None = None
+) -> tuple[subprocess.Popen[str], str, list[int], list[str]]:
     """Run ``preheat up`` until it prints ``ready``; returns it, the router's URL, every child's pid and the
-    replicas' URLs (standby replicas' included, after the serving ones)."""
+    replicas' URLs (standby replicas' included, after the serving ones). ``lines``: gets what it printed on stdout
+    up to ``ready``; ``stderr``: a file for its stderr (its warnings and the children's log; a file, not a pipe,
+    so that nothing blocks once the test stops reading)."""
     command = [sys.executable, "-m", "preheat", "up", str(model), "--replicas", "2", "--port", "0",
                "--served-model-name", NAME, "--max-model-len", "256", *extra]  # fmt: skip
-    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    with contextlib.ExitStack() as files:
+        errors = files.enter_context(stderr.open("w")) if stderr is not None else subprocess.DEVNULL
+        up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
     pids: list[int] = []
     router = ""
     replicas: list[str] = []
     assert up.stdout is not None
     for line in up.stdout:
+        if lines is not None:
+            lines.append(line.rstrip("\n"))
         if found := re.match(r"(replica \d+|standby \d+|router): (\S+) \(pid (\d+)\)", line):
             pids.append(int(found.group(3)))
             router = found.group(2) if found.group(1) == "router" else router
@@ -42,9 +51,11 @@ def start_up(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, list
 
 
 @contextlib.contextmanager
-def running_up(model: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str, list[int], list[str]]]:
+def running_up(
+    model: Path, *extra: str, lines: list[str] | None = None, stderr: Path | None = None
+) -> Iterator[tuple[subprocess.Popen[str], str, list[int], list[str]]]:
     """``start_up``, and ``preheat up`` killed on the way out if the test did not stop it (a failed assertion)."""
-    up, router, pids, replicas = start_up(model, *extra)
+    up, router, pids, replicas = start_up(model, *extra, lines=lines, stderr=stderr)
     try:
         yield up, router, pids, replicas
     finally:
@@ -116,6 +127,36 @@ def test_up_hands_the_l2_url_to_replicas_through_their_environment(kv_model: Pat
     assert all(str(shared).encode() not in line for line in command_lines)
     assert all(l2_ids), l2_ids  # every replica still runs on the shared L2...
     assert len(set(l2_ids)) == 1, l2_ids  # ...the same one
+
+
+def test_up_prints_every_kv_tier_state_and_makes_a_fresh_l2_directory(kv_model: Path, tmp_path: Path) -> None:
+    fresh = tmp_path / "preheat-kv"  # a fresh machine: the directory does not exist yet
+    printed: list[str] = []
+    with running_up(kv_model, "--kv-l1", "1MiB", "--kv-l2", f"fs://{fresh}", lines=printed) as (up, *_):
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    assert fresh.is_dir()
+    assert printed[-2] == f"KV: L1 1MiB up on 2/2 replicas, L2 fs://{fresh} up on 2/2 replicas"
+    assert printed[-1].startswith("ready: ")  # the tiers' state comes just before it
+
+
+def test_up_warns_of_a_tier_that_is_down_and_its_dashboard_is_not_ok(kv_model: Path, tmp_path: Path) -> None:
+    with socket.socket() as closed:  # a port nothing listens on: the replicas' Redis L2 is down from the start
+        closed.bind(("127.0.0.1", 0))
+        l2 = f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
+    printed: list[str] = []
+    log = tmp_path / "up.stderr"
+    with running_up(kv_model, "--kv-l1", "1MiB", "--kv-l2", l2, lines=printed, stderr=log) as (up, router, *_):
+        state = Client(router).get("/dashboard/api/state").json()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    shown = l2.replace(":hunter2@", "")  # never the password
+    assert f"KV: L1 1MiB up on 2/2 replicas, L2 {shown} DOWN on 2/2 replicas" in printed
+    warning = f"preheat up: WARNING: KV L2 {shown} is DOWN on replica 1, replica 2"
+    assert any(line.startswith(warning) for line in log.read_text().splitlines()), log.read_text()
+    assert "hunter2" not in "\n".join(printed) + log.read_text()
+    assert state["status"] == "degraded"  # the header's first word: "ok" only when every tier is up
+    assert [t["text"] for t in state["tiers"]] == ["L1 up", "L2 down on 2/2 replicas"]
 
 
 def test_up_keeps_standby_replicas_that_its_router_activates(tiny_servable_model: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "preheat"
+SRC = Path(__file__).resolve().parents[2] / "src" / "preheat"
 ARCHITECTURE = (SRC.parent.parent / "docs" / "architecture.md").read_text()
 MODULES = sorted(SRC.rglob("*.py"))
 

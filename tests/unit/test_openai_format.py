@@ -46,6 +46,22 @@ def test_chat_content_parts_are_joined_and_non_text_parts_refused() -> None:
     assert caught.value.param == "messages[0].content"
 
 
+def test_a_model_is_the_served_name_or_an_alias_else_a_404() -> None:
+    body = json.dumps({"model": "xxh3-128-ab12", "prompt": "Hi"}).encode()
+    assert parse_request(body, "completion", "llama", aliases=("xxh3-128-ab12",)).model == "xxh3-128-ab12"
+    with pytest.raises(APIError) as refused:
+        parse_request(body, "completion", "llama")
+    assert refused.value.status == 404
+    assert refused.value.body() == {
+        "error": {
+            "message": "the model 'xxh3-128-ab12' does not exist here; this server serves 'llama' (see GET /v1/models)",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
 def test_booleans_are_not_numbers() -> None:
     with pytest.raises(APIError) as caught:
         parse({"prompt": "Hi", "max_tokens": True})

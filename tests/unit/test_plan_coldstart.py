@@ -12,7 +12,7 @@ from preheat.plan.coldstart import PHASES, ColdStart
 from preheat.timeline import Timeline
 from preheat.timeline_report import Waterfall
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "traces"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
 
 
 def _timeline(*stages: tuple[str, float, float], platform: bool = False) -> dict[str, object]:

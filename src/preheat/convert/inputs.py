@@ -14,7 +14,7 @@ from preheat.checkpoint.layout import read_manifest
 from preheat.errors import ConfigError
 from preheat.loader import load
 
-Progress = Callable[[str, int, int], None]  # (stage: "read" | "write" | "verify", done bytes, total bytes)
+Progress = Callable[[str, int, int], None]  # (stage: "read" (GGUF: 2 stages) | "write" | "verify", done, total bytes)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # Files copied from a Hugging Face source directory (config.json is rewritten from the parsed config instead).
 TOKENIZER_FILES = (
@@ -47,11 +47,7 @@ def read_source(source: str, *, progress: Progress | None = None) -> SourceModel
     from preheat.checkpoint.gguf import is_gguf, read_gguf
 
     if is_gguf(source):
-        if progress is not None:
-            progress("read", 0, 0)  # unknown until transformers is done: an indeterminate bar
-        gguf = read_gguf(source)
-        if progress is not None:
-            progress("read", 1, 1)
+        gguf = read_gguf(source, progress)  # its own stages: the metadata, then the dequantization (bytes each)
         return SourceModel(untie(gguf.tensors, gguf.config), gguf.config, gguf.files, "gguf")
     folder = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
     manifest = read_manifest(source) if os.path.isdir(source) else None

@@ -308,13 +308,15 @@ def _write(
     for name, items in plan.files.items():
         out: dict[str, torch.Tensor] = {}
         for item in items:
-            tensor = convert_one(item)
+            tensor = convert_one(item)  # the cast or quantization: most of this stage's time
             expected[(name, item.name)] = digest_bytes(tensor_bytes(tensor))
             out[item.name] = tensor
+            done += item.nbytes
+            if progress is not None and done < total:  # per tensor; the last bytes count once the file is saved
+                progress("write", done, total)
         path = os.path.join(tmp, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_file(out, path, {"format": "pt"})
-        done += sum(item.nbytes for item in items)
         if progress is not None:
             progress("write", done, total)
     side = dict(model.files)

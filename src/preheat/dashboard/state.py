@@ -129,6 +129,47 @@ def replica_entry(
     }
 
 
+IDLE_PHASES = ("standby", "sleeping")  # out of rotation by design (scaled to zero, waiting to be activated)
+
+
+def tier_states(replicas: Sequence[Mapping[str, Any]], *, fleet: bool = True) -> list[dict[str, Any]]:  # Any: JSON
+    """Each KV tier of the replicas in rotation, as the header says it: ``{"tier": "l2", "replicas": 2, "down": 2,
+    "text": "L2 down on 2/2 replicas"}`` (``L2 up`` when it is up on all; ``L2 down`` on a replica's own page,
+    ``fleet`` False). A replica out of rotation is left out: the header counts it already, and what its tiers said
+    last is stale.
+
+    >>> [t["text"] for t in tier_states([{"healthy": True, "kv": {"l1": {"up": 1}, "l2": {"up": 0}}}])]
+    ['L1 up', 'L2 down on 1/1 replicas']
+    """
+    counts: dict[str, list[int]] = {}  # tier -> [replicas reporting it, of which down]
+    for replica in replicas:
+        if not replica.get("healthy"):
+            continue
+        for tier, values in sorted((replica.get("kv") or {}).items()):
+            up = values.get("up")
+            if up is None:  # a replica that publishes no preheat_kv_tier_up for it: unknown, not down
+                continue
+            seen = counts.setdefault(tier, [0, 0])
+            seen[0] += 1
+            seen[1] += up == 0
+    states = []
+    for tier, (reporting, down) in counts.items():
+        name = tier.upper()
+        text = f"{name} up" if not down else f"{name} down on {down}/{reporting} replicas" if fleet else f"{name} down"
+        states.append({"tier": tier, "replicas": reporting, "down": down, "text": text})
+    return states
+
+
+def overall(status: str, replicas: Sequence[Mapping[str, Any]], tiers: Sequence[Mapping[str, Any]]) -> str:
+    """The header's word: ``ok`` only when every replica meant to serve is in rotation and every KV tier is up on
+    each; ``degraded`` when it serves but not whole (a replica out, an L2 down: requests recompute); otherwise the
+    ``status`` given (``cold``, ``no_replica``, a replica's phase)."""
+    if status != "ok":
+        return status
+    out = any(not r.get("healthy") and not r.get("standby") and r.get("phase") not in IDLE_PHASES for r in replicas)
+    return "degraded" if out or any(t["down"] for t in tiers) else "ok"
+
+
 def decisions(samples: Sequence[tuple[Mapping[str, str], float]]) -> list[dict[str, Any]]:  # Any: JSON objects
     """The router's ``preheat_router_decisions_total`` as rows ``{"policy", "reason", "count"}``, most first."""
     rows = [
@@ -152,12 +193,16 @@ def document(
     doctor: bool = False,
 ) -> dict[str, Any]:  # Any: a JSON object
     """The whole state document: ``kind`` is ``router`` (a fleet) or ``replica`` (one ``preheat serve``);
-    ``doctor``: whether findings are provided here (None findings then mean the first run is under way)."""
+    ``doctor``: whether findings are provided here (None findings then mean the first run is under way).
+    ``status`` is what serves (the router's ``/health`` word, or the replica's phase); the document's says
+    ``degraded`` instead of ``ok`` when a replica or a KV tier is down (``overall``)."""
+    tiers = tier_states(replicas, fleet=kind == "router")
     return {
         "schema": SCHEMA,
         "kind": kind,
         "time": now,
-        "status": status,
+        "status": overall(status, replicas, tiers),
+        "tiers": tiers,
         "policy": policy,
         "replicas": replicas,
         "decisions": decision_rows or [],

@@ -76,8 +76,16 @@ class FallbackBackend:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere torch emulates it, slower
-    than float32. Asks torch's private probes, and says False if a torch version lacks them."""
+    """True when this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX) and torch dispatches its AVX-512
+    kernels; elsewhere torch emulates it, slower than float32. Asks torch's private probes, and says False if a
+    torch version lacks them.
+
+    The probes read the hardware (cpuinfo) only, while ``ATEN_CPU_CAPABILITY=avx2`` makes torch run its AVX2
+    kernels, bf16 emulated, on the same CPU: so the capability torch actually dispatches is asked too. That keeps
+    the choice right under the cap, and is how an AVX-512 machine runs an AVX2 machine's path (bf16 converted to
+    float32 at every start) in tests and benchmarks (docs/engine.md)."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 

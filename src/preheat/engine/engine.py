@@ -8,6 +8,7 @@ Not thread-safe: a server feeds it requests one at a time from one worker thread
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Collection, Generator, Mapping
@@ -36,9 +37,12 @@ from preheat.text.tokenizer import TextTokenizer
 from preheat.timeline import Timeline
 
 if TYPE_CHECKING:  # the KV tiers import torch-free key code and, for L2, redis: only when a server turns them on
+    from preheat.engine.copies import Copy, CopyWriter
     from preheat.io.premap import Premapped
     from preheat.kv.tiered import TieredKV
+    from preheat.store.cache import Lease, ModelCache
 
+log = logging.getLogger("preheat.engine")
 MIN_COST_SAMPLE = 64  # prefills shorter than this do not update the measured prefill cost per token
 PREFILL_PIECE = 512  # prompt tokens per forward pass: bounds activation memory, lets a cancel land mid-prefill
 
@@ -92,6 +96,10 @@ class Engine:
         # own bytes, which a peer may offer over NIXL (preheat.peer.nixl). None otherwise (CPU, or converted).
         self.loaded_weights: Mapping[str, torch.Tensor] | None = None
         self._kv_shape: tuple[KVLayout, int] | None = None  # the pool's layout and size while offloaded
+        # The node cache's converted copy this model maps (leased: not evicted while mapped), or the process writing
+        # one after this load converted (preheat.engine.copies).
+        self.copy_lease: Lease | None = None
+        self.copy_writer: CopyWriter | None = None
 
     @classmethod
     def from_checkpoint(
@@ -106,6 +114,7 @@ class Engine:
         config: ModelConfig | None = None,
         tokenizer: TextTokenizer | Future[TextTokenizer] | None = None,
         premapped: dict[str, Premapped] | None = None,
+        copies: ModelCache | None = None,
     ) -> Engine:
         """Load the checkpoint directory ``path`` (preheat or Hugging Face layout) onto ``device``.
 
@@ -117,6 +126,9 @@ class Engine:
         imported: ``preheat.server.prepare``), are used as given and the ``tokenizer`` stage is not recorded here; a
         ``Future`` tokenizer is waited for after the model is built, so building it overlaps the load. ``premapped``:
         the weights files mapped (and their pages populated) while torch imported, for the load to adopt.
+        ``copies``: a node cache where weights converted to the compute dtype are kept (``preheat.engine.copies``):
+        on CPU a load that would convert maps the copy there instead, and the first one that finds none writes it,
+        in a process of its own (``Engine.copy_writer``). None: convert at every load.
         """
         root = os.fspath(path)
         if not os.path.isdir(root):
@@ -143,6 +155,29 @@ class Engine:
                 sample if sample is not None else next((t for t in weights.values() if t.is_floating_point()), None)
             )
             compute = resolve_dtype(dtype, dev, sample.dtype if sample is not None else torch.float32)
+            identity = _identity(root)
+            # A CPU converting a checkpoint that has an identity maps the node cache's converted copy if there is
+            # one, and writes one if not (docs/engine.md, *Weights and dtype*).
+            keep: tuple[ModelCache, str] | None = None
+            converts = dev.type == "cpu" and sample is not None and sample.dtype != compute
+            if converts and copies is not None and identity is not None:
+                keep = (copies, identity)
+            copy: Copy | None = None
+            if keep is not None:  # imported only here: a start that converts nothing (most) never pays for it
+                from preheat.engine.copies import find as find_copy
+
+                copy = find_copy(*keep, compute)
+            if copy is not None:
+                copied = load(copy.path, dev, mode=load_mode)
+                if _same_tensors(weights, copied, compute):
+                    weights = copied
+                    if copied.report.mode == "mmap" and not copied.populated:
+                        _fault_in(copied.values())
+                else:  # not what this load converts to (written by other code?): convert, as without one
+                    log.warning("%s: the converted copy %s does not match the checkpoint; converting", root, copy.path)
+                    copy.lease.close()
+                    copy = keep = None
+                del copied
             backend, cache, converted, max_len = build_backend(
                 config, weights=weights, dtype=compute, device=dev, max_len=max_len, root=root
             )
@@ -153,6 +188,8 @@ class Engine:
                 converted_bytes=converted,
                 max_model_len=max_len,
             )
+            if keep is not None:
+                stage.detail["copy"] = copy.path if copy is not None else "none yet: writing one"
         if tokenizer is None:
             with timeline.stage("tokenizer"):
                 tokenizer = TextTokenizer.from_dir(root, config_eos_ids=config.eos_token_ids)
@@ -167,10 +204,16 @@ class Engine:
             device=dev,
             dtype=compute,
             kv_cache=cache,
-            identity=_identity(root),
+            identity=identity,
         )
         if dev.type == "cuda" and converted == 0:  # no copy was made: the model's tensors are the loaded bytes
             engine.loaded_weights = weights
+        if copy is not None:
+            engine.copy_lease = copy.lease
+        elif keep is not None:
+            from preheat.engine.copies import CopyWriter
+
+            engine.copy_writer = CopyWriter(*keep, root=root, dtype=compute)
         return engine
 
     def kv_spec(self) -> KVSpec | None:
@@ -434,6 +477,13 @@ def _identity(root: str) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None
+
+
+def _same_tensors(loaded: Mapping[str, torch.Tensor], copied: Mapping[str, torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether ``copied`` holds ``loaded``'s tensors (names, shapes) in ``dtype``: what converting them would bind."""
+    return loaded.keys() == copied.keys() and all(
+        t.dtype == dtype and t.shape == loaded[name].shape for name, t in copied.items()
+    )
 
 
 def _fault_in(tensors: Collection[torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from preheat.engine.weights import needs_conversion, to_compute_dtype
 from preheat.errors import CheckpointError, ConfigError
 
 
@@ -75,7 +76,8 @@ class TransformersModel:
             raise CheckpointError(f"{where}: transformers does not know this config: {exc}", path=where) from None
         with _parameters_on_meta():
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)  # type: ignore[no-untyped-call]
-        converted = {n: t.to(device=device, dtype=dtype) if t.is_floating_point() else t for n, t in weights.items()}
+        pending = {n: t for n, t in weights.items() if t.is_floating_point() and needs_conversion(t, dtype, device)}
+        converted = {**weights, **to_compute_dtype(pending, dtype, device)}  # one mapping on CPU: a sleep frees it
         # strict=False: tied heads are absent from the state dict; anything else left on meta is reported below.
         model.load_state_dict(converted, strict=False, assign=True)
         model.tie_weights()

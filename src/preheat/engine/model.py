@@ -2,7 +2,8 @@
 
 No ``nn.Module``s: a layer is a handful of tensors taken from ``preheat.load``'s dict as they are (on CPU with mode
 ``mmap`` those are views of the page cache, shared by every replica on the node), and the forward pass is functions
-over them. Tensors are only copied when a dtype conversion was asked for (``dtype`` differs from the checkpoint's).
+over them. Tensors are only copied when a dtype conversion was asked for (``dtype`` differs from the checkpoint's),
+all of them into one mapping on CPU (``preheat.engine.weights``).
 
 The math follows transformers' ``LlamaForCausalLM`` operation by operation (RMSNorm in float32 then cast, RoPE from
 a float32 table, softmax over scaled dot products, SiLU-gated MLP), so logits agree with it to float32 rounding.
@@ -12,8 +13,9 @@ Biases of q/k/v (Qwen2), o_proj and the MLP are used when the checkpoint has the
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812  # the conventional alias
@@ -21,6 +23,7 @@ import torch.nn.functional as F  # noqa: N812  # the conventional alias
 from preheat.engine.config import ModelConfig
 from preheat.engine.kv import PagedKVCache, Sequence
 from preheat.engine.rope import apply_rotary, cos_sin_table, inverse_frequencies
+from preheat.engine.weights import needs_conversion, to_compute_dtype
 from preheat.errors import CheckpointError, KVError
 from preheat.kv.spec import KVLayout
 
@@ -50,16 +53,58 @@ class _Layer:
     down_bias: torch.Tensor | None
 
 
-class WeightBinder:
-    """Takes tensors out of a loaded state dict by name, checking shapes, converting dtype/device only if needed."""
+def _layer_tensors(c: ModelConfig, n: int) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """Layer ``n``'s tensors: ``_Layer`` field -> (checkpoint name, shape the config implies, whether optional)."""
+    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
+    a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+    return {
+        "input_norm": (f"model.layers.{n}.input_layernorm.weight", (h,), False),
+        "q": (a + "q_proj.weight", (q_out, h), False),
+        "k": (a + "k_proj.weight", (kv_out, h), False),
+        "v": (a + "v_proj.weight", (kv_out, h), False),
+        "o": (a + "o_proj.weight", (h, q_out), False),
+        "q_bias": (a + "q_proj.bias", (q_out,), True),
+        "k_bias": (a + "k_proj.bias", (kv_out,), True),
+        "v_bias": (a + "v_proj.bias", (kv_out,), True),
+        "o_bias": (a + "o_proj.bias", (h,), True),
+        "post_norm": (f"model.layers.{n}.post_attention_layernorm.weight", (h,), False),
+        "gate": (m + "gate_proj.weight", (i, h), False),
+        "up": (m + "up_proj.weight", (i, h), False),
+        "down": (m + "down_proj.weight", (h, i), False),
+        "gate_bias": (m + "gate_proj.bias", (i,), True),
+        "up_bias": (m + "up_proj.bias", (i,), True),
+        "down_bias": (m + "down_proj.bias", (h,), True),
+    }
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device, where: str):
+
+class WeightBinder:
+    """Takes tensors out of a loaded state dict by name, checking shapes, converting dtype/device only if needed.
+
+    ``names``: every tensor the model will take, so that those needing a conversion are converted together up
+    front, on CPU into one mapping (``preheat.engine.weights``: a sleep then gives their memory back whole)."""
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        where: str,
+        names: Collection[str] = (),
+    ):
         self.weights = weights
         self.dtype = dtype
         self.device = device
         self.where = where
         self.used: set[str] = set()
-        self.converted_bytes = 0
+        wanted = set(names)
+        pending = {  # in the checkpoint's order: the copies then lie in memory as the files do
+            name: tensor
+            for name, tensor in weights.items()
+            if name in wanted and needs_conversion(tensor, dtype, device)
+        }
+        self.converted = to_compute_dtype(pending, dtype, device)
+        self.converted_bytes = sum(t.numel() * t.element_size() for t in self.converted.values())
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         found = self.optional(name, shape)
@@ -78,10 +123,13 @@ class WeightBinder:
                 tensor=name,
             )
         self.used.add(name)
-        if tensor.dtype == self.dtype and tensor.device == self.device:
+        if not needs_conversion(tensor, self.dtype, self.device):
             return tensor  # bound as loaded: zero-copy
-        self.converted_bytes += tensor.numel() * torch.empty((), dtype=self.dtype).element_size()
-        return tensor.to(device=self.device, dtype=self.dtype)
+        copy = self.converted.get(name)
+        if copy is None:  # a name the model did not announce: converted on its own
+            copy = to_compute_dtype({name: tensor}, self.dtype, self.device)[name]
+            self.converted_bytes += copy.numel() * copy.element_size()
+        return copy
 
 
 class LlamaModel:
@@ -106,34 +154,21 @@ class LlamaModel:
         self.device = device
         self.max_len = max_len
         c = config
-        bind = WeightBinder(weights, dtype, device, where)
-        h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
-        q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
+        h = c.hidden_size
+        layers = [_layer_tensors(c, n) for n in range(c.num_layers)]
+        names = {"model.embed_tokens.weight", "model.norm.weight", *(t[0] for specs in layers for t in specs.values())}
+        if not c.tie_word_embeddings:
+            names.add("lm_head.weight")
+        bind = WeightBinder(weights, dtype, device, where, names)
         self.embed = bind.get("model.embed_tokens.weight", (c.vocab_size, h))
         self.layers: list[_Layer] = []
-        for n in range(c.num_layers):
-            p = f"model.layers.{n}."
-            a, m = p + "self_attn.", p + "mlp."
-            self.layers.append(
-                _Layer(
-                    input_norm=bind.get(p + "input_layernorm.weight", (h,)),
-                    q=bind.get(a + "q_proj.weight", (q_out, h)),
-                    k=bind.get(a + "k_proj.weight", (kv_out, h)),
-                    v=bind.get(a + "v_proj.weight", (kv_out, h)),
-                    o=bind.get(a + "o_proj.weight", (h, q_out)),
-                    q_bias=bind.optional(a + "q_proj.bias", (q_out,)),
-                    k_bias=bind.optional(a + "k_proj.bias", (kv_out,)),
-                    v_bias=bind.optional(a + "v_proj.bias", (kv_out,)),
-                    o_bias=bind.optional(a + "o_proj.bias", (h,)),
-                    post_norm=bind.get(p + "post_attention_layernorm.weight", (h,)),
-                    gate=bind.get(m + "gate_proj.weight", (i, h)),
-                    up=bind.get(m + "up_proj.weight", (i, h)),
-                    down=bind.get(m + "down_proj.weight", (h, i)),
-                    gate_bias=bind.optional(m + "gate_proj.bias", (i,)),
-                    up_bias=bind.optional(m + "up_proj.bias", (i,)),
-                    down_bias=bind.optional(m + "down_proj.bias", (h,)),
-                )
-            )
+        for specs in layers:
+            # Any: a required field gets get()'s Tensor, an optional one optional()'s Tensor | None, as _Layer says.
+            bound: dict[str, Any] = {
+                field: (bind.optional if optional else bind.get)(name, shape)
+                for field, (name, shape, optional) in specs.items()
+            }
+            self.layers.append(_Layer(**bound))
         self.norm = bind.get("model.norm.weight", (h,))
         head = None if c.tie_word_embeddings else bind.optional("lm_head.weight", (c.vocab_size, h))
         # Tied (or no lm_head stored, as converters write tied models): the output layer is the embedding.
@@ -142,6 +177,7 @@ class LlamaModel:
         unused = sorted(set(weights) - bind.used - {"lm_head.weight"})
         if unused:  # tensors the model does not know: often a naming mismatch worth seeing, never fatal
             log.warning("%s: %d tensors not used by the model, e.g. %s", where, len(unused), ", ".join(unused[:3]))
+        d = c.head_dim
         inv_freq = inverse_frequencies(c.rope, d, max_position_embeddings=c.max_position_embeddings, max_len=max_len)
         self.rope_table = cos_sin_table(inv_freq, max_len, dtype, device)
         self.scale = d**-0.5

@@ -88,8 +88,9 @@ def check_bearer(authorization: str | None, token: str) -> BearerCheck:
 
 @dataclass(frozen=True)
 class BodyRefusal:
-    """Why a request's body was not read: 411 (no usable ``Content-Length``) or 413 (over the limit). The body is
-    left unread, so the answer must close the connection (``CLOSE``)."""
+    """Why a request's body was not read: 411 (a malformed ``Content-Length``, or a ``Transfer-Encoding`` body
+    without one) or 413 (over the limit). The body is left unread, so the answer must close the connection
+    (``CLOSE``)."""
 
     status: int
     message: str
@@ -220,11 +221,13 @@ class TrackedHandler(BaseHTTPRequestHandler):
 
     def read_body_within(self, limit: int, *, required: bool = True) -> bytes | BodyRefusal:
         """The request's body under a strict ``Content-Length`` (ASCII digits, bounded) of at most ``limit`` bytes;
-        b"" when there is no ``Content-Length`` and ``required`` is False. A ``BodyRefusal`` leaves the body unread
-        and marks the connection for closing: answer it with ``CLOSE`` among the headers."""
+        b"" when there is neither ``Content-Length`` nor ``Transfer-Encoding`` (RFC 9112 6.3: such a request has no
+        body; ``curl -X POST .../wake`` sends none), or no ``Content-Length`` and ``required`` is False. A route that
+        needs a body then refuses the empty one itself (400). A ``BodyRefusal`` leaves the body unread and marks the
+        connection for closing: answer it with ``CLOSE`` among the headers."""
         raw = self.headers.get("Content-Length")
-        if raw is None and not required:
-            return b""
+        if raw is None and (not required or "Transfer-Encoding" not in self.headers):
+            return b""  # a chunked body (Transfer-Encoding) is not read here: still 411 below
         length = parse_length(raw)  # None also for '²' or 5,000 digits, which int() would choke on
         if length is not None and length <= limit:
             return self.rfile.read(length)

@@ -63,6 +63,27 @@ def host_buffer(nbytes: int, *, align: int = 64, pinned: bool = False, hugepages
     return buf
 
 
+def mapped_buffer(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 tensor of ``nbytes`` over a private anonymous mapping of its own, unmapped as soon as the last
+    tensor viewing it is freed; page-aligned, zero-filled, each page allocated at its first touch.
+
+    For memory that must go back to the OS the moment its owner drops it. The allocator behind ``torch.empty``
+    does not promise that: glibc returns a freed block only when it was mapped for itself, and its threshold for
+    that rises to the largest block freed so far (up to 32 MiB), so blocks allocated after a first round of frees
+    stay in its heap once freed; jemalloc and tcmalloc cache freed pages too. No huge pages: where the kernel must
+    compact memory to find them, the first touch of 538 MB took 1.3-1.5 s of system time here instead of 0.2 s.
+    """
+    import torch
+
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    if private is None:  # not POSIX: the allocator's memory, which the platform returns as it does
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=private)  # -1: anonymous; private faults in ~2x faster than shared
+    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor holds the mapping; the last view unmaps it
+
+
 def advise_hugepages(buf: torch.Tensor) -> None:
     """Best-effort MADV_HUGEPAGE over the whole huge pages inside ``buf``; silently a no-op where unsupported."""
     if _libc is None:

@@ -3,7 +3,8 @@ copy, short reads and writes continued, and the payload checksum computed while 
 
 Torch-free and tier-free: ``kv/fs.py`` (the tier: paths, temporary files, quota, recency) calls these on
 descriptors it opened, as do the blob store's readers that it runs (``kv/blob_reads.py``: reads into an engine's
-memory).
+memory). ``make_root`` makes a missing L2 directory, here so that ``kv/settings.py`` (torch-free: the server checks
+its flags before it imports the engine) refuses a directory that cannot be made with the rule the tier uses.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
+from preheat.errors import ConfigError
 from preheat.kv import chunkfile
 
 PIECE_BYTES = 1 << 20  # what is copied and then hashed in one go: small enough to stay in the CPU's cache
@@ -162,3 +164,43 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
             raise OSError(errno.EIO, "write made no progress")
         view = view[done:]
         offset += done
+
+
+ROOT_MODE = 0o700  # a directory this tier makes: its chunks hold K/V (prompt content), and writing them steers answers
+
+
+def make_root(root: str) -> bool:
+    """Make ``root``, the directory of an ``fs://`` L2, when it does not exist; True when this call made it.
+
+    The one home of this rule, for every opener (``preheat serve`` refuses to start on its ``ConfigError``, before
+    loading anything; a tier opened by an engine's integration is marked down with it). Only the last component is
+    made, and only when its parent is a directory: a missing parent is a share that is not mounted, or a typo, and
+    making a tree there would put the shared cache on the local disk instead, where it could fill the root file
+    system. It is made ``ROOT_MODE``: no other local user can read the chunks (they reveal prompts) or plant K/V;
+    a directory the operator made stays as it is, so a fleet shared by a group keeps its group's mode.
+
+    ``ConfigError`` names the path when something that is not a directory is in the way, the parent is missing or
+    not a directory, or the directory cannot be made (permission, a read-only file system).
+    """
+    if os.path.isdir(root):
+        return False
+    in_the_way = f"{root} is not a directory (something else is in the way)"
+    if os.path.lexists(root):  # a file, or a symlink to nothing: never replaced
+        raise ConfigError(in_the_way)
+    parent = os.path.dirname(root)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise ConfigError(f"cannot create {root}: its parent {parent} is not a directory")
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"cannot create {root}: its parent {parent} does not exist (mount the shared directory there, or make "
+            f"the whole path first: mkdir -p {root})"
+        )
+    try:
+        os.mkdir(root, ROOT_MODE)
+    except FileExistsError:
+        if os.path.isdir(root):  # another replica starting beside this one made it first
+            return False
+        raise ConfigError(in_the_way) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create {root}: {exc.strerror or exc}") from None
+    return True

@@ -7,7 +7,8 @@ Safe for many processes on many nodes sharing one directory (an NVMe mount, NFS)
   file, removed by the next quota sweep once it is old. Two writers of the same chunk both rename complete, identical
   files: the last rename wins and one valid file remains. The blob store's unsigned values are written payload
   first, hashed as they go, header last (``fileio.write_unsummed``); the bytes are the same. The 256 shard
-  directories are made when the tier comes up, not by the first write into each.
+  directories are made when the tier comes up, not by the first write into each; so is the root itself, once, when
+  the tier is opened and only if its parent exists (``fileio.make_root``).
 - **Reads** read only regular files no larger than a chunk of the layout can be (a planted FIFO or huge file never
   blocks or fills memory: files are opened non-blocking, without following symlinks, and checked by ``fstat``), and
   verify the header, checksum and, with a fleet secret, the MAC (``chunk.decode_chunk``); a file that fails is a
@@ -37,9 +38,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from preheat.errors import ConfigError
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
-from preheat.kv.fileio import fill, preallocate, read_all, write_all, write_unsummed
+from preheat.kv.fileio import fill, make_root, preallocate, read_all, write_all, write_unsummed
 from preheat.kv.tier import Check, Encode, EvictHook, Health, TierStats, chunk_expect
 
 log = logging.getLogger("preheat.kv")
@@ -63,7 +65,9 @@ class _NoRoomError(Exception):
 
 
 class FileTier:
-    """Chunks as files under ``root`` (which must exist: a missing mount marks the tier down, it is not created).
+    """Chunks as files under ``root``, made when the tier is opened if its parent exists (``fileio.make_root``); a
+    root that cannot be made, or that goes away later (a share unmounted), marks the tier down and is never made
+    again while it runs, so an unmounted share is not replaced by a directory on the local disk.
 
     ``get``/``put`` store the reference engine's chunks; ``read``/``write``/``contains`` are the same path for any
     self-checking value (``kv/store.py`` stores engines' opaque values through them). ``expect`` says what a read
@@ -94,7 +98,7 @@ class FileTier:
         self._written_since_sweep = 0
         self._written_lock = threading.Lock()  # a blob store's batch writes from several threads (kv/fanout.py)
         self._sweep_lock = threading.Lock()
-        self._probe()
+        self._probe(create=True)
         if self.health.up and max_bytes is not None:
             self.sweep()
 
@@ -105,8 +109,15 @@ class FileTier:
     def describe(self) -> str:
         return f"fs://{self.root}"
 
-    def _probe(self) -> bool:
-        """Check that the directory exists and takes a write (a read-only or missing mount marks the tier down)."""
+    def _probe(self, *, create: bool = False) -> bool:
+        """Check that the directory exists and takes a write (a read-only or missing mount marks the tier down);
+        ``create``: make it first when it is missing (at open only)."""
+        if create:
+            try:
+                make_root(self.root)
+            except ConfigError as exc:
+                self.health.down(str(exc))
+                return False
         if not os.path.isdir(self.root):
             self.health.down(f"{self.root} does not exist or is not a directory")
             return False
@@ -360,7 +371,10 @@ class FileTier:
             try:
                 fd = os.open(temp, _CREATE_FLAGS, 0o666)
             except FileNotFoundError:  # a shard removed since the tier came up (``_make_shards``)
-                os.makedirs(shard, exist_ok=True)
+                with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+                    # The shard alone: a root that went away (a share unmounted) is not made again on the local
+                    # disk; the mkdir fails and the tier goes down (``_failed``).
+                    os.mkdir(shard)
                 fd = os.open(temp, _CREATE_FLAGS, 0o666)
             try:
                 preallocate(fd, size)

@@ -11,6 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from preheat.config import parse_size
 from preheat.errors import ConfigError
+from preheat.kv.fileio import make_root
 from preheat.kv.keys import DEFAULT_CHUNK_TOKENS
 from preheat.kv.mac import read_secret_file
 
@@ -41,16 +42,12 @@ class KVSettings:
         return self.l1 is not None or self.l2 is not None
 
     def check(self) -> None:
-        """Refuse values that cannot work, before any model is loaded."""
+        """Refuse values that cannot work, before any model is loaded; make a missing ``fs://`` L2 directory
+        (``fileio.make_root``)."""
         if self.l1 is not None:
             l1_bytes(self.l1)
-        if self.l2 is not None and not self.l2.startswith(L2_SCHEMES):
-            shown = self.l2.split("@")[-1]  # never repeat a password
-            raise ConfigError(f"--kv-l2 {shown!r}: use fs:///shared/dir, redis://host:port/db or rediss://...")
-        if self.l2 is not None and self.l2.startswith("fs://") and not self.l2[len("fs://") :].startswith("/"):
-            raise ConfigError(f"--kv-l2 {self.l2!r}: an fs:// URL takes an absolute path (fs:///shared/kv)")
-        if self.l2 is not None and self.l2.startswith(("redis://", "rediss://")):
-            check_redis_url(self.l2)
+        if self.l2 is not None:
+            check_l2_url(self.l2)
         if self.secret_file is not None:
             if self.l2 is None:
                 raise ConfigError("--kv-secret-file signs the chunks of a shared L2: give --kv-l2 too")
@@ -70,6 +67,31 @@ class KVSettings:
                 parse_size(self.warm)
         if self.l2_ttl_s < 1:
             raise ConfigError(f"--kv-l2-ttl {self.l2_ttl_s}: must be at least 1 second")
+        if self.l2 is not None and self.l2.startswith("fs://"):  # last: nothing is made for settings refused
+            make_l2_root(self.l2)
+
+
+def check_l2_url(url: str) -> None:
+    """Refuse an ``--kv-l2`` URL of no known scheme, a relative ``fs://`` path, or a Redis URL redis-py would refuse
+    late. Messages never repeat a password."""
+    if not url.startswith(L2_SCHEMES):
+        shown = url.rsplit("@", maxsplit=1)[-1]  # never repeat a password
+        raise ConfigError(f"--kv-l2 {shown!r}: use fs:///shared/dir, redis://host:port/db or rediss://...")
+    if url.startswith("fs://") and not url[len("fs://") :].startswith("/"):
+        raise ConfigError(f"--kv-l2 {url!r}: an fs:// URL takes an absolute path (fs:///shared/kv)")
+    if url.startswith(("redis://", "rediss://")):
+        check_redis_url(url)
+
+
+def make_l2_root(url: str) -> None:
+    """Make the directory of an ``fs://`` L2 that does not exist yet, or refuse naming it (``fileio.make_root``).
+
+    Done while the settings are checked, before any model loads: a directory that cannot be made stops the start
+    at once, instead of a replica serving with its L2 down (the tier itself is opened only after the load)."""
+    try:
+        make_root(os.path.abspath(url[len("fs://") :]))
+    except ConfigError as exc:
+        raise ConfigError(f"--kv-l2 {url}: {exc}") from None
 
 
 def warm_bytes(settings: KVSettings) -> int | None:

@@ -355,7 +355,8 @@ def open_store(
     secret_file: str | None = None,
     io_threads: int = DEFAULT_THREADS,
 ) -> BlobStore:
-    """The blob store of ``namespace`` at ``url``: ``fs:///shared/kv`` (an existing directory), or
+    """The blob store of ``namespace`` at ``url``: ``fs:///shared/kv`` (made if missing and its parent exists:
+    ``fileio.make_root``; else down, saying why), or
     ``redis://[user:password@]host:port/db`` / ``rediss://...``.
 
     ``max_value_bytes``: the largest value accepted (larger stored values are refused unread); ``max_bytes``: the

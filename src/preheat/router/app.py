@@ -54,7 +54,7 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     model: str | None = None  # tokenizer source for prefix and kv: a directory, or FROM_REPLICAS
-    chunk_tokens: int = 256  # prefix only: kv uses each replica's published chunk size
+    kv_chunk_tokens: int = 256  # prefix only: kv uses each replica's published chunk size
     health_interval: float = 1.0
     health_timeout: float = 2.0
     kv_poll_interval: float = 0.25
@@ -113,7 +113,7 @@ class RouterSettings:
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be 0-65535 (0 picks a free port)")
-        for number in ("chunk_tokens", "index_keys", "guard_gap", "hot_in_flight", "saturation"):
+        for number in ("kv_chunk_tokens", "index_keys", "guard_gap", "hot_in_flight", "saturation"):
             if int(getattr(self, number)) < 1:
                 raise ConfigError(f"--{number.replace('_', '-')} must be at least 1")
         for seconds in SECONDS:
@@ -198,8 +198,8 @@ class RouterService:
             self.settings = settings
         policy = make_policy(
             settings.policy,
-            fingerprint=prefix_fingerprint(settings.model, settings.chunk_tokens) if settings.model else None,
-            chunk_tokens=settings.chunk_tokens,
+            fingerprint=prefix_fingerprint(settings.model, settings.kv_chunk_tokens) if settings.model else None,
+            chunk_tokens=settings.kv_chunk_tokens,
             kv_index=self.kv_index,
             guard=guard,
             index_keys=settings.index_keys,

@@ -18,7 +18,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
+from preheat.dashboard.prom import by_label, parse
 from preheat.errors import ProcessError
 from preheat.http.client import HTTPClientError, Timeouts, request
 from preheat.procs import pdeathsig
@@ -177,3 +179,82 @@ def _replicas_healthy(url: str) -> tuple[int, int]:
     serving = sum(bool(r.get("healthy")) for r in listed if not r.get("standby"))
     waiting = sum(bool(r.get("healthy")) or r.get("state") == "standby" for r in listed if r.get("standby"))
     return serving, waiting
+
+
+# -- the KV tiers of the replicas, once they are ready: a tier that is down is never silent ------------------------
+TierStates = dict[str, float]  # a replica's preheat_kv_tier_up per tier: 1 up, 0 down
+
+
+def replica_tiers(url: str, timeout: float = 5.0) -> TierStates | None:
+    """The ``preheat_kv_tier_up`` gauge of each tier the replica at ``url`` has, from its ``/metrics`` (the series
+    the dashboard reads too: one channel for a tier's state); None when it did not answer."""
+    try:
+        answer = request(url + "/metrics", timeouts=Timeouts.within(timeout), max_body=4 << 20)
+    except HTTPClientError:
+        return None
+    if answer.status != 200:
+        return None
+    return by_label(parse(answer.body.decode("utf-8", "replace")), "preheat_kv_tier_up", "tier")
+
+
+def tier_report(asked: Mapping[str, str], replicas: Sequence[tuple[str, TierStates | None]]) -> tuple[str, list[str]]:
+    """``preheat up``'s line for the KV tiers (``KV: L1 2GiB up on 2/2 replicas, L2 fs:///tmp/kv up on 2/2
+    replicas``) and a warning for each tier that is not up on every replica: down, not built (a checkpoint
+    without an identity gets no L2), or not known (its ``/metrics`` did not answer). ``asked``: the tiers the
+    command line asked for (``{"l2": "fs:///tmp/kv"}``, shown without credentials); ``replicas``: each replica's
+    name and ``replica_tiers``. Pure. ``("", [])`` when no tier was asked for or reported.
+
+    >>> tier_report({"l2": "fs:///kv"}, [("replica 1", {"l2": 1.0}), ("replica 2", {"l2": 0.0})])[1]
+    ['KV L2 fs:///kv is DOWN on replica 2: requests there recompute what it would hold (its log above says why)']
+    """
+    reported = {tier for _, states in replicas for tier in states or {}}
+    parts, warnings = [], []
+    for tier in sorted(set(asked) | reported):
+        name = " ".join(filter(None, (tier.upper(), asked.get(tier))))
+        down, absent, unknown = [], [], []
+        for replica, states in replicas:
+            if states is None:
+                unknown.append(replica)
+            elif tier not in states:
+                absent.append(replica)
+            elif not states[tier]:
+                down.append(replica)
+        bad = len(down) + len(absent) + len(unknown)
+        up = len(replicas) - bad
+        parts.append(f"{name} up on {up}/{len(replicas)} replicas" if not bad else
+                     f"{name} DOWN on {bad}/{len(replicas)} replicas")  # fmt: skip
+        for who, what, why in (
+            (down, "is DOWN", "log above says why"),
+            (absent, "is not running", "log above says why"),
+            (unknown, "is in an unknown state", "/metrics did not answer"),
+        ):
+            if who:
+                whose = "its" if len(who) == 1 else "their"
+                warnings.append(f"KV {name} {what} on {', '.join(who)}: requests there recompute what it would hold "
+                                f"({whose} {why})")  # fmt: skip
+    return (f"KV: {', '.join(parts)}" if parts else ""), warnings
+
+
+def kv_report(cluster: Cluster, kv_l1: str | None, kv_l2: str | None) -> tuple[str, list[str]]:
+    """``tier_report`` of the cluster's serving replicas, asked now (once they are healthy); standby replicas have
+    no tiers before they load."""
+    replicas = [(child.name, replica_tiers(child.url)) for child in cluster.replicas if child.url is not None]
+    return tier_report(asked_tiers(kv_l1, kv_l2), replicas) if replicas else ("", [])
+
+
+def asked_tiers(kv_l1: str | None, kv_l2: str | None) -> dict[str, str]:
+    """``tier_report``'s ``asked`` from ``preheat up``'s ``--kv-l1`` and ``--kv-l2``."""
+    asked = {}
+    if kv_l1 is not None:
+        asked["l1"] = f"{kv_l1} of RAM" if kv_l1.strip().endswith("%") else kv_l1
+    if kv_l2 is not None:
+        asked["l2"] = shown_url(kv_l2)
+    return asked
+
+
+def shown_url(url: str) -> str:
+    """An L2 URL as ``preheat up`` prints it: without a password or query (``redis://host:6379/0``)."""
+    parts = urlsplit(url)
+    if not parts.netloc:
+        return url
+    return urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))

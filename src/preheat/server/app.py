@@ -412,7 +412,8 @@ def run(
     else:
         say(f"preheat serve: listening on http://{host}:{port} (loading {settings.model} in the background)")
         target = _load_in_background
-    threading.Thread(target=target, args=(httpd, say), name="preheat-load", daemon=True).start()
+    state.life.transition = threading.Thread(target=target, args=(httpd, say), name="preheat-load", daemon=True)
+    state.life.transition.start()
     try:
         with sigterm_interrupts():  # SIGTERM (Kubernetes, the demo) shuts down like Ctrl-C
             httpd.serve_forever(poll_interval=0.25)

@@ -67,7 +67,7 @@ def handle_generation(responder: Responder, state: ServerState, kind: str, body:
         responder.send_error_json(_unavailable(state), {"Retry-After": "1"})
         return
     try:
-        request = parse_request(body, kind, state.settings.model_name)
+        request = parse_request(body, kind, state.settings.model_name, state.settings.served_names)
         prompt_ids = _tokenize(state, loaded.engine, request)
         job = Job(prompt_ids, _sampling(loaded.engine, request, len(prompt_ids)), arrived=arrived)
         state.worker.submit(job)

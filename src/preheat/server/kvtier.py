@@ -61,21 +61,23 @@ def warm(tiers: TieredKV, kv: KVSettings, timeline: Timeline) -> None:
         report = warm_tiers(tiers, max_bytes=warm_bytes(kv))
         stage.nbytes = report.bytes
         stage.detail.update(report.to_dict())
-    log.info("KV warm-up: %d chunks (%d bytes) from L2 into L1 in %.2f s", report.loaded, report.bytes,
-             report.seconds)
+    log.info("KV warm-up: %d chunks (%d bytes) from L2 into L1 in %.2f s", report.loaded, report.bytes, report.seconds)
 
 
-def summary(tiers: TieredKV) -> str:
-    """One line for the console: each tier, its size or place, and whether it is down (and why)."""
+def summary(tiers: TieredKV, *, l2_asked: bool = False) -> str:
+    """One line for the console: each tier, its size or place, and its state: ``up``, or ``DOWN (why)``; an L2 that
+    was asked for (``l2_asked``) but not built is ``OFF`` (the warning before this line says why)."""
     from preheat.config import format_bytes
 
     parts = []
     if tiers.l1 is not None:
-        parts.append(f"L1 {format_bytes(tiers.l1.capacity)} host memory")
+        parts.append(f"L1 {format_bytes(tiers.l1.capacity)} host memory up")  # memory: never down
     if tiers.l2 is not None:
         health = getattr(tiers.l2, "health", None)
         state = "up" if tiers.l2.up else f"DOWN ({health.reason if health is not None else 'unreachable'})"
         parts.append(f"L2 {tiers.l2.describe()} {state}{', chunks signed (MAC)' if tiers.keyed else ''}")
+    elif l2_asked:
+        parts.append("L2 OFF (see the warning above)")
     return f"KV tiers: {', '.join(parts) or 'none'}; chunks of {tiers.chunk_tokens} tokens, stored {tiers.kv_dtype}"
 
 

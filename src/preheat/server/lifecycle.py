@@ -49,6 +49,7 @@ log = logging.getLogger("preheat.server")
 
 STANDBY, LOADING, READY, SLEEPING, WAKING = "standby", "loading", "ready", "sleeping", "waking"
 DEFAULT_SLEEP_TIMEOUT = 30.0  # seconds a sleep waits for admitted requests before it is refused
+TRANSITION_WAIT_S = 5.0  # at most, for the thread that loaded the engine to return (``Lifecycle.transition``)
 MAX_CONTROL_BODY = 64 * 1024
 # What an activation imports besides the engine: a standby replica imports them while it waits.
 ACTIVATION_MODULES = (
@@ -81,6 +82,7 @@ class Asleep:
     path: str
     offloaded: Engine | None  # CUDA level 1: the engine with its weights in pinned host memory
     lease: Lease | None  # level 1 keeps the node-cache entry from being evicted; level 2 lets it go
+    copy_lease: Lease | None = None  # the same for the converted copy the model mapped (preheat.engine.copies)
 
 
 class Lifecycle:
@@ -95,6 +97,10 @@ class Lifecycle:
         self.done = threading.Event()  # set when the running transition ends (``wait`` requests)
         self.peer_started = False
         self.prepared = False  # standby: imports and kernels done, an activation now pays only for its model
+        # The thread of the last start, activation or wake. It answers (``done``) before it has returned, and until
+        # it returns its frames hold the engine: a sleep waits for it, or what it frees would be freed after the
+        # sleep had measured (a sleep right after a wake, on a busy machine, reported 0 bytes released).
+        self.transition: threading.Thread | None = None
 
     def begin(self, allowed_from: tuple[str, ...], to: str) -> str | None:
         """Move to ``to`` if the phase is one of ``allowed_from``; otherwise the phase that stands in the way."""
@@ -113,8 +119,9 @@ class Lifecycle:
             return
         if asleep.kept.kv_tiers is not None:
             asleep.kept.kv_tiers.close()
-        if asleep.lease is not None:
-            asleep.lease.close()
+        for lease in (asleep.lease, asleep.copy_lease):
+            if lease is not None:
+                lease.close()
 
     def health(self) -> dict[str, object]:
         """``/health``'s body for a phase other than ``ready`` and ``loading`` (the app answers those itself)."""
@@ -243,6 +250,7 @@ def handle_load(responder: ControlResponder, state: ServerState, body: bytes, sa
     timeline.add("load_request", 0.0, 0.0, model=model)
     state.set_timeline(timeline)
     thread = threading.Thread(target=_activate, args=(state, settings, say), name="preheat-load", daemon=True)
+    life.transition = thread
     thread.start()
     _answer(responder, state, wait, accepted={"status": LOADING, "model": model})
 
@@ -281,7 +289,7 @@ def install(state: ServerState, loaded: Loaded, say: Callable[[str], None], *, f
 
         tiers = loaded.engine.kv_tiers
         state.metrics.extra.append(lambda: metric_families(tiers))
-        say(f"preheat serve: {summary(tiers)}")
+        say(f"preheat serve: {summary(tiers, l2_asked=state.settings.kv.l2 is not None)}")
     worker = Worker(loaded.engine, state.metrics, max_queue=state.settings.max_queue)
     worker.start()
     state.loaded, state.worker = loaded, worker
@@ -345,6 +353,8 @@ def handle_sleep(responder: ControlResponder, state: ServerState, body: bytes) -
         responder.send_error_json(busy)
         return
     state.ready.clear()
+    if life.transition is not None:
+        life.transition.join(TRANSITION_WAIT_S)
     rss_before = resident_bytes()
     weights = _weight_bytes(loaded.engine)
     asleep = _release(state, loaded, level)
@@ -381,10 +391,13 @@ def _release(state: ServerState, loaded: Loaded, level: int) -> Asleep:
         engine.offload()  # weights to pinned host memory, KV pool dropped: device memory free
         offloaded = engine
     lease, loaded.lease = loaded.lease, None
-    if level == 2 and lease is not None:
-        lease.close()  # the node cache may now evict the entry; a wake pulls it again
-        lease = None
-    return Asleep(level, kept, loaded.path, offloaded, lease)
+    copy_lease, engine.copy_lease = engine.copy_lease, None
+    if level == 2:
+        for held in (lease, copy_lease):
+            if held is not None:
+                held.close()  # the node cache may now evict the entry (and the copy); a wake pulls (converts) again
+        lease = copy_lease = None
+    return Asleep(level, kept, loaded.path, offloaded, lease, copy_lease)
 
 
 def handle_wake(responder: ControlResponder, state: ServerState, body: bytes, say: Callable[[str], None]) -> None:
@@ -398,7 +411,9 @@ def handle_wake(responder: ControlResponder, state: ServerState, body: bytes, sa
         raise conflict(blocking, "wake")
     timeline = Timeline(arrived, origin_source="wake request")
     state.set_timeline(timeline)
-    threading.Thread(target=_wake, args=(state, say), name="preheat-wake", daemon=True).start()
+    thread = threading.Thread(target=_wake, args=(state, say), name="preheat-wake", daemon=True)
+    life.transition = thread
+    thread.start()
     _answer(responder, state, wait, accepted={"status": WAKING})
 
 
@@ -420,8 +435,9 @@ def _wake(state: ServerState, say: Callable[[str], None]) -> None:
     except Exception as exc:  # the replica stays asleep; the next wake tries again
         _failed(state, SLEEPING, exc, "wake")
         return
-    if asleep.lease is not None:
-        asleep.lease.close()  # the load took its own lease on the same entry
+    for lease in (asleep.lease, asleep.copy_lease):
+        if lease is not None:
+            lease.close()  # the load took its own lease on the same entry
     life.asleep = None
     install(state, loaded, say, fresh_tiers=False)
 

@@ -109,6 +109,7 @@ def load(
             config, tokenizer, mapped = keep.config, keep.tokenizer, {}
         imports.wait()
         from preheat.engine import Engine
+        from preheat.store.cache import ModelCache
 
         engine = Engine.from_checkpoint(
             path,
@@ -120,6 +121,7 @@ def load(
             config=config,
             tokenizer=tokenizer,
             premapped=mapped,
+            copies=ModelCache(settings.cache_dir),  # a converting CPU keeps the converted weights there
         )
         if settings.compile:  # compiles during one warm-up, with artifacts from the node cache or a peer
             from preheat.server.peering import compile_engine

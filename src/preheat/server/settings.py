@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from preheat.config import resolve_settings
 from preheat.errors import ConfigError
 from preheat.kv.settings import KVSettings
+from preheat.store.cache import EntryMeta, default_cache_dir, resolve_model
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
@@ -78,9 +80,12 @@ class ServeSettings:
             values["model"] = ""  # a standby replica learns its model from POST /v1/preheat/load
         if "model" not in values:
             raise ConfigError(
-                "no model: pass MODEL (a checkpoint directory or an http(s)://, s3:// URI) or set PREHEAT_MODEL "
-                "(or start a standby replica: --standby --allow-model PATTERN)"
+                "no model: pass MODEL (a checkpoint directory, the name of a node-cache entry, or an http(s)://, "
+                "s3:// URI) or set PREHEAT_MODEL (or start a standby replica: --standby --allow-model PATTERN)"
             )
+        cache_dir = values.get("cache_dir")
+        # A name such as smollm2-135m-instruct, when no such path exists: the node-cache entry of that name.
+        values["model"] = resolve_model(str(values["model"]), cache_dir if isinstance(cache_dir, str) else None)
         settings = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
         settings.check()
         return settings
@@ -118,8 +123,9 @@ class ServeSettings:
             self.check_standby()
         elif not self.is_remote and not os.path.isdir(self.model):
             raise ConfigError(
-                f"model {self.model!r} is not a directory: pass a preheat or Hugging Face checkpoint directory, "
-                "or an http(s):// or s3:// URI to pull through the node cache"
+                f"model {self.model!r} is not a directory, nor the name of an entry of the node cache in "
+                f"{self.cache_dir or default_cache_dir()} (`preheat cache ls` lists them): pass a preheat or Hugging "
+                "Face checkpoint directory, or an http(s):// or s3:// URI to pull through the node cache"
             )
 
     def check_follow(self) -> None:
@@ -176,10 +182,21 @@ class ServeSettings:
 
     @property
     def model_name(self) -> str:
-        """The name clients put in ``"model"``: ``--served-model-name``, else the last part of MODEL."""
+        """The name clients put in ``"model"``, the one ``GET /v1/models`` lists: the first of ``served_names``."""
+        return self.served_names[0]
+
+    @cached_property  # reads the entry's record once, not per request (a frozen dataclass still has a __dict__)
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's ``"model"`` may give: ``--served-model-name`` alone; else, for a node-cache entry,
+        its name (``smollm2-135m-instruct``) and, as an alias, its directory's name (the cache key: what this
+        server answered to before entries had names); else the last part of MODEL."""
         if self.served_model_name:
-            return self.served_model_name
-        return os.path.basename(self.model.rstrip("/")) or self.model
+            return (self.served_model_name,)
+        last = os.path.basename(self.model.rstrip("/")) or self.model
+        meta = EntryMeta.read(self.model) if self.model and not self.is_remote else None
+        if meta is None:
+            return (last,)
+        return tuple(dict.fromkeys((meta.name, last)))
 
     @property
     def refit_name(self) -> str:

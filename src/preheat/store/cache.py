@@ -11,6 +11,10 @@ An entry appears only by ``rename(partial/<key>, models/<key>)`` after every dig
 directory of it was fsynced, and the rename itself is fsynced: a directory under ``models/`` is always complete, also
 after a power loss. ``<key>`` is the checkpoint identity from its manifest (``xxh3-128-...``), or
 ``url-<hash of the URI>`` for an origin without a manifest.
+
+Each entry also records a *name*, what people call the model (``smollm2-135m-instruct``, the last part of
+``https://host/models/llama-3-8b``), so commands take ``preheat serve NAME`` and a server answers to the name rather
+than to the key: ``resolve_model`` and ``EntryMeta`` are the one place that reads it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from preheat.store import durable, locks
 
 META_NAME = ".preheat-cache.json"
 STALE_AFTER = 3600.0  # seconds: an abandoned partial younger than this is kept for a pull to resume
+# Extensions a source's last path part loses in its name: a single-file checkpoint is named for the model, not the
+# format (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``).
+NAME_SUFFIXES = (".gguf", ".safetensors")
 
 
 def default_cache_dir() -> str:
@@ -48,9 +55,57 @@ def key_dirname(key: str) -> str:
     return name
 
 
+def source_name(uri: str) -> str:
+    """The name a source's URI gives its model: the last part of its path, without a checkpoint file's extension;
+    ``""`` when the URI has no path part.
+
+    >>> source_name("https://models.internal/llama-3-8b/"), source_name("preheat://smollm2")
+    ('llama-3-8b', 'smollm2')
+    >>> source_name("file:///wheels/SmolLM2-135M-Instruct.Q4_1.gguf")
+    'SmolLM2-135M-Instruct.Q4_1'
+    """
+    path = uri.split("?", 1)[0].split("#", 1)[0]
+    if "://" in path:
+        scheme, rest = path.split("://", 1)
+        # preheat://NAME and s3://bucket are all name; http(s)://host alone names no model
+        path = rest if scheme in ("preheat", "s3") else rest.partition("/")[2]
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    for suffix in NAME_SUFFIXES:
+        if last.endswith(suffix) and len(last) > len(suffix):
+            return last[: -len(suffix)]
+    return last
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """What ``.preheat-cache.json`` says about a published entry: its key, origin URI, name and creation time."""
+
+    key: str
+    uri: str
+    name: str
+    created: float
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> EntryMeta | None:
+        """The record of the entry in directory ``path``, or None when ``path`` is not a published entry (of any
+        cache root: an entry copied elsewhere keeps its record). An entry published before names were recorded is
+        named after its URI, else its key."""
+        meta_path = os.path.join(os.fspath(path), META_NAME)
+        try:
+            with open(meta_path, encoding="utf-8") as handle:
+                meta = json.load(handle)
+            created = float(meta.get("created", os.stat(meta_path).st_mtime))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None  # not a published entry (or being removed right now)
+        key = str(meta.get("key", os.path.basename(os.path.normpath(path))))
+        uri = str(meta.get("uri", ""))
+        name = meta.get("name")
+        return cls(key, uri, name if isinstance(name, str) and name else source_name(uri) or key, created)
+
+
 @dataclass(frozen=True)
 class CacheEntry:
-    """A published entry: its key, directory, origin URI, size on disk and when it was created and last used."""
+    """A published entry: its key, name, directory, origin URI, size on disk and when it was created and last used."""
 
     key: str
     path: str
@@ -59,6 +114,7 @@ class CacheEntry:
     created: float
     last_used: float
     in_use: bool
+    name: str = ""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -135,10 +191,25 @@ class ModelCache:
 
     def find_uri(self, uri: str) -> str | None:
         """The key of a published entry pulled from ``uri``, if any (no network)."""
-        for entry in self.entries():
+        for entry in self.entries():  # the most recently used first, when several came from it
             if entry.uri == uri:
                 return entry.key
         return None
+
+    def find_name(self, name: str) -> str | None:
+        """The directory of the newest published entry named ``name`` (``EntryMeta.name``), if any (no network)."""
+        named = [(meta.created, path) for path, meta in self._published() if meta.name == name]
+        return max(named)[1] if named else None
+
+    def name_entry(self, key: str, name: str) -> None:
+        """Record ``name`` as the name of the published entry ``key`` (atomically: the entry stays published)."""
+        meta_path = os.path.join(self.entry_dir(key), META_NAME)
+        try:
+            with open(meta_path, encoding="utf-8") as handle:
+                meta = json.load(handle)
+            durable.write_file(meta_path, json.dumps({**meta, "name": name}).encode())
+        except (OSError, ValueError, TypeError) as exc:  # TypeError: a record that is not a JSON object
+            raise CacheError(f"cache entry {key} in {self.root} cannot be named {name!r}: {exc}") from None
 
     def lease(self, key: str) -> Lease:
         """Mark ``key`` in use until the lease is closed (gc and rm skip it) and record the use for LRU."""
@@ -166,31 +237,33 @@ class ModelCache:
             os.utime(meta, (now, now))
 
     # -- listing, removal, gc ------------------------------------------------------------------------------------
+    def _published(self) -> Iterator[tuple[str, EntryMeta]]:
+        """(directory, record) of every published entry, in name order; without sizes or locks (cheap)."""
+        models = os.path.join(self.root, "models")
+        for name in _listdir(models):
+            path = os.path.join(models, name)
+            meta = EntryMeta.read(path)
+            if meta is not None:
+                yield path, meta
+
     def entries(self) -> list[CacheEntry]:
         """Published entries, most recently used first."""
-        models = os.path.join(self.root, "models")
-        if not os.path.isdir(models):
-            return []
         out = []
-        for name in sorted(os.listdir(models)):
-            path = os.path.join(models, name)
-            meta_path = os.path.join(path, META_NAME)
+        for path, meta in self._published():
             try:
-                with open(meta_path, encoding="utf-8") as handle:
-                    meta = json.load(handle)
-                stat = os.stat(meta_path)
-            except (OSError, ValueError):
-                continue  # not a published entry (or being removed right now)
-            key = str(meta.get("key", name))
+                last_used = os.stat(os.path.join(path, META_NAME)).st_mtime
+            except OSError:
+                continue  # removed since it was read
             out.append(
                 CacheEntry(
-                    key=key,
+                    key=meta.key,
                     path=path,
-                    uri=str(meta.get("uri", "")),
+                    uri=meta.uri,
                     size=_tree_size(path),
-                    created=float(meta.get("created", stat.st_mtime)),
-                    last_used=stat.st_mtime,
-                    in_use=self._in_use(key),
+                    created=meta.created,
+                    last_used=last_used,
+                    in_use=self._in_use(meta.key),
+                    name=meta.name,
                 )
             )
         out.sort(key=lambda e: e.last_used, reverse=True)
@@ -292,14 +365,16 @@ class ModelCache:
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def publish(self, key: str, uri: str) -> str:
+    def publish(self, key: str, uri: str, *, name: str | None = None) -> str:
         """Atomically and durably move a finished ``partial/<key>`` into ``models/<key>``; returns the entry directory.
+        ``name``: what the entry is called (default ``source_name(uri)``, else the key).
 
         Every file and directory of the entry is fsynced before the rename, and the directories whose names changed
         after it: once this returns, a power loss leaves the complete entry; before, it leaves no entry.
         """
         partial = self.partial_dir(key)
-        meta = {"key": key, "uri": uri, "created": time.time(), "format": 1}
+        name = name or source_name(uri) or key
+        meta = {"key": key, "uri": uri, "name": name, "created": time.time(), "format": 1}
         with open(os.path.join(partial, META_NAME), "w", encoding="utf-8") as handle:
             json.dump(meta, handle)
         durable.fsync_tree(partial)
@@ -309,6 +384,19 @@ class ModelCache:
         durable.fsync_path(os.path.dirname(target))
         durable.fsync_path(os.path.dirname(partial))
         return target
+
+
+def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """MODEL as ``preheat serve`` and ``preheat up`` take it: a URI or an existing path as it is; else, a plain name
+    (no ``/``) of a node-cache entry: the directory of the newest entry of that name; else MODEL unchanged, for the
+    caller to refuse naming what it expected.
+
+    >>> resolve_model("https://models.internal/llama-3-8b")
+    'https://models.internal/llama-3-8b'
+    """
+    if not model or "://" in model or os.path.exists(model) or "/" in model or model in (".", ".."):
+        return model
+    return ModelCache(cache_dir).find_name(model) or model
 
 
 def _listdir(path: str) -> list[str]:

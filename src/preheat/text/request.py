@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,8 +70,9 @@ class GenerationRequest:
     include_usage: bool = False
 
 
-def parse_request(raw: bytes, kind: str, served_model: str) -> GenerationRequest:
-    """Validate a request body for ``kind`` ("completion" or "chat"); raise ``APIError`` (400) naming the field.
+def parse_request(raw: bytes, kind: str, served_model: str, aliases: Collection[str] = ()) -> GenerationRequest:
+    """Validate a request body for ``kind`` ("completion" or "chat"); raise ``APIError`` (400) naming the field, or
+    404 ``model_not_found`` for a ``model`` that is neither ``served_model`` nor one of its ``aliases``.
 
     The body is at most ``MAX_BODY_BYTES`` of UTF-8 JSON nested at most ``jsonsafe.MAX_DEPTH`` levels deep, with at
     most ``MAX_CONTAINERS`` arrays and objects.
@@ -81,17 +83,20 @@ def parse_request(raw: bytes, kind: str, served_model: str) -> GenerationRequest
         raise bad_request(f"request body refused: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
-    return parse_body(body, kind, served_model)
+    return parse_body(body, kind, served_model, aliases)
 
 
-def parse_body(body: dict[str, Any], kind: str, served_model: str) -> GenerationRequest:  # Any: decoded JSON
+def parse_body(  # Any: decoded JSON
+    body: dict[str, Any], kind: str, served_model: str, aliases: Collection[str] = ()
+) -> GenerationRequest:
     """``parse_request`` for a body already decoded within its bounds (the router decodes it once for routing)."""
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model", code="invalid_type")
-    if model != served_model:
+    if model != served_model and model not in aliases:
+        # 404 with OpenAI's own body, as OpenAI and vLLM answer: clients tell "no such model" from a bad request.
         raise APIError(
-            400,
+            404,
             f"the model {model!r} does not exist here; this server serves {served_model!r} (see GET /v1/models)",
             param="model",
             code="model_not_found",

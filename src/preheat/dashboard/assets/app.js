@@ -173,8 +173,10 @@ function render(state) {
     : "Stages of each replica's last start on one time axis (seconds from its process start, up to ready); a pale bar is a stage under way.";
   const status = document.getElementById("status");
   const healthy = state.replicas.filter((r) => r.healthy).length;
-  status.textContent = `${state.status} · ${healthy}/${state.replicas.length} healthy`;
-  status.className = `pill ${state.status === "ok" ? "good" : "bad"}`;
+  // Every KV tier's state is in the header ("L2 down on 2/2 replicas"): "ok" alone means all of them are up.
+  const tiers = (state.tiers || []).map((t) => t.text);
+  status.textContent = [state.status, ...tiers, `${healthy}/${state.replicas.length} healthy`].join(" · ");
+  status.className = `pill ${state.status === "ok" ? "good" : state.status === "degraded" ? "warn" : "bad"}`;
   document.getElementById("policy").textContent = state.policy ? `policy ${state.policy}` : "";
   document.getElementById("updated").textContent = `updated ${new Date(state.time * 1000).toLocaleTimeString()}`;
   document.querySelector("#replicas tbody").replaceChildren(...state.replicas.map(replicaRow));

@@ -6,15 +6,22 @@ replica serves on. Real subprocesses on 127.0.0.1 and real files."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from preheat.checkpoint.layout import read_header
+from preheat.engine.backend import cpu_has_native_bf16
+from preheat.engine.copies import copy_key
 from preheat.errors import CacheError
 from preheat.procs import ServerProcess
 from preheat.server.sse import parse_events
@@ -132,6 +139,103 @@ def test_sleep_gives_back_the_weights_memory(smol: ServerProcess) -> None:
     assert int(answer["released_bytes"]) >= 0.9 * weights, answer  # type: ignore[call-overload]
     assert wake(client)[0] == 200
     assert client.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4}).status == 200
+
+
+# -- bf16 weights: computed natively, or converted to float32 at load (a CPU without AVX512-BF16/AMX) -----------------
+# ATEN_CPU_CAPABILITY=avx2 makes torch dispatch its AVX2 kernels, and the engine then computes bf16 as float32 as it
+# does on an AVX2-only CPU (preheat.engine.backend.cpu_has_native_bf16): the converted path, on any x86 machine.
+AVX2 = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+PROMPT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+
+
+def released_share(answer: dict[str, object]) -> float:
+    """What a sleep gave back, as a share of the bytes the weights occupied in memory (its answer's weight_bytes)."""
+    released, weights = answer["released_bytes"], answer["weight_bytes"]
+    assert isinstance(released, int)
+    assert isinstance(weights, int)
+    return released / weights
+
+
+def model_build(client: Client) -> dict[str, Any]:  # Any: the stage's JSON detail
+    stages = client.get("/v1/preheat/timeline").json()["stages"]
+    return dict(next(s for s in stages if s["name"] == "model_build")["detail"])
+
+
+def stored_bytes(checkpoint: Path) -> int:
+    header = read_header(str(checkpoint / "model.safetensors")).header
+    return header.data_end - header.data_start
+
+
+def sleep_wake_cycles(client: Client, levels: tuple[int, ...]) -> list[dict[str, object]]:
+    """Sleep at each of ``levels`` in turn, waking after each; every sleep's answer."""
+    answers = []
+    for level in levels:
+        status, answer = sleep(client, level=level)
+        assert status == 200, answer
+        answers.append(answer)
+        assert wake(client)[0] == 200
+    return answers
+
+
+def test_sleep_gives_back_bf16_weights_converted_at_every_load(smollm2: SmolLM2, tmp_path: Path) -> None:
+    # No node cache can hold a converted copy here (--cache-dir is a file), so every load converts into fresh
+    # memory; every sleep must give it back, not only the first (later ones gave back 21-23% when the copies were a
+    # tensor each: the allocator kept them in its heap).
+    bf16 = smollm2.path("bf16")
+    no_cache = tmp_path / "not-a-directory"
+    no_cache.write_text("")
+    with ServerProcess(str(bf16), "--max-model-len", "2048", "--cache-dir", str(no_cache), env=AVX2) as server:
+        server.wait_ready(timeout=300)
+        client = Client(server.url)
+        built = model_build(client)
+        assert built["dtype"] == "float32"
+        assert built["converted_bytes"] == 2 * stored_bytes(bf16)  # what the weights occupy: twice the file
+        assert client.post("/v1/completions", PROMPT).status == 200
+        answers = sleep_wake_cycles(client, (1, 2, 1))
+        assert model_build(client)["converted_bytes"] == 2 * stored_bytes(bf16)  # the wake converted again
+        for answer in answers:
+            assert answer["weight_bytes"] == 2 * stored_bytes(bf16), answer
+            assert released_share(answer) >= 0.9, answer
+        assert client.post("/v1/completions", PROMPT).status == 200
+
+
+def test_a_converting_cpu_keeps_a_float32_copy_that_later_loads_map(smollm2: SmolLM2, tmp_path: Path) -> None:
+    bf16 = smollm2.path("bf16")
+    cache = ModelCache(str(tmp_path / "cache"))
+    identity = json.loads((bf16 / "preheat.json").read_text())["identity"]
+    with ServerProcess(str(bf16), "--max-model-len", "2048", "--cache-dir", cache.root, env=AVX2) as server:
+        server.wait_ready(timeout=300)
+        client = Client(server.url)
+        assert model_build(client)["converted_bytes"] > 0  # the first load on this node converts, and writes a copy
+        first = client.post("/v1/completions", PROMPT).json()["choices"][0]["text"]
+        deadline = time.monotonic() + 120
+        while cache.lookup(copy_key(identity, torch.float32)) is None:
+            assert time.monotonic() < deadline, "no converted copy was published"
+            time.sleep(0.2)
+        [answer] = sleep_wake_cycles(client, (2,))
+        assert released_share(answer) >= 0.9, answer
+        built = model_build(client)  # the wake's: the copy mapped, nothing converted
+        assert built["converted_bytes"] == 0
+        assert built["copy"] == cache.lookup(copy_key(identity, torch.float32))
+        assert client.post("/v1/completions", PROMPT).json()["choices"][0]["text"] == first
+        for answer in sleep_wake_cycles(client, (1, 2)):  # a mapped copy goes as a mapped checkpoint does
+            assert released_share(answer) >= 0.9, answer
+
+
+def test_sleep_gives_back_bf16_weights_computed_natively(smollm2: SmolLM2, tmp_path: Path) -> None:
+    if not cpu_has_native_bf16():
+        pytest.skip("this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 is converted here, tested above")
+    bf16 = smollm2.path("bf16")
+    with ServerProcess(str(bf16), "--max-model-len", "2048", "--cache-dir", str(tmp_path)) as server:
+        server.wait_ready(timeout=300)
+        client = Client(server.url)
+        built = model_build(client)
+        assert built["dtype"] == "bfloat16"
+        assert built["converted_bytes"] == 0
+        assert client.post("/v1/completions", PROMPT).status == 200
+        for answer in sleep_wake_cycles(client, (1, 2, 1)):
+            assert answer["weight_bytes"] == stored_bytes(bf16), answer
+            assert released_share(answer) >= 0.9, answer
 
 
 def long_stream(client: Client, out: list[Stream], started: threading.Event) -> threading.Thread:
