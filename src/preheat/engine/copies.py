@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from preheat.checkpoint.safetensors import encode_header
 from preheat.errors import PreheatError
 from preheat.io.buffers import as_memoryview, mapped_buffer
+from preheat.kv.fileio import write_all
 from preheat.store import locks
 from preheat.store.cache import EntryMeta, Lease, ModelCache
 
@@ -163,22 +164,16 @@ def _write_file(root: str, path: str, dtype: torch.dtype) -> None:
         total = len(header) + sum(t.numel() * itemsize for t in tensors.values())
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, total)  # a full disk fails here, before anything is converted
-        _write_all(fd, memoryview(header))
+        write_all(fd, [header])
         for tensor in tensors.values():
             flat = tensor.reshape(-1)
             for start in range(0, flat.numel(), per_chunk):
                 part = flat[start : start + per_chunk]
                 staged = staging[: part.numel() * itemsize]
                 staged.view(dtype).copy_(part)
-                _write_all(fd, as_memoryview(staged))
+                write_all(fd, [as_memoryview(staged)])
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
 
 
 def main(argv: list[str]) -> int:
