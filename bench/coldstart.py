@@ -56,8 +56,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from preheat.demo import smollm2_checkpoint
-from preheat.procs import ServerProcess, pdeathsig
+from preheat.cli.demo import smollm2_checkpoint
+from preheat.core.procs import pdeathsig
+from preheat.router.cluster import ServerProcess
 
 QUESTION = "What is the capital of France?"
 POLL = 0.02
@@ -331,7 +332,7 @@ def copy_key_of(path: str) -> str:
 def forget_copy(path: str) -> bool:
     """Remove the node cache's converted copy of the checkpoint at ``path`` (so the next start converts, as a
     node's first does); whether there was one."""
-    from preheat.errors import CacheError
+    from preheat.core.errors import CacheError
     from preheat.store.cache import ModelCache
 
     key = copy_key_of(path)

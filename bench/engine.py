@@ -88,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     path = args.model
     if path is None:
-        from preheat.demo import smollm2_checkpoint
+        from preheat.cli.demo import smollm2_checkpoint
 
         path = smollm2_checkpoint(say=lambda _: None)
     results: dict[str, dict[str, float]] = {}

@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the vLLM launcher the engine tests use
 
 from engines.vllmserver import VLLMServer  # noqa: E402 - after the path above
+from preheat.core.procs import Child  # noqa: E402
 from preheat.http.client import Timeouts, get  # noqa: E402
 from preheat.http.server import sigterm_interrupts  # noqa: E402
-from preheat.router.cluster import Child  # noqa: E402
 from smollm2 import SmolLM2, cache_root  # noqa: E402
 
 PROSE = (
@@ -112,7 +112,7 @@ def first_token(url: str, body: dict[str, Any]) -> tuple[float, str, str, str]:
 
 def start_router(replicas: list[str], policy: str, model: Path) -> Child:
     args = ["router", *(a for r in replicas for a in ("--replica", r)), "--policy", policy, "--port", "0"]
-    router = Child("router", [*args, "--model", str(model)], echo=lambda line: None)
+    router = Child("router", [*args, "--model", str(model)], echo=lambda line: None, own_group=True, merge_stderr=True)
     router.wait_address()
     return router
 

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from preheat.demo import smollm2_checkpoint
+from preheat.cli.demo import smollm2_checkpoint
 from preheat.engine import Engine
 from preheat.engine.sampling import SamplingParams
 from preheat.kv.build import build_tiers

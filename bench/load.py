@@ -31,11 +31,11 @@ import torch
 
 import preheat
 from preheat.checkpoint.layout import open_checkpoint
-from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
 from preheat.checkpoint.tp import rank_slice
-from preheat.config import parse_size
+from preheat.core.config import parse_size
 from preheat.io.buffers import PAGE, advise_hugepages, round_down, round_up
 from preheat.io.files import drop_page_cache
+from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 Tensors = Iterable[torch.Tensor]
 

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
-from preheat.config import parse_size
-from preheat.procs import ServerProcess
-from preheat.sources.fileserver import FileServer
-from preheat.timeline import Stage
+from preheat.core.config import parse_size
+from preheat.core.timeline import Stage
+from preheat.router.cluster import ServerProcess
+from preheat.testing.fileserver import FileServer
+from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 
 
 @dataclass

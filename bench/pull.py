@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
-from preheat.config import parse_size
-from preheat.sources.fileserver import FileServer
+from preheat.core.config import parse_size
 from preheat.store import ModelCache
 from preheat.store.pull import pull
+from preheat.testing.fileserver import FileServer
+from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 
 @dataclass

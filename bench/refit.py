@@ -38,12 +38,12 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test suite's SmolLM2 copy
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
-from preheat.config import parse_size
-from preheat.errors import PreheatError
+from preheat.core.config import parse_size
+from preheat.core.errors import PreheatError
 from preheat.http.client import Timeouts, request
-from preheat.procs import ServerProcess
 from preheat.refit.publisher import Publisher
+from preheat.router.cluster import ServerProcess
+from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 
 NAME = "bench"
 REPLICAS = 3

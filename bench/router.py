@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from preheat.demo import smollm2_checkpoint
-from preheat.procs import ServerProcess
-from preheat.router.cluster import Child
+from preheat.cli.demo import smollm2_checkpoint
+from preheat.core.procs import Child
+from preheat.router.cluster import ServerProcess
 
 # A fixed vocabulary: seeded draws from it make every user's document, identical across runs and policies.
 _VOCABULARY = """cache replica token prefix router memory latency queue request batch shard tier disk network kernel
@@ -157,7 +157,7 @@ def run_workload(url: str, name: str, args: argparse.Namespace) -> Result:
 def start_router(replicas: list[str], policy: str, model: str, chunk_tokens: int = 256) -> Child:
     args = ["router", *(a for u in replicas for a in ("--replica", u)), "--policy", policy, "--port", "0"]
     args += ["--kv-chunk-tokens", str(chunk_tokens)]
-    router = Child("router", [*args, "--model", model], echo=lambda line: None)
+    router = Child("router", [*args, "--model", model], echo=lambda line: None, own_group=True, merge_stderr=True)
     router.wait_address()
     return router
 

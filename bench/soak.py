@@ -209,13 +209,13 @@ def passed(report: dict[str, Any]) -> bool:  # Any: the JSON report
 def model_dir(spec: str, workdir: Path) -> str:
     if spec == "tiny":
         from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-        from preheat.checkpoint.synthetic import make_tiny_servable_model
+        from preheat.testing.synthetic import make_tiny_servable_model
 
         root = make_tiny_servable_model(workdir / "model")
         (root / MANIFEST_NAME).write_bytes(build_manifest(str(root)).to_json())  # the identity an L2 requires
         return str(root)
     if spec == "smollm2":
-        from preheat.demo import smollm2_checkpoint
+        from preheat.cli.demo import smollm2_checkpoint
 
         return smollm2_checkpoint(say=lambda line: print(line, file=sys.stderr))
     return spec

@@ -29,9 +29,8 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from preheat.errors import PreheatError
-from preheat.procs import pdeathsig
-from preheat.router.cluster import Child
+from preheat.core.errors import PreheatError
+from preheat.core.procs import Child, pdeathsig
 from soak_clients import Fault
 
 T = TypeVar("T")
@@ -219,7 +218,7 @@ class Fleet:
             with self._lock:
                 if self._closed:
                     raise RuntimeError(f"not starting {name}: the soak is shutting down")
-                child = Child(name, args, self.echo)
+                child = Child(name, args, echo=self.echo, own_group=True, merge_stderr=True)
                 self.pids.append(child.pid)
                 self._live.add(child)
                 return child

@@ -41,8 +41,8 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-from preheat.demo import smollm2_checkpoint
-from preheat.procs import ServerProcess
+from preheat.cli.demo import smollm2_checkpoint
+from preheat.router.cluster import ServerProcess
 
 TEXT = (
     "the river valley holds old stone towns where farmers grow grapes wheat and olives while merchants trade wool "

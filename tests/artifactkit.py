@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from preheat.artifacts.blobs import ArtifactKey
+from preheat.artifacts.signing import SigningKey, TrustedKeys, generate, read_public_key
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.peer.artifacts import ArtifactKey
 from preheat.peer.registry import FileRegistry, PeerEntry
 from preheat.peer.server import PeerServer
-from preheat.peer.signing import SigningKey, TrustedKeys, generate, read_public_key
 
 KEY = ArtifactKey(
     torch="2.13.0",

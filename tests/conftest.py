@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
+from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from redisserver import RedisServer
 from smollm2 import SmolLM2, cache_root
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
+from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 # About 6.6 MB of float32 in 21 tensors of 64 KiB to 1 MiB: big enough to stripe, quick to move at a few MB/s.
 STRIPED = LlamaShape(1024, 256, 512, 2, 4, 2)

@@ -12,8 +12,8 @@ from dataclasses import fields
 from typing import Any
 
 from netfaults import LoopbackProxy
-from preheat.procs import ServerProcess
 from preheat.router.app import RouterService, RouterSettings
+from preheat.router.cluster import ServerProcess
 from serving import Client
 
 NAME = "tiny"

@@ -21,8 +21,8 @@ from preheat.checkpoint import digest, gguf, manifest, quant
 from preheat.checkpoint.manifest import digest_bytes, file_digest
 from preheat.convert import convert, inputs
 from preheat.convert import pipeline as convert_module
-from preheat.errors import ConfigError
-from preheat.models import find_smollm2_gguf
+from preheat.core.errors import ConfigError
+from preheat.sources.embedded import find_smollm2_gguf
 from preheat.store import locks
 
 PROMPTS = Path(__file__).parent / "data" / "prompts.txt"

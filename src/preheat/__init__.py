@@ -7,7 +7,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from preheat.errors import (
+from preheat.core.errors import (
     ArtifactTrustError,
     CacheError,
     CheckpointError,
@@ -29,7 +29,7 @@ from preheat.errors import (
 )
 
 if TYPE_CHECKING:
-    from preheat.loader import LoadReport, LoadResult, load
+    from preheat.loader.load import LoadReport, LoadResult, load
 
 __version__ = "0.1.0"
 __all__ = [
@@ -62,7 +62,7 @@ def __getattr__(name: str) -> Any:  # Any: whichever loader object was asked for
     # The loader imports torch (~1.5 s); `preheat serve` must bind its socket before paying that, so the loader's
     # names are imported on first use instead of with the package.
     if name in ("LoadReport", "LoadResult", "load"):
-        from preheat import loader
+        from preheat.loader import load as loader
 
         return getattr(loader, name)
     raise AttributeError(f"module 'preheat' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """``python -m preheat``: the same as the ``preheat`` command (used by the demo and the tests to start servers)."""
 
-from preheat.cli import main
+from preheat.cli.main import main
 
 raise SystemExit(main())

@@ -82,7 +82,7 @@ def test_a_page_of_another_size_is_a_miss(tmp_path: Path, backends: list[Any]) -
 
 
 def test_the_zero_copy_interface_is_refused_not_half_implemented(tmp_path: Path) -> None:
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="v1"):
         backend(f"fs://{tmp_path}", interface_v1=1)

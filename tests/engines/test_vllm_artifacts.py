@@ -27,7 +27,7 @@ import pytest
 from engines.enginekit import needs_vllm_cpu
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.cli import main
+from preheat.cli.main import main
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(1800)]
 
@@ -56,7 +56,7 @@ def make_model(root: Path) -> Path:
     """A tiny random Llama vLLM's CPU attention accepts (head_dim 64), with a tokenizer and a preheat.json."""
     import torch
 
-    from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
+    from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 
     make_tiny_servable_model(root)
     config = json.loads((root / "config.json").read_text())

@@ -25,10 +25,10 @@ from engines.enginekit import needs_vllm_cpu
 from engines.vllmserver import cpu_env, free_port, serve_command
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
+from preheat.core.procs import end, pdeathsig
 from preheat.http.client import HTTPClientError, Timeouts, get
-from preheat.procs import end, pdeathsig
-from preheat.sources.fileserver import FileServer
+from preheat.testing.fileserver import FileServer
+from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from smollm2 import SmolLM2
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(900)]
@@ -259,7 +259,7 @@ def rank_page_bound(path: Path, rank: int, world_size: int) -> int:
     layers cut the same rows and columns), plus the header: the most a rank-local load may read from disk."""
     from preheat.checkpoint.layout import read_header
     from preheat.io.buffers import PAGE
-    from preheat.loader import plan_file
+    from preheat.loader.load import plan_file
 
     file = read_header(str(path))
     plan = plan_file(file, "auto", rank, world_size, align_base=1)

@@ -280,7 +280,7 @@ def test_a_full_disk_fails_cascades_not_vllm(tmp_path: Path, engines: list[Engin
 
 
 def test_a_bad_tier_config_fails_at_start_up(tmp_path: Path) -> None:
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown key"):
         engine(f"fs://{tmp_path}", root_dir="/tmp")

@@ -9,7 +9,7 @@ import importlib.metadata
 import pytest
 
 from engines.enginekit import needs_any_vllm
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 pytestmark = needs_any_vllm
 

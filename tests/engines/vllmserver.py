@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from preheat.core.procs import pdeathsig
 from preheat.http.client import HTTPClientError, Timeouts, get
-from preheat.procs import pdeathsig
 
 VENV_BIN = Path(sys.executable).parent
 

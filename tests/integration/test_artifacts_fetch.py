@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from artifactkit import KEY
-from preheat.peer.artifact_store import fetch
+from preheat.artifacts.store import fetch
 from preheat.peer.server import ARTIFACTS_ROUTE
 
 TOKEN = "peer-s3cret"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from artifactkit import KEY, TOKEN, KeyPair, make_inductor_dir, make_keypair, member, peer_serving_file, tar_of
+from preheat.artifacts import blobs as artifacts
+from preheat.artifacts.signing import TrustedKeys, fingerprint, read_public_key
+from preheat.artifacts.store import ArtifactStore, fetch
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.errors import ArtifactTrustError
-from preheat.peer import artifacts
-from preheat.peer.artifact_store import ArtifactStore, fetch
+from preheat.core.errors import ArtifactTrustError
 from preheat.peer.server import PeerServer
-from preheat.peer.signing import TrustedKeys, fingerprint, read_public_key
 from preheat.server.peering import find_artifacts
 
 

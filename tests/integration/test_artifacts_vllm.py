@@ -16,12 +16,12 @@ import pytest
 
 from artifactkit import TOKEN, KeyPair, make_keypair, member, peer_serving_file, tar_of
 from peers import SeedPeer, write_peer_checkpoint
+from preheat.artifacts import blobs as artifacts
+from preheat.artifacts import vllm as va
+from preheat.artifacts.store import ArtifactStore
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.cli import main
-from preheat.errors import ConfigError, PeerError
-from preheat.integrations.vllm import artifacts as va
-from preheat.peer import artifacts
-from preheat.peer.artifact_store import ArtifactStore
+from preheat.cli.main import main
+from preheat.core.errors import ConfigError, PeerError
 
 ENGINE = va.Engine(build="vllm", vllm="0.33.0", torch="2.13.0", triton=None, python="3.11")
 AOT = "torch_compile_cache/torch_aot_compile/" + "f3" * 32

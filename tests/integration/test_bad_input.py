@@ -21,11 +21,11 @@ import preheat
 from conftest import WrittenCheckpoint, write, write_raw
 from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.writer import save_file
-from preheat.errors import CheckpointError, SourceError
+from preheat.core.errors import CheckpointError, SourceError
 from preheat.io.buffers import PAGE, host_buffer
 from preheat.io.pipeline import StagedReader
 from preheat.io.reads import FileJob, ParallelReader, plan_ops
-from preheat.loader import plan_file
+from preheat.loader.load import plan_file
 from preheat.sources.base import READ_BYTES_LIMIT
 from preheat.sources.local import LocalOrigin
 
@@ -293,9 +293,9 @@ _MMAP_CHILD = textwrap.dedent(
     import preheat
     import torch
 
-    from preheat.config import LoaderSettings
-    from preheat.errors import CheckpointError
-    from preheat.loader import LoadRequest, execute_load, plan_load
+    from preheat.core.config import LoaderSettings
+    from preheat.core.errors import CheckpointError
+    from preheat.loader.load import LoadRequest, execute_load, plan_load
 
     root, path = sys.argv[1], sys.argv[2]
     size = os.path.getsize(path)

@@ -17,11 +17,11 @@ import torch
 
 import preheat
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
-from preheat.errors import CacheError, CheckpointError, PreheatError
-from preheat.sources.fileserver import Faults, FileServer
+from preheat.core.errors import CacheError, CheckpointError, PreheatError
 from preheat.store import ModelCache
 from preheat.store.pull import pull, uri_key
+from preheat.testing.fileserver import Faults, FileServer
+from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 MEDIUM = LlamaShape(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4)  # ~5 MB in bf16
 
@@ -159,7 +159,7 @@ def test_rm_refuses_an_entry_in_use_and_removes_it_once_free(origin_dir: Path, c
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli", *args],
+        [sys.executable, "-m", "preheat.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -234,7 +234,7 @@ def spawn_pull(url: str, cache_root: Path, *, threads: int, chunk: str, quiet: b
         [
             sys.executable,
             "-m",
-            "preheat.cli",
+            "preheat.cli.main",
             "pull",
             url,
             "--cache-dir",

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def preheat(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "preheat.cli.main", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 
@@ -32,7 +32,7 @@ def test_load_prints_a_stage_table(sharded_checkpoint: WrittenCheckpoint) -> Non
 def test_load_names_its_source_whole_on_a_narrow_terminal(sharded_checkpoint: WrittenCheckpoint) -> None:
     # A table title wraps at the table's width: the source path came out cut mid-word over three lines.
     result = subprocess.run(
-        [sys.executable, "-m", "preheat.cli", "load", str(sharded_checkpoint.root), "--mode", "read"],
+        [sys.executable, "-m", "preheat.cli.main", "load", str(sharded_checkpoint.root), "--mode", "read"],
         capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "COLUMNS": "80"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -123,7 +123,7 @@ def test_each_command_module_adds_exactly_the_commands_the_table_says() -> None:
     import argparse
     import importlib
 
-    from preheat.cli import COMMAND_MODULES, _build_parser
+    from preheat.cli.main import COMMAND_MODULES, _build_parser
 
     everything = _build_parser()
     listed = next(a for a in everything._actions if isinstance(a, argparse._SubParsersAction))
@@ -131,18 +131,18 @@ def test_each_command_module_adds_exactly_the_commands_the_table_says() -> None:
     assert list(listed.choices) == [*core, *(name for names in COMMAND_MODULES.values() for name in names)]
     for module, names in COMMAND_MODULES.items():
         commands = argparse.ArgumentParser().add_subparsers()
-        importlib.import_module(f"preheat.{module}").register(commands)
+        importlib.import_module(f"preheat.cli.{module}").register(commands)
         assert tuple(commands.choices) == names, module
 
 
 def test_a_command_line_builds_only_its_own_commands_and_still_parses_global_flags() -> None:
-    from preheat.cli import _build_parser, _command_module
+    from preheat.cli.main import _build_parser, _command_module
 
-    assert _command_module(["-v", "serve", "./model", "--port", "0"]) == "cli_serve"
-    assert _command_module(["cache", "ls"]) == "cli_store"
+    assert _command_module(["-v", "serve", "./model", "--port", "0"]) == "serve"
+    assert _command_module(["cache", "ls"]) == "store"
     assert _command_module(["verify", "./model"]) is None  # a core command: the whole parser
     assert _command_module(["--version"]) is None
-    args = _build_parser("cli_serve").parse_args(["-v", "serve", "./model", "--port", "0"])
+    args = _build_parser("serve").parse_args(["-v", "serve", "./model", "--port", "0"])
     assert (args.command, args.verbose, args.port) == ("serve", True, 0)
 
 
@@ -170,7 +170,7 @@ NOT_OPTIONS = ("--url", "--uri", "--trace", "--path", "--source", "--src", "--ds
 
 
 def _commands() -> list[tuple[str, argparse.ArgumentParser]]:
-    from preheat.cli import _build_parser
+    from preheat.cli.main import _build_parser
 
     def walk(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, argparse.ArgumentParser]]:
         found = [(path, parser)]
@@ -222,7 +222,7 @@ def test_one_thing_has_one_flag_name_everywhere() -> None:
 
 
 def test_the_old_spellings_still_work_and_say_the_new_name() -> None:
-    from preheat.cli import _build_parser
+    from preheat.cli.main import _build_parser
 
     parser = _build_parser()
     args = parser.parse_args(["router", "--replica", "http://a:1", "--chunk-tokens", "16"])
@@ -269,7 +269,7 @@ def test_a_misspelt_flag_gets_the_subcommands_usage_and_the_flag_it_meant() -> N
 
 
 def test_a_hidden_old_spelling_is_never_suggested() -> None:
-    from preheat.cli_common import unknown_arguments
+    from preheat.cli.common import unknown_arguments
 
     router = dict(_commands())["router"]
     assert unknown_arguments(router, ["--chunk-tokns=8"]).endswith("(did you mean --kv-chunk-tokens?)")
@@ -294,8 +294,8 @@ def test_every_flag_docs_cli_shows_is_a_flag_of_the_command_today() -> None:
 
 
 def test_up_gives_the_replicas_and_the_router_one_chunk_size_and_passes_every_router_flag() -> None:
-    from preheat.cli import _build_parser
-    from preheat.cli_router import _up_arguments
+    from preheat.cli.main import _build_parser
+    from preheat.cli.router import _up_arguments
 
     args = _build_parser().parse_args(
         ["up", "./m", "--kv-chunk-tokens", "64", "--max-model-len", "512", "--newest-version", "--no-wake"]

@@ -16,17 +16,17 @@ import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors, write
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape
 from preheat.checkpoint.verify import verify_checkpoint
 from preheat.checkpoint.writer import save_file
 from preheat.convert import convert
 from preheat.convert import pipeline as convert_module
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
+from preheat.testing.synthetic import LlamaShape
 
 
 def preheat_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "preheat.cli.main", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 

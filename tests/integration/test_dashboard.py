@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from preheat.core.timeline import Timeline
 from preheat.dashboard.prom import parse, total
 from preheat.dashboard.refresh import Refreshing
 from preheat.dashboard.state import SCHEMA, ReplicaRow, TokenRate, document, replica_entry, waterfall
@@ -22,7 +23,6 @@ from preheat.dashboard.watch import ReplicaDashboard
 from preheat.dashboard.web import ASSETS, asset
 from preheat.http.metrics import Counter, Gauge, render
 from preheat.router.app import RouterService
-from preheat.timeline import Timeline
 from routing import running_router, wait_until
 from serving import Client, Reply
 

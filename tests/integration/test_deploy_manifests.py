@@ -25,8 +25,8 @@ from deployrender import (
     pod_spec,
     workloads,
 )
-from preheat.cli import _build_parser
-from preheat.router.k8s_slices import parse_k8s_url
+from preheat.cli.main import _build_parser
+from preheat.k8s.slices import parse_k8s_url
 
 pytestmark = needs_kubectl
 KUBERNETES_VERSIONS = ["1.30", "1.31", "1.32", "1.33"]

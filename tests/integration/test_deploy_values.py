@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from deployrender import DEPLOY, ROOT, Doc, find, kustomize, needs_kubectl, pod_spec
-from preheat.cli import main
-from preheat.deploy.values import PROFILES
+from preheat.cli.main import main
+from preheat.k8s.values import PROFILES
 
 FLEET = {"model": {"uri": "s3://models/smollm2"}}
 TRACES = ROOT / "examples" / "traces"
@@ -110,7 +110,7 @@ def test_compile_turns_on_torch_compile_and_mounts_the_trusted_keys(tmp_path: Pa
     mount = next(m for m in serve["volumeMounts"] if m["name"] == "trust-keys")
     assert (mount["mountPath"], mount["readOnly"]) == ("/etc/preheat/trust", True)
     # What the replica's own settings make of that environment, with real keys where the Secret would be mounted.
-    from preheat.peer.signing import generate
+    from preheat.artifacts.signing import generate
 
     trust = tmp_path / "trust"
     trust.mkdir()

@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from preheat.cli import main
+from preheat.cli.main import main
 from preheat.doctor import DoctorOptions, Finding, Report, run_doctor
 from preheat.doctor.findings import rank
 from preheat.doctor.node import bracketed, classify_fs

@@ -13,14 +13,14 @@ import pytest
 
 from peers import write_peer_checkpoint
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.cli import main
+from preheat.cli.main import main
 from preheat.doctor import DoctorOptions, Finding, Report, run_doctor
 from preheat.doctor.coldstart import analyze_timeline
 from preheat.doctor.kvtiers import analyze_kv, parse_metrics
 from preheat.peer.registry import FileRegistry, PeerEntry, RedisRegistry
 from preheat.peer.server import PeerServer
-from preheat.procs import ServerProcess
-from preheat.sources.fileserver import FileServer
+from preheat.router.cluster import ServerProcess
+from preheat.testing.fileserver import FileServer
 from redisserver import RedisServer
 from serving import Client
 

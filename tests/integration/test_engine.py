@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from preheat.checkpoint.writer import save_file
+from preheat.core.errors import KVError
 from preheat.engine import Engine, PagedKVCache, SamplingParams, Sequence
 from preheat.engine.model import LlamaModel
-from preheat.errors import KVError
 from preheat.kv.spec import KVLayout
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

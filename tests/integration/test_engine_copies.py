@@ -15,11 +15,11 @@ import torch
 
 from preheat.checkpoint.writer import save_file
 from preheat.convert import convert
+from preheat.core.timeline import Timeline
 from preheat.engine import Engine
 from preheat.engine.copies import COPY_FILE, copy_key
 from preheat.engine.sampling import SamplingParams
 from preheat.store.cache import ModelCache
-from preheat.timeline import Timeline
 
 PROMPT = [1, 5, 9, 13, 2, 7]
 

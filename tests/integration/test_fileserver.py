@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.http.ranges import UnsatisfiableRangeError, parse_range
-from preheat.sources.fileserver import Faults, FileServer, ForbiddenPathError, resolve_path
+from preheat.testing.fileserver import Faults, FileServer, ForbiddenPathError, resolve_path
 
 DATA = bytes(range(256)) * 40  # 10240 bytes, every offset recognisable
 SECRET = b"outside-the-root: must never be served"
@@ -248,7 +248,7 @@ def test_faults_are_off_by_default() -> None:
 
 
 def test_command_line_serves_a_directory(tree: Path) -> None:
-    command = [sys.executable, "-m", "preheat.sources.fileserver", str(tree), "--port", "0", "--throttle", "50MB"]
+    command = [sys.executable, "-m", "preheat.testing.fileserver", str(tree), "--port", "0", "--throttle", "50MB"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
         try:
             assert process.stdout is not None

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostile import FUZZ, huge_ints, json_values, tricky_text
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 from preheat.text.request import (
     CHAT_ROLES,
     MAX_STOP_CHARS,

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostile import FUZZ, ScriptedServer
-from preheat.errors import SourceError
+from preheat.core.errors import SourceError
 from preheat.http.ranges import (
     MAX_DIGITS,
     UnsatisfiableRangeError,
@@ -20,9 +20,9 @@ from preheat.http.ranges import (
     parse_length,
     parse_range,
 )
-from preheat.sources.fileserver import FileServer
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.net import NetSettings
+from preheat.testing.fileserver import FileServer
 
 SIZE = 1000
 digits = st.integers(0, 6000).map(lambda n: "9" * n) | st.integers(0, 10**25).map(str) | st.just("")

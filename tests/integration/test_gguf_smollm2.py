@@ -10,13 +10,13 @@ import pytest
 
 import preheat
 from conftest import WrittenCheckpoint
-from preheat import models
 from preheat.checkpoint.gguf import is_gguf
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import build_manifest
 from preheat.checkpoint.verify import verify_checkpoint
 from preheat.convert import convert
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
+from preheat.sources import embedded as models
 from smollm2 import Predictor, SmolLM2, gguf_path, prompts
 
 pytestmark = pytest.mark.slow

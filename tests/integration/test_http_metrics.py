@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from preheat.core.timeline import Stage
 from preheat.http.metrics import Counter, Family, Gauge, Histogram, render
 from preheat.server.metrics import ServerMetrics
-from preheat.timeline import Stage
 
 
 def test_histogram_buckets_are_cumulative() -> None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.integrations import lmcache, sglang, vllm_offload
 from preheat.integrations.store_settings import StoreSettings
 

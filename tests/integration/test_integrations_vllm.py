@@ -16,16 +16,16 @@ import torch
 from conftest import WIDE, WrittenCheckpoint, assert_same_tensors, write
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import LlamaShape
 from preheat.convert import convert
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
+from preheat.core.timeline import Timeline
 from preheat.integrations.vllm import ALLOWED, register
 from preheat.integrations.vllm.options import LoadOptions, check_vllm_version, parse_options
 from preheat.integrations.vllm.session import load_for_engine, timeline_path
 from preheat.integrations.vllm.sharded import RankShard
-from preheat.sources.fileserver import FileServer
-from preheat.timeline import Timeline
-from preheat.timeline_report import Waterfall
+from preheat.testing.fileserver import FileServer
+from preheat.testing.synthetic import LlamaShape
+from preheat.timeline.report import Waterfall
 
 
 class Engine:

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from k8sapi import TOKEN, FakeAPIServer, fixture
-from preheat.procs import ServerProcess
-from preheat.router.k8s_discovery import EndpointSliceWatcher
-from preheat.router.k8s_slices import parse_k8s_url
+from preheat.k8s.discovery import EndpointSliceWatcher
+from preheat.k8s.slices import parse_k8s_url
+from preheat.router.cluster import ServerProcess
 from routing import NAME, replica_of, router_metric, running_router, wait_until
 from serving import Client
 

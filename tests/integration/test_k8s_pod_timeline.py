@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from k8sapi import FakeAPIServer, fixture
+from preheat.core.timeline import Timeline
 from preheat.k8s.pod import parse_time
 from preheat.k8s.pod_timeline import apply_pod_start, read_pod_start
-from preheat.procs import ServerProcess
-from preheat.timeline import Timeline
+from preheat.router.cluster import ServerProcess
 from routing import wait_until
 from serving import Client
 

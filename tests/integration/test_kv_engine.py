@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.checkpoint.synthetic import make_tiny_servable_model
 from preheat.engine import Engine
 from preheat.engine.sampling import SamplingParams
 from preheat.kv.build import build_tiers
@@ -19,6 +18,7 @@ from preheat.kv.fs import FileTier
 from preheat.kv.keys import chunk_keys
 from preheat.kv.settings import KVSettings
 from preheat.kv.tiered import TieredKV
+from preheat.testing.synthetic import make_tiny_servable_model
 from smollm2 import SmolLM2
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.integrations.store_settings import StoreSettings
 from preheat.kv import chunkfile, fanout
 from preheat.kv.fileio import preallocate

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from preheat.errors import KVError
+from preheat.core.errors import KVError
 from preheat.kv.keys import cacheable_chunks, chunk_keys, fingerprint
 
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16, "dtype": "F32"}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvchunks import Clock, chunk, expect, key, same
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv.fileio import make_root
 from preheat.kv.fs import FileTier
 from preheat.kv.redis_tier import RedisTier

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvchunks import FP, chunk, expect, key, same
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile, mac
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.fs import FileTier

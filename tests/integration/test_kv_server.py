@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 from redisserver import RedisServer
 from serving import Client
 

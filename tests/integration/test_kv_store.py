@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvchunks import Clock, tiny_tmpfs
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile
 from preheat.kv.blob_reads import PIECEWISE_BYTES
 from preheat.kv.redis_tier import RedisTier

@@ -17,7 +17,7 @@ from preheat.kv.memory import MemoryTier
 from preheat.kv.store import Namespace, open_store, storage_name
 from preheat.kv.tiered import TieredKV
 from preheat.kv.warm import warm_into, warm_tiers
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 from serving import Client
 from test_kv_server import complete, long_prompt
 

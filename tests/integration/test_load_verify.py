@@ -23,12 +23,12 @@ from conftest import WrittenCheckpoint, assert_same_tensors
 from preheat.checkpoint.digest import ExpectedDigest, TensorDigests, digest_bytes
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorRecord, build_manifest
 from preheat.convert import convert
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer
 from preheat.io.pipeline import StagedReader
 from preheat.io.reads import Extent, FileJob, ParallelReader, plan_ops
-from preheat.sources.fileserver import FileServer
 from preheat.store import ModelCache
+from preheat.testing.fileserver import FileServer
 from s3moto import BUCKET, moto_s3
 
 KiB = 1024
@@ -292,7 +292,7 @@ def test_pieces_may_land_in_any_order(data: st.DataObject, size: int, flip: bool
 
 def preheat_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "preheat.cli.main", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 

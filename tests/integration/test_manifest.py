@@ -33,13 +33,13 @@ from preheat.checkpoint.manifest import (
     hash_file,
     rank_dir,
 )
-from preheat.errors import CheckpointError, ConfigError, SourceError
+from preheat.core.errors import CheckpointError, ConfigError, SourceError
 from preheat.sources.base import READ_BYTES_LIMIT
-from preheat.sources.fileserver import Faults, FileServer
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.local import LocalOrigin
 from preheat.sources.net import NetSettings
 from preheat.sources.s3 import S3Origin
+from preheat.testing.fileserver import Faults, FileServer
 from s3moto import BUCKET, moto_s3
 
 
@@ -190,7 +190,7 @@ def test_manifest_listing_a_missing_file_is_a_clear_error(tmp_path: Path) -> Non
 def test_a_replaced_weights_file_is_caught_before_any_data_is_read(tmp_path: Path) -> None:
     root = write(tmp_path / "model").root
     written(root)
-    from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
+    from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
 
     write_llama_checkpoint(tmp_path / "other", LlamaShape(vocab_size=300))
     shutil.copy(tmp_path / "other" / "model.safetensors", root / "model.safetensors")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from artifactkit import KEY, TOKEN, KeyPair, make_inductor_dir, make_keypair, member, tar_of
+from preheat.artifacts import blobs as artifacts
+from preheat.artifacts.store import ArtifactStore, fetch
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.errors import PeerError
-from preheat.peer import artifacts
-from preheat.peer.artifact_store import ArtifactStore, fetch
+from preheat.core.errors import PeerError
 from preheat.peer.server import PeerServer
 
 

@@ -23,12 +23,12 @@ import pytest
 from peers import SeedPeer, copy_checkpoint, write_peer_checkpoint
 from preheat.checkpoint.digest import file_digest
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.errors import CacheError, SourceError, SourceNotFoundError
+from preheat.core.errors import CacheError, SourceError, SourceNotFoundError
 from preheat.peer.pull import PeerOptions, pull_from_peers
 from preheat.peer.registry import FileRegistry, PeerEntry
-from preheat.sources.fileserver import FileServer
 from preheat.store.cache import ModelCache
 from preheat.store.pull import PullResult, pull
+from preheat.testing.fileserver import FileServer
 from test_cache import mounted_tmpfs
 
 PIECE = 256 * 1024

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from peers import write_peer_checkpoint
-from preheat.errors import ConfigError, RegistryError
+from preheat.core.errors import ConfigError, RegistryError
 from preheat.peer.registry import FileRegistry, Heartbeat, PeerEntry, RedisRegistry, Registry, open_registry
 from redisserver import RedisServer, free_port
 

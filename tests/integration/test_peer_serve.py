@@ -13,7 +13,7 @@ import pytest
 
 from preheat.checkpoint.manifest import MANIFEST_NAME
 from preheat.peer.registry import FileRegistry
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 
 
 def wait_for_line(process: ServerProcess, text: str, timeout: float = 30.0) -> str:

@@ -21,14 +21,14 @@ import pytest
 
 from peers import SeedPeer, copy_checkpoint, write_peer_checkpoint
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.errors import ConfigError, PreheatError, SourceNotFoundError
+from preheat.core.errors import ConfigError, PreheatError, SourceNotFoundError
 from preheat.peer.access import is_loopback
 from preheat.peer.pull import PeerOptions, pull_from_peers
 from preheat.peer.registry import FileRegistry, PeerEntry
 from preheat.peer.server import PeerServer
 from preheat.server.settings import ServeSettings
-from preheat.sources.fileserver import FileServer
 from preheat.store.cache import ModelCache
+from preheat.testing.fileserver import FileServer
 from test_peer_trust_redirects import RecordingServer
 
 PIECE = 256 * 1024

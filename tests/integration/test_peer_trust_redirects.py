@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.errors import SourceError
+from preheat.core.errors import SourceError
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.httpclient import HTTPClient, origin_of
 from preheat.sources.net import NetSettings

@@ -19,7 +19,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preheat.errors import RegistryError
+from preheat.core.errors import RegistryError
 from preheat.peer.registry import MAX_ENTRY_BYTES, FileRegistry, PeerEntry, RedisRegistry, valid_address
 from redisserver import RedisServer
 

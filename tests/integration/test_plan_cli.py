@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.cli import main
+from preheat.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
 TIMELINE = str(EXAMPLES / "coldstart-8b.json")

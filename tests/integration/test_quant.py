@@ -17,11 +17,11 @@ from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, QuantInfo, build_manifest
 from preheat.checkpoint.quant import GROUP, dequantize, is_quantizable, quantize, quantize_with
 from preheat.checkpoint.safetensors import TensorEntry
-from preheat.checkpoint.synthetic import LlamaShape
 from preheat.checkpoint.tp import rank_slice
 from preheat.checkpoint.writer import save_file
 from preheat.convert import convert
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
+from preheat.testing.synthetic import LlamaShape
 from smollm2 import Predictor, SmolLM2, agreement
 
 LINEAR = "model.layers.0.mlp.down_proj.weight"

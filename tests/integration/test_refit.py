@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from preheat.core.errors import RefitError
 from preheat.engine import Engine, SamplingParams
-from preheat.errors import RefitError
 from preheat.kv.build import build_tiers
 from preheat.kv.settings import KVSettings
 from preheat.peer.registry import FileRegistry, PeerEntry
@@ -491,7 +491,7 @@ def test_publishing_an_older_version_is_refused(registry: str) -> None:
 
 
 def test_a_publisher_or_follower_refused_at_construction_leaves_no_server_behind(kv_model: Path, registry: str) -> None:
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
 
     def servers() -> int:
         return sum(t.name == RefitServer.thread_name for t in threading.enumerate())
@@ -567,7 +567,7 @@ def test_on_cuda_both_swaps_give_the_fresh_replicas_logits(trainer: Trainer, kv_
 
 
 def test_serve_settings_for_following(kv_model: Path, registry: str) -> None:
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
     from preheat.server.settings import ServeSettings
 
     with pytest.raises(ConfigError, match="--registry"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from preheat.engine import Engine, SamplingParams
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 from refit_trainer import NAME, Trainer
 from serving import Client
 

@@ -15,9 +15,9 @@ import pytest
 
 from preheat.engine import Engine, SamplingParams
 from preheat.peer.registry import FileRegistry, PeerEntry
-from preheat.procs import ServerProcess
 from preheat.refit.protocol import TensorEntry, VersionManifest, head_identity, head_name
 from preheat.refit.server import RefitServer
+from preheat.router.cluster import ServerProcess
 from refit_trainer import NAME, Trainer
 from routing import running_router, wait_until
 from serving import Client

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from enginewire import WirePublisher, load_frames, payloads
 from hostile import FUZZ
-from preheat.errors import RouterError
+from preheat.core.errors import RouterError
 from preheat.http.metrics import Counter
 from preheat.kv.keys import chunk_keys
-from preheat.procs import ServerProcess
 from preheat.router.app import RouterService, RouterSettings
+from preheat.router.cluster import ServerProcess
 from preheat.router.engine_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -384,7 +384,7 @@ def test_replica_specs_pair_events_with_their_replica() -> None:
 def test_kv_events_flag_applies_to_the_replica_before_it() -> None:
     import argparse
 
-    from preheat import cli_router
+    from preheat.cli import router as cli_router
 
     def parse(*argv: str) -> argparse.Namespace:
         parser = argparse.ArgumentParser()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from netfaults import FaultProxy
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 from preheat.router.policies import make_policy
 from preheat.router.prompts import PromptReader
 from preheat.router.proxy import Router

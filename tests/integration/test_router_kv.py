@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from preheat.kv.keys import cacheable_chunks
-from preheat.procs import ServerProcess
 from preheat.router.app import RouterService
+from preheat.router.cluster import ServerProcess
 from routing import NAME, replica_of, running_router, start_replicas, wait_until
 from serving import Client, Reply
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.errors import ConfigError, RouterError
+from preheat.core.errors import ConfigError, RouterError
 from preheat.kv.keys import chunk_keys
 from preheat.router.app import RouterSettings
 from preheat.router.index import KVIndex, PrefixIndex, parse_update

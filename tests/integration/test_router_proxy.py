@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 from routing import NAME, replica_of, router_metric, running_router, start_replicas
 from serving import Client
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from preheat.procs import ServerProcess
 from preheat.router.activation import wake_cost
 from preheat.router.capacity import SLEEPING, STANDBY, Cold, rank_cold, refused_code, saturated
-from preheat.sources.fileserver import FileServer
+from preheat.router.cluster import ServerProcess
+from preheat.testing.fileserver import FileServer
 from routing import NAME, SlowProxy, replica_of, router_metric, running_router, start_replicas, wait_until
 from serving import Client, Reply
 
@@ -229,7 +229,7 @@ def test_with_no_wake_a_sleeping_replica_stays_asleep_and_its_refusal_reaches_th
 
 
 def test_standby_replicas_need_a_model_to_load_and_come_from_flags_or_the_environment() -> None:
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
     from preheat.router.app import RouterSettings
 
     with pytest.raises(ConfigError, match="--standby-model"):

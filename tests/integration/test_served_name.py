@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from preheat.checkpoint.synthetic import make_tiny_servable_model
-from preheat.errors import ConfigError
-from preheat.procs import ServerProcess
+from preheat.core.errors import ConfigError
+from preheat.router.cluster import ServerProcess
 from preheat.server.settings import ServeSettings
 from preheat.store.cache import META_NAME, EntryMeta, ModelCache, resolve_model, source_name
+from preheat.testing.synthetic import make_tiny_servable_model
 from serving import Client
 
 KEY = "xxh3-128-0123456789abcdef0123456789abcdef"

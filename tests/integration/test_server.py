@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from preheat.checkpoint.synthetic import make_tiny_servable_model
-from preheat.errors import ConfigError
-from preheat.procs import ServerProcess
+from preheat.core.errors import ConfigError
+from preheat.router.cluster import ServerProcess
 from preheat.server.settings import ServeSettings
-from preheat.sources.fileserver import FileServer
+from preheat.testing.fileserver import FileServer
+from preheat.testing.synthetic import make_tiny_servable_model
 from serving import Client, Gate
 from smollm2 import SmolLM2
 
@@ -345,7 +345,7 @@ def test_what_runs_while_torch_imports_needs_no_torch(tiny_model: str) -> None:
         "import sys, preheat.server.app, preheat.server.lifecycle\n"
         "from preheat.server.prepare import prepare\n"
         "from preheat.text.process import TokenizerProcess\n"
-        "from preheat.timeline import Timeline\n"
+        "from preheat.core.timeline import Timeline\n"
         f"prepared = prepare({tiny_model!r}, Timeline(), TokenizerProcess.start(), premap=True)\n"
         "prepared.tokenizer.result()\n"
         "print('torch' in sys.modules, 'tokenizers' in sys.modules, len(prepared.mapped))\n"
@@ -378,7 +378,7 @@ def test_a_pull_through_the_node_cache_needs_no_torch(tiny_model: str, tmp_path:
     # A URI's fetch runs while torch imports; importing torch there would wait for that import to finish.
     code = (
         "import sys, preheat.server.loading, preheat.server.peering\n"
-        "from preheat.sources.fileserver import FileServer\n"
+        "from preheat.testing.fileserver import FileServer\n"
         "from preheat.store.cache import ModelCache\n"
         "from preheat.store.pull import pull\n"
         f"with FileServer({tiny_model!r}) as origin:\n"

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from preheat.checkpoint.layout import read_header
+from preheat.core.errors import CacheError
 from preheat.engine.backend import cpu_has_native_bf16
 from preheat.engine.copies import copy_key
-from preheat.errors import CacheError
-from preheat.procs import ServerProcess
+from preheat.router.cluster import ServerProcess
 from preheat.server.sse import parse_events
-from preheat.sources.fileserver import FileServer
 from preheat.store.cache import ModelCache
+from preheat.testing.fileserver import FileServer
 from serving import Client, Stream
 from smollm2 import SmolLM2
 

@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
+from preheat.core.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
 from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources import open_origin
-from preheat.sources.fileserver import Faults, FileServer
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.net import NetSettings
 from preheat.sources.stats import TOTALS, TransferCounts
+from preheat.testing.fileserver import Faults, FileServer
 
 MiB = 1 << 20
 

@@ -13,7 +13,7 @@ import pytest
 import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors
 from netfaults import FaultProxy
-from preheat.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
+from preheat.core.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
 from preheat.sources import open_origin
 from preheat.sources.s3 import S3Origin, parse_s3_uri
 from preheat.sources.stats import TOTALS

@@ -17,13 +17,13 @@ import pytest
 
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME
-from preheat.errors import ConfigError
-from preheat.procs import ServerProcess
+from preheat.core.errors import ConfigError
+from preheat.router.cluster import ServerProcess
 from preheat.server.allow import refusal
 from preheat.server.settings import ServeSettings
-from preheat.sources.fileserver import FileServer
 from preheat.store.cache import ModelCache
 from preheat.store.pull import pull
+from preheat.testing.fileserver import FileServer
 from serving import Client, Gate
 
 NAME = "tiny"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from preheat.store import ModelCache, durable
+from preheat.core import durable
+from preheat.store import ModelCache
 from preheat.store.pull import JOURNAL, pull
 from test_cache import cli, make_origin
 from test_store_resume import CHUNK, PullInterruptedError, interrupt_at

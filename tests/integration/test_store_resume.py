@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from preheat.checkpoint.synthetic import write_llama_checkpoint
-from preheat.errors import SourceChangedError
-from preheat.sources.fileserver import FileServer
+from preheat.core.errors import SourceChangedError
 from preheat.sources.http import HTTPOrigin
 from preheat.store import ModelCache, journal
 from preheat.store.pull import pull
+from preheat.testing.fileserver import FileServer
+from preheat.testing.synthetic import write_llama_checkpoint
 from test_cache import MEDIUM, kill_pull_after, make_origin
 
 CHUNK = 128 * 1024

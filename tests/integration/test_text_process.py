@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from preheat.checkpoint.synthetic import make_tiny_servable_model
+from preheat.testing.synthetic import make_tiny_servable_model
 
 SCRIPT = r"""
 import json, os, signal, sys, time
 from preheat.text.process import ProcessTokenizer, TokenizerProcess
 from preheat.text.tokenizer import TextTokenizer
-from preheat.timeline import Timeline
+from preheat.core.timeline import Timeline
 
 case, root = sys.argv[1], sys.argv[2]
 process = TokenizerProcess.start()

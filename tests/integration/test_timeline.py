@@ -1,5 +1,5 @@
-"""The cold-start timeline: recording (``preheat.timeline``), and reading it back with ``preheat timeline`` (waterfall
-table, idle accelerator cost, HTML/PNG plots), from a saved file or from a server."""
+"""The cold-start timeline: recording (``preheat.core.timeline``), and reading it back with ``preheat timeline``
+(waterfall table, idle accelerator cost, HTML/PNG plots), from a saved file or from a server."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from preheat.cli import main
-from preheat.errors import ConfigError
+from preheat.cli.main import main
+from preheat.core.errors import ConfigError
+from preheat.core.timeline import Stage, Timeline
 from preheat.server.app import record_imports
-from preheat.timeline import Stage, Timeline
-from preheat.timeline_report import Waterfall, render_text
+from preheat.timeline.report import Waterfall, render_text
 
 # A cold start as a server records it (seconds from process start); ready at 3.6 s.
 SAMPLE = {
@@ -94,7 +94,7 @@ def test_saved_stage_records_read_back_as_the_same_stages() -> None:
 
 
 def test_preheat_t0_moves_the_origin_back_and_adds_a_platform_stage(monkeypatch: pytest.MonkeyPatch) -> None:
-    from preheat.timeline import process_start_time
+    from preheat.core.timeline import process_start_time
 
     monkeypatch.setenv("PREHEAT_T0", str(process_start_time() - 42.0))
     timeline = Timeline.from_env()

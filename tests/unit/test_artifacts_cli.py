@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from artifactkit import KEY, make_inductor_dir, make_keypair
-from preheat.cli import main
-from preheat.errors import ConfigError
-from preheat.peer import artifacts
-from preheat.peer.artifact_store import ArtifactStore
-from preheat.peer.signing import fingerprint, read_public_key
+from preheat.artifacts import blobs as artifacts
+from preheat.artifacts.signing import fingerprint, read_public_key
+from preheat.artifacts.store import ArtifactStore
+from preheat.cli.main import main
+from preheat.core.errors import ConfigError
 from preheat.server.settings import ServeSettings
 
 

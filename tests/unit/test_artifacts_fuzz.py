@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from artifactkit import KEY
-from preheat.errors import PeerError
-from preheat.peer import artifacts
-from preheat.peer.signing import SigningKey, TrustedKeys
+from preheat.artifacts import blobs as artifacts
+from preheat.artifacts.signing import SigningKey, TrustedKeys
+from preheat.core.errors import PeerError
 
 _PRIVATE = Ed25519PrivateKey.generate()
 SIGNER = SigningKey(

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from preheat.core.errors import RequestError
+from preheat.core.timeline import Timeline
 from preheat.engine import Engine, GenerationStep, SamplingParams
 from preheat.engine.sampling import StopStrings, top_p_filter
-from preheat.errors import RequestError
-from preheat.timeline import Timeline
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import preheat
-from preheat import errors
+from preheat.core import errors
 
 
 def _error_classes() -> dict[str, type[BaseException]]:
@@ -18,7 +18,7 @@ def _error_classes() -> dict[str, type[BaseException]]:
 
 def test_every_error_class_is_exported_from_preheat() -> None:
     classes = _error_classes()
-    assert classes, "preheat.errors defines no error classes"
+    assert classes, "preheat.core.errors defines no error classes"
     for name, cls in classes.items():
         assert name in preheat.__all__, f"preheat.{name} is not in __all__"
         assert getattr(preheat, name) is cls

@@ -1,4 +1,4 @@
-"""``preheat.jsonsafe``: JSON from outside is parsed exactly as ``json.loads`` would, or refused with
+"""``preheat.core.jsonsafe``: JSON from outside is parsed exactly as ``json.loads`` would, or refused with
 ``JSONInputError``: never ``RecursionError``, never a guessed encoding, never a scan slower than linear."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostile import FUZZ, TRICKY, containers, depth, json_values
-from preheat.jsonsafe import (
+from preheat.core.jsonsafe import (
     MAX_DEPTH,
     JSONInputError,
     brackets,

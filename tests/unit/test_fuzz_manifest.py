@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hostile import FUZZ, huge_ints, json_values
 from preheat.checkpoint.manifest import FileRecord, Manifest, QuantInfo, TensorRecord, TPInfo, rank_dir
 from preheat.checkpoint.safetensors import MAX_DIMS, MAX_INT
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 
 WHERE = "http://origin/ckpt/preheat.json"
 DIGEST = "xxh3-128:" + "ab" * 16

@@ -23,7 +23,7 @@ from preheat.checkpoint.safetensors import (
     header_length,
     parse_header,
 )
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 
 WHERE = "fuzz.safetensors"
 dims = st.lists(st.integers(0, 8) | huge_ints() | st.booleans() | st.floats(), max_size=4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import preheat
-from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
+from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

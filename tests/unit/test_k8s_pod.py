@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from k8sapi import fixture
+from preheat.core.timeline import Timeline
 from preheat.k8s.pod import POD_STAGES, PodStart, parse_time, pod_start
 from preheat.k8s.pod_timeline import apply_pod_start
-from preheat.timeline import Timeline
 
 CREATED = parse_time("2026-12-01T10:00:00Z")
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from k8sapi import DATA, fixture
-from preheat.errors import ConfigError
-from preheat.router.k8s_slices import ServiceRef, SliceSet, parse_k8s_url, resource_version, slice_urls
+from preheat.core.errors import ConfigError
+from preheat.k8s.slices import ServiceRef, SliceSet, parse_k8s_url, resource_version, slice_urls
 
 
 def test_ready_endpoints_of_a_recorded_slice_are_replicas_on_its_port() -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvchunks import FP, chunk, expect, key, same
-from preheat.errors import KVError
+from preheat.core.errors import KVError
 from preheat.kv import chunkfile, mac
 from preheat.kv.chunk import decode_chunk, encode_chunk
 

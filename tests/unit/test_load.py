@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import preheat
 from conftest import WrittenCheckpoint, assert_same_tensors, same_bytes, write
 from preheat.checkpoint.writer import save_file
-from preheat.errors import ConfigError, DeviceError
+from preheat.core.errors import ConfigError, DeviceError
 
 CPU_MODES = ["mmap", "read", "direct", "auto"]
 

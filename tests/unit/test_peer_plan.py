@@ -8,7 +8,7 @@ import pytest
 
 from peers import write_peer_checkpoint
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.peer.plan import parse_peer_uri, plan_pieces
 
 

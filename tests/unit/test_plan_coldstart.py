@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from preheat.errors import PlanError
+from preheat.core.errors import PlanError
+from preheat.core.timeline import Timeline
 from preheat.plan.coldstart import PHASES, ColdStart
-from preheat.timeline import Timeline
-from preheat.timeline_report import Waterfall
+from preheat.timeline.report import Waterfall
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
 

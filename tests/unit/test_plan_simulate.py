@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.plan.coldstart import ColdStart
 from preheat.plan.simulate import PRESETS, Policy, SimSettings, parse_policy, simulate
 from preheat.plan.traces import TraceArrays

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from preheat.errors import PlanError
+from preheat.core.errors import PlanError
 from preheat.plan.traces import (
     MOONCAKE_BLOCK,
     Problems,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from preheat.progress import ProgressBars
+from preheat.core.progress import ProgressBars
 
 
 class Clock:

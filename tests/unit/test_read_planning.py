@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from conftest import WrittenCheckpoint
 from preheat.checkpoint.layout import CheckpointFile, open_checkpoint
 from preheat.checkpoint.safetensors import PREFIX_BYTES, encode_header, parse_header
-from preheat.checkpoint.synthetic import LlamaShape
-from preheat.config import parse_size
-from preheat.errors import ConfigError
+from preheat.core.config import parse_size
+from preheat.core.errors import ConfigError
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer
 from preheat.io.pipeline import StagedReader
 from preheat.io.reads import DISCARD, MAX_IOV, Extent, FileJob, ParallelReader, ReadOp, plan_ops
-from preheat.loader import plan_file
+from preheat.loader.load import plan_file
+from preheat.testing.synthetic import LlamaShape
 
 Layout = tuple[list[Extent], int, int]  # extents, file size, destination size
 

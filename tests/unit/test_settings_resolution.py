@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from preheat.config import resolve_settings
-from preheat.errors import ConfigError
+from preheat.core.config import resolve_settings
+from preheat.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

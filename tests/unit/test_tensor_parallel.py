@@ -12,11 +12,11 @@ import torch
 import preheat
 from conftest import WrittenCheckpoint, page_bound, same_bytes
 from preheat.checkpoint.layout import open_checkpoint
-from preheat.checkpoint.synthetic import LlamaShape, write_llama_checkpoint
 from preheat.checkpoint.tp import TPPlan, rank_slice
 from preheat.checkpoint.writer import save_file
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 from preheat.io.buffers import PAGE
+from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 TP_MODES = ["mmap", "read", "direct", "auto"]
 WORLD_SIZES = [2, 4]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 
 DIGEST_PREFIX = "xxh3-128:"
 HASH_CHUNK = 8 * 1024 * 1024  # large enough that per-call overhead vanishes, small enough to stay in L2/L3 cache

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import torch
 
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 
 GGUF_MAGIC = b"GGUF"
 Progress = Callable[[str, int, int], None]  # (stage, done bytes, total bytes): ProgressBars.stage

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 
 
 def read_json_object(path: str, *, require_object: bool = False) -> dict[str, Any]:  # Any: JSON values

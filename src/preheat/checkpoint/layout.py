@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
 from preheat.checkpoint.safetensors import PREFIX_BYTES, SafetensorsHeader, TensorEntry, header_length, parse_header
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.io.files import read_exact
 from preheat.io.reads import read_at_least
-from preheat.jsonsafe import loads_bounded
 from preheat.sources.base import READ_BYTES_LIMIT, Origin, Source, check_name, is_uri
 from preheat.sources.local import LocalFile
 from preheat.sources.open import open_origin

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from preheat.checkpoint.digest import ExpectedDigest
 from preheat.checkpoint.layout import Checkpoint
 from preheat.checkpoint.manifest import MANIFEST_NAME, TensorRecord
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True)

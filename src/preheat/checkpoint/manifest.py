@@ -28,8 +28,8 @@ from preheat.checkpoint import dtypes
 from preheat.checkpoint.digest import DIGEST_PREFIX, digest_bytes, file_digest, hash_file
 from preheat.checkpoint.jsonfile import read_config
 from preheat.checkpoint.safetensors import MAX_DIMS, MAX_INT, SafetensorsHeader, brief
-from preheat.errors import CheckpointError, ConfigError
-from preheat.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
+from preheat.core.errors import CheckpointError, ConfigError
+from preheat.core.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
 from preheat.sources.base import READ_BYTES_LIMIT, check_name
 
 # The digest helpers are part of this module's API (callers hash with ``manifest.digest_bytes``), hence re-exported.

@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 
 def write_bytes(path: str, data: bytes) -> None:

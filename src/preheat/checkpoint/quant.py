@@ -32,7 +32,7 @@ import torch
 
 from preheat.checkpoint import torch_dtypes
 from preheat.checkpoint.manifest import QUANT_METHODS, Manifest
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 
 METHODS = tuple(QUANT_METHODS)
 GROUP = 32  # fp8 input columns per scale: the OCP Microscaling (MX) block size

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from preheat.checkpoint import dtypes
 from preheat.checkpoint.safetensors import TensorEntry
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 
 TPPlan = str | Mapping[str, int | None]
 

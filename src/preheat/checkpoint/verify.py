@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from preheat.checkpoint.digest import hash_file
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import MANIFEST_NAME, FileRecord, Manifest
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 
 
 @dataclass(frozen=True)

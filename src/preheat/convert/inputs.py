@@ -11,8 +11,8 @@ import torch
 
 from preheat.checkpoint.jsonfile import read_config
 from preheat.checkpoint.layout import read_manifest
-from preheat.errors import ConfigError
-from preheat.loader import load
+from preheat.core.errors import ConfigError
+from preheat.loader.load import load
 
 Progress = Callable[[str, int, int], None]  # (stage: "read" (GGUF: 2 stages) | "write" | "verify", done, total bytes)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -49,7 +49,7 @@ from preheat.checkpoint.safetensors import TensorEntry
 from preheat.checkpoint.tp import rank_slice, split_dim
 from preheat.checkpoint.writer import save_file
 from preheat.convert.inputs import Progress, SourceModel, read_source
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 
 DTYPES = ("keep", "bf16", "fp16", "fp8", "int8")
 DEFAULT_SHARD_BYTES = 2 * 1024**3

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from preheat.errors import PreheatError
+from preheat.core.errors import PreheatError
 
 log = logging.getLogger("preheat.dashboard")
 T = TypeVar("T")

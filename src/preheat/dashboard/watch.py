@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from preheat.core.jsonsafe import JSONInputError, loads_bounded
 from preheat.dashboard.prom import Metrics, parse, total
 from preheat.dashboard.state import ReplicaRow, TokenRate, decisions, document, replica_entry
 from preheat.http.client import HTTPClientError, Timeouts, request
-from preheat.jsonsafe import JSONInputError, loads_bounded
 
 MAX_METRICS = 4 * 1024 * 1024  # a replica's /metrics is tens of KiB
 MAX_TIMELINE = 1024 * 1024  # a timeline is a few KiB

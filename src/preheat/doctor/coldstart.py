@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from preheat.core.errors import PlanError
 from preheat.doctor.findings import Finding
-from preheat.errors import PlanError
 from preheat.plan.coldstart import critical_seconds
-from preheat.timeline_report import Row, Waterfall
+from preheat.timeline.report import Row, Waterfall
 
 GROUP_OF = {
     "platform": "image",

@@ -13,7 +13,7 @@ import subprocess
 import time
 from typing import Any
 
-from preheat.config import format_bytes
+from preheat.core.config import format_bytes
 from preheat.doctor.findings import Finding
 from preheat.doctor.run import Check, DoctorOptions
 

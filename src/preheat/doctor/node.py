@@ -10,7 +10,7 @@ import os
 import resource
 from dataclasses import dataclass
 
-from preheat.config import format_bytes
+from preheat.core.config import format_bytes
 from preheat.doctor.findings import Finding
 from preheat.doctor.run import Check, DoctorOptions
 from preheat.io.files import mount_of

@@ -14,10 +14,10 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from preheat.config import format_bytes
+from preheat.core.config import format_bytes
+from preheat.core.errors import PreheatError, RegistryError
 from preheat.doctor.findings import Finding
 from preheat.doctor.run import Check, DoctorOptions
-from preheat.errors import PreheatError, RegistryError
 from preheat.sources.base import Origin, Source
 
 MB = 1e6

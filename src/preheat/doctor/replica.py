@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
+from preheat.core.errors import PlanError, SourceError
+from preheat.core.jsonsafe import JSONInputError, loads_bounded
 from preheat.doctor.coldstart import analyze_timeline
 from preheat.doctor.findings import Finding
 from preheat.doctor.kvtiers import analyze_kv, parse_metrics
 from preheat.doctor.run import Check, DoctorOptions
-from preheat.errors import PlanError, SourceError
-from preheat.jsonsafe import JSONInputError, loads_bounded
 
 MAX_BODY = 16 * 1024 * 1024
 

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from preheat.core.errors import ConfigError
 from preheat.engine.config import ModelConfig
 from preheat.engine.kv import PagedKVCache, Sequence
 from preheat.engine.model import LlamaModel
-from preheat.errors import ConfigError
 
 if TYPE_CHECKING:  # at run time the fallback module, and transformers with it, is only imported when needed
     from preheat.engine.fallback import TransformersModel

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from preheat.checkpoint.jsonfile import read_config, read_json_object
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 
 # Architectures whose weights and math are exactly the Llama block: RMSNorm, RoPE, GQA attention (optional q/k/v
 # biases, found by their presence in the weights), SiLU-gated MLP.

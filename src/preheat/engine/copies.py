@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from preheat.checkpoint.safetensors import encode_header
-from preheat.errors import PreheatError
+from preheat.core.errors import PreheatError
 from preheat.io.buffers import as_memoryview, mapped_buffer
 from preheat.kv.fileio import write_all
 from preheat.store import locks
@@ -148,7 +148,7 @@ def _write_file(root: str, path: str, dtype: torch.dtype) -> None:
     import torch
 
     from preheat.checkpoint import torch_dtypes
-    from preheat.loader import load
+    from preheat.loader.load import load
 
     weights = load(root, torch.device("cpu"), mode="mmap", dequantize=True)
     tensors = dict(weights.items())

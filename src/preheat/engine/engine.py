@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from preheat.core.errors import CheckpointError, KVError, RequestError
+from preheat.core.timeline import Timeline
 from preheat.engine.backend import (
     Backend,
     NativeBackend,
@@ -29,12 +31,10 @@ from preheat.engine.backend import (
 from preheat.engine.config import ModelConfig, read_model_config
 from preheat.engine.kv import PagedKVCache, Sequence
 from preheat.engine.sampling import Sampler, SamplingParams, StopStrings
-from preheat.errors import CheckpointError, KVError, RequestError
 from preheat.io.buffers import populate_read
 from preheat.kv.spec import KVLayout, KVSpec
-from preheat.loader import load
+from preheat.loader.load import load
 from preheat.text.tokenizer import TextTokenizer
-from preheat.timeline import Timeline
 
 if TYPE_CHECKING:  # the KV tiers import torch-free key code and, for L2, redis: only when a server turns them on
     from preheat.engine.copies import Copy, CopyWriter
@@ -238,7 +238,7 @@ class Engine:
         """Move the weights to page-locked host memory and drop the KV pool, freeing the device's memory for
         another user; returns the bytes moved. Only the native model on CUDA (``DeviceError`` otherwise): on CPU
         the host copy is the page cache, and sleeping drops the engine instead."""
-        from preheat.errors import DeviceError
+        from preheat.core.errors import DeviceError
 
         if self.model is None or self.kv_cache is None or self.device.type != "cuda":
             raise DeviceError("offload keeps a host copy of a CUDA engine's weights; on CPU drop the engine instead")

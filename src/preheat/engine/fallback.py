@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from preheat.core.errors import CheckpointError, ConfigError
 from preheat.engine.weights import needs_conversion, to_compute_dtype
-from preheat.errors import CheckpointError, ConfigError
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preheat.errors import KVError
+from preheat.core.errors import KVError
 from preheat.kv.spec import KVLayout
 
 

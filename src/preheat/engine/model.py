@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812  # the conventional alias
 
+from preheat.core.errors import CheckpointError, KVError
 from preheat.engine.config import ModelConfig
 from preheat.engine.kv import PagedKVCache, Sequence
 from preheat.engine.rope import apply_rotary, cos_sin_table, inverse_frequencies
 from preheat.engine.weights import needs_conversion, to_compute_dtype
-from preheat.errors import CheckpointError, KVError
 from preheat.kv.spec import KVLayout
 
 log = logging.getLogger("preheat.engine")

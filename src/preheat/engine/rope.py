@@ -16,8 +16,8 @@ import math
 
 import torch
 
+from preheat.core.errors import ConfigError
 from preheat.engine.config import RopeConfig
-from preheat.errors import ConfigError
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, *, max_position_embeddings: int, max_len: int) -> torch.Tensor:

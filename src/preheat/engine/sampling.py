@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preheat.errors import RequestError
+from preheat.core.errors import RequestError
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
-from preheat.errors import PreheatError
+from preheat.core.errors import PreheatError
 from preheat.http.ranges import parse_length
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.integrations.store_settings import StoreSettings
 from preheat.kv.blob_reads import exactly
 from preheat.kv.store import DEFAULT_MAX_VALUE, BlobStore, Namespace

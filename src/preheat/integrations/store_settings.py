@@ -11,8 +11,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from preheat.config import parse_size
-from preheat.errors import ConfigError
+from preheat.core.config import parse_size
+from preheat.core.errors import ConfigError
 from preheat.kv.fanout import DEFAULT_THREADS
 from preheat.kv.store import BlobStore, Namespace, open_store
 

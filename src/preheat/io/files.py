@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 
 
 def read_exact(fd: int, offset: int, n: int, *, path: str) -> bytes:

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from preheat.errors import CheckpointError, DeviceError
+from preheat.core.errors import CheckpointError, DeviceError
 from preheat.io.reads import DISCARD, FileJob, Progress
 
 

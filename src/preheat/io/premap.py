@@ -1,6 +1,6 @@
 """Weights mapped, and their page tables filled, before torch is there (docs/server.md, *Start-up order*).
 
-A CPU load maps each safetensors file and hands out views of the mapping (``preheat.loader``'s ``mmap`` mode); the
+A CPU load maps each safetensors file and hands out views of the mapping (``preheat.loader.load``'s ``mmap`` mode); the
 engine then fills the mapping's page tables (``MADV_POPULATE_READ``, ~0.06 s for SmolLM2's 538 MB) so the first
 forward pass does not fault page by page. Neither needs torch, and the kernel does both with the GIL released, so a
 server does them while torch imports: ``map_files`` maps each file exactly as the loader would and populates it,

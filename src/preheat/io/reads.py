@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer, round_down, round_up
 from preheat.sources.base import Source
 from preheat.sources.local import LocalFile

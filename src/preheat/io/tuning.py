@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.io.buffers import PAGE, round_up
 from preheat.io.files import mount_of
 

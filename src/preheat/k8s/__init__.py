@@ -1,2 +1,5 @@
-"""What preheat reads from the Kubernetes API: the shared client set-up (``client``) and, pure, a pod's start as
-timeline stages (``pod``). The ``kubernetes`` package is the ``k8s`` extra, imported only when one of these runs."""
+"""Kubernetes, in one place: what preheat reads from the API (``client``: credentials, the official client imported
+lazily; ``pod``/``pod_timeline``: a pod's start as timeline stages; ``slices``/``discovery``: replicas from a
+Service's EndpointSlices) and what it deploys (``values``: defaults + files + profile, checked against
+``deploy/values.schema.json``; ``render``: valid values -> a Kustomize overlay of ``deploy/kustomize/base``).
+The ``kubernetes`` package is the ``k8s`` extra, imported only when one of these runs."""

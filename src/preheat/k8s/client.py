@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 IN_CLUSTER = "KUBERNETES_SERVICE_HOST"
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"

@@ -22,10 +22,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
+from preheat.core.timeline import Timeline
 from preheat.k8s.client import api_client, api_status, kubernetes_module
 from preheat.k8s.pod import POD_STAGES, PodStart, pod_start
-from preheat.timeline import Timeline
 
 log = logging.getLogger("preheat.k8s")
 POD_NAME = "PREHEAT_POD_NAME"

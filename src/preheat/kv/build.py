@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import secrets
 
-from preheat.config import parse_size
-from preheat.errors import ConfigError
+from preheat.core.config import parse_size
+from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile, mac
 from preheat.kv.chunk import expect_for, stored_dtype
 from preheat.kv.events import EventLog

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from preheat.checkpoint import torch_dtypes
-from preheat.errors import KVError
+from preheat.core.errors import KVError
 from preheat.kv import chunkfile
 from preheat.kv.settings import KV_DTYPES
 

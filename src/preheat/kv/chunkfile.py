@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from preheat.checkpoint import dtypes
-from preheat.errors import KVError
+from preheat.core.errors import KVError
 from preheat.kv import mac
 
 MAGIC = b"PHKVCHNK"

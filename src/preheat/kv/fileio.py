@@ -15,7 +15,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile
 
 PIECE_BYTES = 1 << 20  # what is copied and then hashed in one go: small enough to stay in the CPU's cache

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.fileio import fill, make_root, preallocate, read_all, write_all, write_unsummed

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import xxhash
 
-from preheat.errors import KVError
+from preheat.core.errors import KVError
 
 KEY_VERSION = 1  # bump when the recipe below changes: old chunks then simply stop matching
 DEFAULT_CHUNK_TOKENS = 256

@@ -16,7 +16,7 @@ import logging
 import os
 import stat
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 log = logging.getLogger("preheat.kv")
 

@@ -19,7 +19,7 @@ from urllib.parse import unquote
 
 import xxhash
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv.settings import check_redis_url
 
 NAMESPACE_FILE = "namespace.json"

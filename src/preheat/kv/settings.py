@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from preheat.config import parse_size
-from preheat.errors import ConfigError
+from preheat.core.config import parse_size
+from preheat.core.errors import ConfigError
 from preheat.kv.fileio import make_root
 from preheat.kv.keys import DEFAULT_CHUNK_TOKENS
 from preheat.kv.mac import read_secret_file

@@ -41,8 +41,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from preheat.config import parse_size
-from preheat.errors import ConfigError
+from preheat.core.config import parse_size
+from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile, mac
 from preheat.kv.blob_reads import PEEK_BYTES, Allocate, fitted, framed_reader, split_reader
 from preheat.kv.fanout import DEFAULT_THREADS, FanOut

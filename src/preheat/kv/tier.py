@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from preheat.errors import KVError
+from preheat.core.errors import KVError
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk
 from preheat.kv.chunkfile import CorruptChunkError, MacError

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile, mac
 from preheat.kv.store import BlobStore, open_storage
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 
 def is_loopback(host: str) -> bool:

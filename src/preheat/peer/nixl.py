@@ -37,7 +37,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import PeerError
+from preheat.core.errors import PeerError
 from preheat.http.client import Connection, HTTPClientError, Timeouts
 from preheat.sources.base import Origin, Source
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import CheckpointError, ConfigError, PreheatError
+from preheat.core.errors import CheckpointError, ConfigError, PreheatError
 from preheat.peer.access import require_token
 from preheat.peer.nixl import NixlExport
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry, valid_address
@@ -200,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _artifact_lookup(cache_dir: str | None) -> ArtifactLookup:
     """The node cache's compiled artifacts, as the peer server looks them up (verified against PREHEAT_TRUST_KEY)."""
-    from preheat.peer.artifact_store import ArtifactStore
-    from preheat.peer.signing import TrustedKeys, trust_key_files
+    from preheat.artifacts.signing import TrustedKeys, trust_key_files
+    from preheat.artifacts.store import ArtifactStore
     from preheat.store.cache import ModelCache
 
     return ArtifactStore(str(ModelCache(cache_dir).root), TrustedKeys.from_files(trust_key_files(None))).lookup
@@ -209,7 +209,7 @@ def _artifact_lookup(cache_dir: str | None) -> ArtifactLookup:
 
 def _gpu_export(root: str, manifest: mf.Manifest, device: str) -> NixlExport | None:
     """The checkpoint loaded onto ``device`` and registered with NIXL (None, logged, when nixl is absent)."""
-    from preheat.loader import load
+    from preheat.loader.load import load
     from preheat.peer.nixl import export_weights
 
     weights = load(root, device)

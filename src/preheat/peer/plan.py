@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.store.pieces import Piece, PiecePlan, manifest_files
 
 SCHEME = "preheat://"

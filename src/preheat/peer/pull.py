@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import CheckpointError, ConfigError, RegistryError, SourceError, SourceNotFoundError
+from preheat.core.errors import CheckpointError, ConfigError, RegistryError, SourceError, SourceNotFoundError
 from preheat.peer import nixl
 from preheat.peer.plan import parse_peer_uri, plan_pieces
 from preheat.peer.registry import PeerEntry, open_registry, valid_address

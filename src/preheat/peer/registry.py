@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-from preheat.errors import ConfigError, RegistryError
+from preheat.core.errors import ConfigError, RegistryError
 from preheat.peer.plan import IDENTITY
 
 log = logging.getLogger("preheat.peer")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from preheat.config import format_bytes
+from preheat.core.config import format_bytes
 from preheat.kv.keys import cacheable_chunks, chunk_keys
 from preheat.plan.prefix import (
     UNBOUNDED,

@@ -33,8 +33,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from preheat.errors import PlanError, PreheatError
-from preheat.timeline_report import Waterfall
+from preheat.core.errors import PlanError, PreheatError
+from preheat.timeline.report import Waterfall
 
 PHASES = ("provision", "image", "start", "download", "load", "warmup", "other")
 STAGE_PHASE = {

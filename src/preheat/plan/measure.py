@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
 from preheat.kv.keys import fingerprint
 from preheat.plan.traces import Encoder, Request
 

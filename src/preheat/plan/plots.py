@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 
 def _pyplot(path: str) -> Any:  # Any: matplotlib ships no types we check against

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.plan.coldstart import ColdStart
 from preheat.plan.traces import TraceArrays
 

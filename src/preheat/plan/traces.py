@@ -27,7 +27,7 @@ from datetime import datetime
 
 import numpy as np
 
-from preheat.errors import PlanError
+from preheat.core.errors import PlanError
 
 MOONCAKE_BLOCK = 512  # tokens per Mooncake hash id (the published traces' block size)
 CHARS_PER_TOKEN = 4.0  # estimate for text prompts when no tokenizer is given (simulate only needs counts)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from preheat.checkpoint.torch_dtypes import to_torch
-from preheat.errors import PreheatError, RefitError
+from preheat.core.errors import PreheatError, RefitError
 from preheat.http.client import Timeouts, request
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
 from preheat.refit.protocol import VersionManifest, check_name, head_identity, head_name, to_fetch

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from preheat.checkpoint.digest import digest_bytes
 from preheat.checkpoint.dtypes import is_known, itemsize
 from preheat.checkpoint.manifest import canonical_json
-from preheat.errors import RefitError
+from preheat.core.errors import RefitError
 
 FORMAT = 1
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # ~150 bytes a tensor: far beyond any model's tensor count

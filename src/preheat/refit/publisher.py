@@ -26,7 +26,7 @@ import torch
 
 from preheat.checkpoint.digest import digest_bytes
 from preheat.checkpoint.torch_dtypes import from_torch
-from preheat.errors import ConfigError, RefitError
+from preheat.core.errors import ConfigError, RefitError
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
 from preheat.refit.protocol import (
     TensorEntry,

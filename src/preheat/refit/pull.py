@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from preheat.checkpoint.digest import digest_bytes
-from preheat.errors import PreheatError, RefitError
+from preheat.core.errors import PreheatError, RefitError
 from preheat.http.client import Timeouts, describe, request
 from preheat.refit.protocol import TensorEntry, VersionManifest, stripe
 from preheat.refit.server import VERSIONS_ROUTE

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from preheat.errors import RefitError
+from preheat.core.errors import RefitError
 
 if TYPE_CHECKING:
     from preheat.engine.model import LlamaModel

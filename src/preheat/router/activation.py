@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from preheat.errors import RouterError
+from preheat.core.errors import RouterError
+from preheat.core.jsonsafe import JSONInputError, loads_bounded
 from preheat.http.client import ConnectError, HTTPClientError, Response, Timeouts, request
-from preheat.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.capacity import SLEEPING, STANDBY, Cold, rank_cold
 from preheat.router.metrics import RouterMetrics
 from preheat.router.upstream import Replica

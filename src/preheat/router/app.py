@@ -11,17 +11,18 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 
-from preheat.config import resolve_settings
+from preheat.core.config import resolve_settings
+from preheat.core.errors import ConfigError, RouterError
+from preheat.core.procs import listening_line
 from preheat.dashboard.watch import Findings
-from preheat.errors import ConfigError, RouterError
 from preheat.http.metrics import Counter
 from preheat.http.server import sigterm_interrupts
+from preheat.k8s.slices import parse_k8s_url
 from preheat.peer.access import is_loopback
 from preheat.router.activation import ColdSettings, ColdStarter
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
-from preheat.router.k8s_slices import parse_k8s_url
 from preheat.router.policies import POLICIES, LoadGuard, make_policy
 from preheat.router.prompts import PromptReader, tokenizer_from_replicas
 from preheat.router.proxy import Router, RouterHTTPServer
@@ -261,7 +262,7 @@ class RouterService:
             "Replicas that joined or left the fleet (--replicas-from), by change (joined, left).",
         )
         if settings.replicas_from is not None:
-            from preheat.router.k8s_discovery import EndpointSliceWatcher
+            from preheat.k8s.discovery import EndpointSliceWatcher
 
             self.discovery = EndpointSliceWatcher(parse_k8s_url(settings.replicas_from), self._discovered)
             self.router.metrics.add(self.membership)
@@ -346,10 +347,8 @@ def run(
             service.start()
             up = sum(r.healthy for r in service.router.replicas)
             standby = f", {len(settings.standby)} standby" if settings.standby else ""
-            say(
-                f"preheat router: listening on {service.url} (policy {settings.policy}, "
-                f"{up}/{len(service.router.replicas) - len(settings.standby)} replicas healthy{standby})"
-            )
+            healthy = f"{up}/{len(service.router.replicas) - len(settings.standby)} replicas healthy{standby}"
+            say(listening_line("preheat router", service.url, f"policy {settings.policy}, {healthy}"))
             say(f"preheat router: dashboard at {service.url}/dashboard (docs/dashboard.md)")
             if not settings.api_key and not is_loopback(settings.host):
                 say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")

@@ -8,86 +8,56 @@ every group, then SIGKILL to any group still alive after a grace period. On Linu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from preheat.core.errors import ProcessError
+from preheat.core.procs import Child
 from preheat.dashboard.prom import by_label, parse
-from preheat.errors import ProcessError
 from preheat.http.client import HTTPClientError, Timeouts, request
-from preheat.procs import pdeathsig
 
 ADDRESS_TIMEOUT = 120.0  # a child prints its address once its socket is bound (before any model loads)
 GRACE_SECONDS = 10.0
 
 
-class Child:
-    """``python -m preheat ARGS`` in its own process group; ``url`` once it printed ``listening on``."""
+HEALTH_TIMEOUT = 600.0
 
-    def __init__(
-        self, name: str, args: Sequence[str], echo: Callable[[str], None], env: Mapping[str, str] | None = None
-    ) -> None:
-        self.name, self.echo = name, echo
-        self.url: str | None = None
-        self._listening = threading.Event()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "preheat", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-            env=env,
-            preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
-        )
-        self._reader = threading.Thread(target=self._read, name=f"{name} output", daemon=True)
-        self._reader.start()
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+def healthy(url: str) -> bool:
+    """Whether ``url`` (a ``/health`` route) answers 200 now; any other answer, or none (not accepting yet, still
+    loading), is False."""
+    try:
+        return request(url, timeouts=Timeouts.within(5.0), max_body=65536).status == 200
+    except HTTPClientError:
+        return False
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.rstrip("\n")
-            if self.url is None and "listening on " in line:
-                self.url = line.split("listening on ", 1)[1].split()[0]
-                self._listening.set()
-            self.echo(f"[{self.name}] {line}")
-        self._listening.set()  # the child exited: stop waiting for an address
 
-    def wait_address(self, timeout: float = ADDRESS_TIMEOUT) -> str:
-        self._listening.wait(timeout)
-        if self.url is None:
-            code = self.proc.poll()
-            raise ProcessError(f"{self.name} did not start listening (exit code {code}); its output is above")
-        return self.url
+class ServerProcess(Child):
+    """``preheat serve MODEL --port 0 EXTRA...`` as a child; a context manager that always stops it (the demo, the
+    tests, the benchmarks).
 
-    def signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):  # the whole group is already gone
-            os.killpg(self.proc.pid, signum)
+    ``url`` is known once the constructor returns (the child printed its listening line); ``wait_ready()`` waits
+    for ``/health``; ``lines`` collects the child's output; ``started`` is ``time.time()`` just before the spawn.
+    """
 
-    def reap(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the child to exit; True when it has."""
+    url: str
+
+    def __init__(self, model: str, *extra: str, env: Mapping[str, str] | None = None) -> None:
+        super().__init__("preheat serve", ["serve", model, "--port", "0", *extra], env=env)
         try:
-            self.proc.wait(timeout=max(timeout, 0.0))
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+            self.url = self.wait_address(HEALTH_TIMEOUT)
+        except BaseException:
+            self.stop()
+            raise
 
-    def close(self) -> None:
-        self._reader.join(timeout=5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    def wait_ready(self, timeout: float = HEALTH_TIMEOUT) -> None:
+        """Poll ``/health`` until 200; ``ProcessError`` if the server exits or ``timeout`` passes."""
+        self.wait_until(lambda url: healthy(url + "/health"), timeout)
 
 
 @dataclass
@@ -133,10 +103,10 @@ def start_cluster(
     try:
         for i in range(replicas):
             args = ["serve", model, "--port", "0", *replica_args]
-            cluster.replicas.append(Child(f"replica {i + 1}", args, echo, env))
+            cluster.replicas.append(_child(f"replica {i + 1}", args, echo, env))
         for i in range(standby):
             args = ["serve", "--standby", "--allow-model", allowed, "--port", "0", *replica_args]
-            cluster.standby.append(Child(f"standby {i + 1}", args, echo, env))
+            cluster.standby.append(_child(f"standby {i + 1}", args, echo, env))
         urls = [child.wait_address() for child in cluster.replicas]
         waiting = [child.wait_address() for child in cluster.standby]
         args = [
@@ -145,12 +115,16 @@ def start_cluster(
             *(arg for url in waiting for arg in ("--standby", url)),
             *router_args,
         ]
-        cluster.router = Child("router", args, echo, env)
+        cluster.router = _child("router", args, echo, env)
         cluster.router.wait_address()
     except BaseException:
         cluster.stop()
         raise
     return cluster
+
+
+def _child(name: str, args: Sequence[str], echo: Callable[[str], None], env: Mapping[str, str] | None) -> Child:
+    return Child(name, args, echo=echo, env=env, own_group=True, merge_stderr=True)
 
 
 def wait_healthy(router_url: str, replicas: int, timeout: float, alive: Callable[[], bool], standby: int = 0) -> None:

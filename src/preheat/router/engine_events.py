@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from preheat.errors import RouterError
+from preheat.core.errors import RouterError
 
 BlockHash = int | bytes  # vLLM: uint64 with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, else the digest's bytes; SGLang: int64
 END_SEQ = -1  # the replay socket's "no more batches" marker

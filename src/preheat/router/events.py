@@ -11,9 +11,9 @@ import logging
 from collections.abc import Sequence
 from urllib.parse import urlencode
 
-from preheat.errors import RouterError
+from preheat.core.errors import RouterError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.http.client import AnswerTooLargeError, Connection, HTTPClientError, Timeouts
-from preheat.jsonsafe import loads_bounded
 from preheat.router.health import ReplicaLoop
 from preheat.router.index import KVIndex, parse_update
 from preheat.router.upstream import Replica

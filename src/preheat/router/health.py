@@ -12,8 +12,8 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from preheat.core.jsonsafe import JSONInputError, loads_bounded
 from preheat.http.client import ConnectError, HTTPClientError, Timeouts, request
-from preheat.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.capacity import NOT_SERVING
 from preheat.router.upstream import Replica
 

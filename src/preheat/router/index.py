@@ -22,7 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from preheat.errors import RouterError
+from preheat.core.errors import RouterError
 
 Clock = Callable[[], float]
 TIERS = ("l1", "l2")

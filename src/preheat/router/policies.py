@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.kv.keys import chunk_keys
 from preheat.router.index import InFlight, KVIndex, PrefixIndex
 from preheat.router.score import Estimate, expected_ttft, resolve_costs

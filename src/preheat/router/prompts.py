@@ -18,8 +18,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from preheat.errors import PreheatError, RouterError
-from preheat.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import PreheatError, RouterError
+from preheat.core.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.policies import RouteRequest
 from preheat.router.upstream import parse_replica_spec
 from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, APIError, parse_body

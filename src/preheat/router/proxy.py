@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec
 
+from preheat.core.jsonsafe import JSONInputError, loads_bounded
 from preheat.dashboard.state import ReplicaRow
 from preheat.dashboard.watch import Findings, FleetWatcher
 from preheat.dashboard.web import answer, is_dashboard_path
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
-from preheat.jsonsafe import JSONInputError, loads_bounded
 from preheat.router.activation import ColdStarter
 from preheat.router.capacity import refused_code, saturated
 from preheat.router.metrics import RouterMetrics

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from preheat.errors import RouterError
+from preheat.core.errors import RouterError
 from preheat.http.client import CONNECT_SECONDS, ConnectError, Timeouts, connect
 
 POOL_SIZE = 32  # idle connections kept per replica; more concurrent requests open (then close) extra ones

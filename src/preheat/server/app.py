@@ -26,7 +26,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from preheat.errors import ConfigError, PreheatError
+from preheat.core.errors import ConfigError, PreheatError
+from preheat.core.procs import listening_line
+from preheat.core.timeline import Timeline, process_start_time
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
 from preheat.server import openai, sse
@@ -35,7 +37,6 @@ from preheat.server.metrics import ServerMetrics
 from preheat.server.settings import ServeSettings
 from preheat.text.process import ProcessTokenizer, TokenizerProcess
 from preheat.text.request import MAX_BODY_BYTES, APIError
-from preheat.timeline import Timeline, process_start_time
 
 if TYPE_CHECKING:
     from preheat.dashboard.watch import Findings, ReplicaDashboard
@@ -405,12 +406,12 @@ def run(
 
         record_pod_start(timeline)
     if settings.standby:
-        say(f"preheat serve: listening on http://{host}:{port} (standby: POST /v1/preheat/load to serve a model)")
+        say(listening_line("preheat serve", f"http://{host}:{port}", "standby: POST /v1/preheat/load to serve a model"))
         from preheat.server.lifecycle import prepare_standby
 
         target: Callable[..., None] = prepare_standby
     else:
-        say(f"preheat serve: listening on http://{host}:{port} (loading {settings.model} in the background)")
+        say(listening_line("preheat serve", f"http://{host}:{port}", f"loading {settings.model} in the background"))
         target = _load_in_background
     state.life.transition = threading.Thread(target=target, args=(httpd, say), name="preheat-load", daemon=True)
     state.life.transition.start()

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Protocol
 
-from preheat.errors import PreheatError
+from preheat.core.errors import PreheatError
 from preheat.server import openai, sse
 from preheat.server.worker import Job, QueueFullError, WorkerPausedError
 from preheat.text.request import APIError, GenerationRequest, bad_request, parse_request
@@ -269,7 +269,7 @@ class _Relay:
 def _as_api_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
-    from preheat.errors import RequestError
+    from preheat.core.errors import RequestError
 
     if isinstance(error, RequestError):
         return bad_request(str(error), code="invalid_request")

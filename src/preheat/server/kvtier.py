@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
+from preheat.core.timeline import Timeline
 from preheat.http.metrics import Family
 from preheat.http.ranges import parse_length
 from preheat.server.settings import ServeSettings
-from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
@@ -67,7 +67,7 @@ def warm(tiers: TieredKV, kv: KVSettings, timeline: Timeline) -> None:
 def summary(tiers: TieredKV, *, l2_asked: bool = False) -> str:
     """One line for the console: each tier, its size or place, and its state: ``up``, or ``DOWN (why)``; an L2 that
     was asked for (``l2_asked``) but not built is ``OFF`` (the warning before this line says why)."""
-    from preheat.config import format_bytes
+    from preheat.core.config import format_bytes
 
     parts = []
     if tiers.l1 is not None:

@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
-from preheat.errors import PreheatError
-from preheat.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import PreheatError
+from preheat.core.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.timeline import Timeline
 from preheat.peer.access import is_loopback
 from preheat.text.request import APIError
-from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine

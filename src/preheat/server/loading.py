@@ -13,9 +13,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from preheat.config import LoaderSettings
+from preheat.core.config import LoaderSettings
+from preheat.core.timeline import Timeline
 from preheat.server.settings import ServeSettings
-from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.engine import Engine

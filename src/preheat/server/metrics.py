@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from preheat.core.timeline import Stage
 from preheat.http.metrics import Counter, Family, Gauge, Histogram, Samples, Series, render
-from preheat.timeline import Stage
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATE_BUCKETS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0)

@@ -12,19 +12,19 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from preheat.errors import ConfigError, PeerError, PreheatError
+from preheat.core.errors import ConfigError, PeerError, PreheatError
+from preheat.core.timeline import Timeline
 from preheat.http.metrics import Family, Samples
 from preheat.server.settings import ServeSettings
-from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
+    from preheat.artifacts.blobs import ArtifactKey, Verified
+    from preheat.artifacts.signing import TrustedKeys
+    from preheat.artifacts.store import ArtifactStore
     from preheat.engine import Engine
-    from preheat.peer.artifact_store import ArtifactStore
-    from preheat.peer.artifacts import ArtifactKey, Verified
     from preheat.peer.nixl import NixlExport
     from preheat.peer.node import Peering
     from preheat.peer.pull import PeerOptions
-    from preheat.peer.signing import TrustedKeys
     from preheat.server.app import ServerState
     from preheat.server.loading import Loaded
 
@@ -52,7 +52,7 @@ def _cache_root(settings: ServeSettings) -> str:
 
 def trusted_keys(settings: ServeSettings) -> TrustedKeys:
     """The ``--trust-key`` public keys: whose signatures make another replica's compiled artifacts installable."""
-    from preheat.peer.signing import TrustedKeys
+    from preheat.artifacts.signing import TrustedKeys
 
     return TrustedKeys.from_files(settings.trust_key)
 
@@ -61,9 +61,9 @@ def find_artifacts(
     key: ArtifactKey, store: ArtifactStore, *, registry: str | None, identity: str, token: str | None
 ) -> tuple[Verified | None, str, list[str]]:
     """Artifacts for ``key`` this node may install: its own node cache's, else the first peer's (in the registry, for
-    ``identity``) that verifies against ``store.trusted`` (``preheat.peer.artifact_store.find``). Returns them (or
+    ``identity``) that verifies against ``store.trusted`` (``preheat.artifacts.store.find``). Returns them (or
     None), where they came from, and why each refused candidate was refused."""
-    from preheat.peer.artifact_store import find
+    from preheat.artifacts.store import find
 
     found = find(key, store, registry=registry, identity=identity, token=token)
     return found.verified, found.source, found.refused
@@ -75,8 +75,8 @@ def compile_engine(engine: Engine, settings: ServeSettings, timeline: Timeline) 
     for the next replica."""
     import torch
 
-    from preheat.peer import artifacts
-    from preheat.peer.artifact_store import ArtifactStore
+    from preheat.artifacts import blobs as artifacts
+    from preheat.artifacts.store import ArtifactStore
 
     if engine.model is None:
         raise ConfigError("--compile needs the built-in engine (this architecture runs through transformers)")
@@ -131,7 +131,7 @@ def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -
     settings = state.settings
     if not settings.peer:
         return
-    from preheat.peer.artifact_store import ArtifactStore
+    from preheat.artifacts.store import ArtifactStore
     from preheat.peer.node import start_peering
 
     store = ArtifactStore(_cache_root(settings), trusted_keys(settings))  # serves only what verifies

@@ -19,12 +19,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+from preheat.core.errors import CheckpointError
+from preheat.core.timeline import Timeline
 from preheat.engine.config import ModelConfig, read_model_config
-from preheat.errors import CheckpointError
 from preheat.io.premap import Premapped, map_files
 from preheat.text.process import TokenizerProcess, build_tokenizer
 from preheat.text.tokenizer import TextTokenizer
-from preheat.timeline import Timeline
 
 log = logging.getLogger("preheat.server")
 PAGE_IN_CHUNK = 8 << 20  # bytes per read-ahead request (see page_in)

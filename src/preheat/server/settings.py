@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
-from preheat.config import resolve_settings
-from preheat.errors import ConfigError
+from preheat.core.config import resolve_settings
+from preheat.core.errors import ConfigError
 from preheat.kv.settings import KVSettings
 from preheat.store.cache import EntryMeta, default_cache_dir, resolve_model
 
@@ -114,7 +114,7 @@ class ServeSettings:
         if self.registry is not None and not self.registry.startswith(("redis://", "rediss://", "file://")):
             raise ConfigError(f"--registry {self.registry!r}: use redis://host:port[/db] or file:///shared/dir")
         if self.trust_key:
-            from preheat.peer.signing import read_public_key  # pure: no crypto library before the bind
+            from preheat.artifacts.signing import read_public_key  # pure: no crypto library before the bind
 
             for path in self.trust_key:
                 read_public_key(path)  # ConfigError naming the file and what to pass instead

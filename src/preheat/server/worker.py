@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar, Union
 
-from preheat.errors import PreheatError
+from preheat.core.errors import PreheatError
 
 if TYPE_CHECKING:  # the engine imports torch: never at module level on the cold-start path
     from preheat.engine import Engine, GenerationStep, SamplingParams

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from preheat.errors import ConfigError, SourceError
+from preheat.core.errors import ConfigError, SourceError
 
 REMOTE_SCHEMES = ("http://", "https://", "s3://")
 # The most ``Origin.read_bytes`` holds in memory: files fetched whole are configs, tokenizers (~35 MB at most),

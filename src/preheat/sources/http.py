@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from preheat.errors import ConfigError, SourceChangedError, SourceError, SourceNotFoundError
+from preheat.core.errors import ConfigError, SourceChangedError, SourceError, SourceNotFoundError
 from preheat.http.client import describe
 from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources.base import Validator, check_name, strong_etag, too_large

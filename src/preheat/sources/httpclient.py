@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
-from preheat.errors import SourceAccessError, SourceError, SourceNotFoundError
+from preheat.core.errors import SourceAccessError, SourceError, SourceNotFoundError
 from preheat.http.client import ConnectError, Timeouts, connect, describe, origin, without_credentials
 from preheat.http.ranges import parse_length
 from preheat.sources.net import NetSettings, TransientError

@@ -6,7 +6,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from preheat.errors import SourceChangedError, SourceError
+from preheat.core.errors import SourceChangedError, SourceError
 from preheat.sources.base import READ_BYTES_LIMIT, Validator, check_name, too_large
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from preheat.errors import ConfigError, SourceError
+from preheat.core.errors import ConfigError, SourceError
 from preheat.sources.base import READ_BYTES_LIMIT
 from preheat.sources.stats import TransferStats
 

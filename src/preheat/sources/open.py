@@ -7,7 +7,7 @@ imports ``http.client`` or boto3.
 
 from __future__ import annotations
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.sources.base import Origin
 
 

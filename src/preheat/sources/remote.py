@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from preheat.errors import SourceChangedError
+from preheat.core.errors import SourceChangedError
 from preheat.sources.base import Validator
 from preheat.sources.net import NetSettings, retrying
 from preheat.sources.stats import TransferStats

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from preheat.errors import ConfigError, SourceAccessError, SourceChangedError, SourceError, SourceNotFoundError
+from preheat.core.errors import ConfigError, SourceAccessError, SourceChangedError, SourceError, SourceNotFoundError
 from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources.base import Validator, check_name, strong_etag, too_large
 from preheat.sources.net import NetSettings, TransientError, retrying

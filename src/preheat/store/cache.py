@@ -28,8 +28,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-from preheat.errors import CacheError
-from preheat.store import durable, locks
+from preheat.core import durable
+from preheat.core.errors import CacheError
+from preheat.store import locks
 
 META_NAME = ".preheat-cache.json"
 STALE_AFTER = 3600.0  # seconds: an abandoned partial younger than this is kept for a pull to resume

@@ -38,7 +38,7 @@ import xxhash
 
 from preheat.checkpoint import digest
 from preheat.checkpoint import manifest as mf
-from preheat.errors import CheckpointError, PreheatError, SourceError
+from preheat.core.errors import CheckpointError, PreheatError, SourceError
 from preheat.io.reads import read_at_least
 from preheat.sources.base import Origin, Source, Versioned
 from preheat.store import journal

@@ -28,7 +28,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from preheat.store import durable
+from preheat.core import durable
 
 Pin = Mapping[str, object]
 Chunk = tuple[str, int, int]  # file, offset, length: bytes on disk

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from preheat.errors import CacheError
+from preheat.core.errors import CacheError
 
 
 def _open_lock(path: str) -> int:

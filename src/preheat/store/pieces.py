@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from preheat.checkpoint import manifest as mf
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.sources.base import Validator
 from preheat.store import journal
 

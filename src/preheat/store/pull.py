@@ -38,10 +38,11 @@ import xxhash
 
 from preheat.checkpoint import manifest as mf
 from preheat.checkpoint.layout import INDEX_NAME, SINGLE_NAME, open_checkpoint, resolve_remote_names
-from preheat.errors import CacheError, CheckpointError, ConfigError, PreheatError, SourceChangedError
+from preheat.core import durable
+from preheat.core.errors import CacheError, CheckpointError, ConfigError, PreheatError, SourceChangedError
 from preheat.sources.base import Origin, Versioned
 from preheat.sources.open import open_origin
-from preheat.store import durable, journal, locks
+from preheat.store import journal, locks
 from preheat.store.cache import ModelCache
 from preheat.store.fetch import PieceFetch, PieceSource, Progress
 from preheat.store.pieces import PiecePlan, RemoteFile, plan_chunks

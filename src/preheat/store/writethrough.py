@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from preheat.errors import PreheatError, SourceError, SourceNotFoundError
+from preheat.core.errors import PreheatError, SourceError, SourceNotFoundError
 from preheat.io.buffers import as_memoryview
 from preheat.sources.base import Source
 from preheat.sources.open import open_origin

@@ -14,7 +14,7 @@ import os
 from datetime import datetime
 from typing import Any
 
-from preheat.errors import CheckpointError, RequestError
+from preheat.core.errors import CheckpointError, RequestError
 
 
 def find_template(root: str, tokenizer_config: dict[str, Any]) -> str | None:  # Any: JSON values

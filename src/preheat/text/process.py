@@ -36,9 +36,9 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from preheat.errors import CheckpointError, PreheatError, RequestError
+from preheat.core.errors import CheckpointError, PreheatError, RequestError
+from preheat.core.timeline import Timeline
 from preheat.text.tokenizer import TextTokenizer
-from preheat.timeline import Timeline
 
 log = logging.getLogger("preheat.server")
 SETTLE_IDLE_S = 0.5  # quiet time after which the server builds its own copy (one ~0.12 s pause of the GIL)

@@ -15,8 +15,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.errors import PreheatError
-from preheat.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
+from preheat.core.errors import PreheatError
+from preheat.core.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Bounds on what one request may ask for (docs/server.md). The body cap is shared by the server and the router.

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from preheat.checkpoint.jsonfile import read_json_object
-from preheat.errors import CheckpointError, RequestError
+from preheat.core.errors import CheckpointError, RequestError
 from preheat.text.chat import ChatTemplate, find_template
 
 if TYPE_CHECKING:  # imported by from_dir: a server whose tokenizer is built in another process never needs it early

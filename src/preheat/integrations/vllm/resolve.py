@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
+from preheat.core.timeline import Timeline
 from preheat.integrations.vllm.options import LOAD_FORMAT, LoadOptions
 from preheat.sources.base import is_uri
-from preheat.timeline import Timeline
 
 if TYPE_CHECKING:
     from preheat.store.cache import Lease

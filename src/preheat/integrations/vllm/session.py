@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from preheat.core.timeline import Timeline
 from preheat.integrations.vllm.options import LoadOptions
 from preheat.integrations.vllm.resolve import resolve
 from preheat.integrations.vllm.weights import prepare, read_bytes
-from preheat.timeline import Timeline
 
 log = logging.getLogger("preheat.vllm")
 

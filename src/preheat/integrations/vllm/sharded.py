@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from preheat.checkpoint.manifest import Manifest, TensorRecord
-from preheat.errors import CheckpointError, ConfigError
+from preheat.core.errors import CheckpointError, ConfigError
 
 # vLLM pads the vocabulary to a multiple of this before splitting it over ranks (DEFAULT_VOCAB_PADDING_SIZE in
 # vllm/model_executor/layers/vocab_parallel_embedding.py, 0.32 and 0.33); preheat cuts ceil(V / N)-row blocks.

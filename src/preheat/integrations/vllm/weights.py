@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from preheat.checkpoint.layout import Checkpoint, open_checkpoint, read_manifest
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 from preheat.integrations.vllm.options import LoadOptions
 from preheat.integrations.vllm.sharded import Split, check_engine_cut, dress, rank_splits
 from preheat.io.buffers import PAGE, populate_read, round_down, round_up
 from preheat.io.reads import plan_ops
-from preheat.loader import LoadResult, load, plan_file
+from preheat.loader.load import LoadResult, load, plan_file
 
 log = logging.getLogger("preheat.vllm")
 

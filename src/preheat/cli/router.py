@@ -1,0 +1,408 @@
+"""``preheat router`` and ``preheat up``: a cache-aware router in front of replicas, and a local cluster of both.
+
+Only argparse at import time: the router, its tokenizer and the cluster code are imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from preheat.cli.common import renamed
+
+ROUTER_HELP = """\
+An OpenAI-compatible reverse proxy in front of `preheat serve`, vLLM or SGLang replicas: clients change only the URL.
+Request and response bodies pass through unchanged; streams are relayed chunk by chunk.
+
+policies:
+  round-robin  each replica in turn
+  least-load   the fewest requests in flight through this router
+  session      sticky by session id: the X-Session-Id header, else the body's "user" field
+  prefix       the replica this router already sent the longest run of the prompt's KV chunks to
+  kv           the lowest expected time to first token, from the replicas' own KV events: tokens to recompute x
+               prefill cost + tokens in L1/L2 x that tier's cost + queue wait (replicas with --kv-l1)
+               vLLM and SGLang replicas: give their ZMQ KV events with --kv-events (docs/integrations.md)
+  prefix and kv read prompts with --model DIR's tokenizer (--model @replicas: the replicas', asked at start).
+  prefix and kv fall back to the least-loaded replica when queues are imbalanced (--guard-gap), and spread a prefix
+  hot enough to queue on one replica to a second one (--hot-in-flight).
+
+Dead replicas are ejected (health checks, failed requests) and readmitted when /health answers 200 again; a request
+that fails before the replica answered anything is retried once on another replica. A replica that says it is not
+serving (a 503 "sleeping", "standby", "draining"... from /health or to a request) is ejected at once, and the request
+it refused goes to another replica.
+
+cold capacity (standby and sleeping replicas):
+  --standby URL gives a `preheat serve --standby` replica the router may activate (POST /v1/preheat/load
+  --standby-model MODEL, which its --allow-model must allow); a sleeping replica (POST /v1/preheat/sleep) may be
+  woken (POST /v1/preheat/wake; --no-wake: never). The router brings one up, the cheapest first (a wake's measured
+  cost, activations measured here), when
+    - no replica is in rotation: the request waits for it (up to --activation-timeout), or gets a 503 that says
+      why each cold start failed (model not allowed there, bad checksum, ...) after the next one was tried;
+    - every replica in rotation is saturated: --saturation requests or more in flight through this router each
+      (default 3); meanwhile the request goes to the replica the policy picks.
+  A replica enters rotation only when its own /health answers 200. Metrics: preheat_router_activations_total,
+  preheat_router_wakes_total, preheat_router_activation_seconds, preheat_router_wake_seconds.
+
+routes: everything the replicas serve, plus the router's own GET /health and GET /metrics.
+authentication: with --api-key, every route but /health and /metrics needs 'Authorization: Bearer KEY', checked
+before the prompt is read; --replica-api-key is what the router sends the replicas instead of the client's key
+(without it the client's passes through). Prefer the variables to the flags: a command line is visible to all.
+environment: every flag has a PREHEAT_ROUTER_* variable (PREHEAT_ROUTER_REPLICAS=URL,URL; the flag wins).
+
+kubernetes: --replicas-from k8s://NAMESPACE/SERVICE watches the Service's EndpointSlices: a pod whose endpoint turns
+ready joins (once its /health answers 200), one that turns not ready or terminating leaves (requests on it finish;
+its KV-index entries are dropped). Credentials: KUBECONFIG if set, else the pod's service account.
+
+examples:
+  preheat router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy least-load
+  preheat router --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 --policy kv --model ./smollm2
+  preheat router --policy kv --model ./smollm2 \\
+      --replica http://10.0.0.7:8000 --kv-events tcp://10.0.0.7:5557 --kv-replay tcp://10.0.0.7:5558 \\
+      --replica http://10.0.0.8:8000,events=tcp://10.0.0.8:5557,replay=tcp://10.0.0.8:5558   # vLLM / SGLang
+  preheat router --replica http://127.0.0.1:8001 --standby http://127.0.0.1:8002 --standby-model s3://models/smollm2 \
+      --served-model-name smollm2 --saturation 2          # a second replica, activated when the first is busy
+  preheat router --replicas-from k8s://llm/preheat-replicas?port=http --policy kv --model /models/smollm2  # in a pod
+
+docs: docs/router.md, docs/kv-events.md, docs/integrations.md (vLLM, SGLang)
+"""
+
+# Spelled out here (router/policies.py has the same tuple): importing the router on every `preheat` start would slow
+# `preheat serve`'s cold start, which builds this parser too.
+POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
+
+UP_HELP = """\
+Start N `preheat serve` replicas of MODEL and a router in front of them, all on 127.0.0.1, print the endpoints,
+wait until every replica is healthy, and stop them all on Ctrl-C or SIGTERM (SIGKILL after a grace period).
+
+With --standby N it also starts N `preheat serve --standby --allow-model MODEL` replicas, which the router activates
+when no replica is in rotation or all are saturated (--saturation; docs/router.md, *Standby and sleeping replicas*).
+The pool is not refilled: an activated standby is a serving replica from then on.
+
+examples:
+  preheat up --replicas 2 ./smollm2
+  preheat up --replicas 2 ./smollm2 --kv-l1 2GiB --kv-l2 fs:///tmp/kv --policy kv --port 8080
+  preheat up --replicas 1 --standby 2 ./smollm2 --saturation 2     # grows to 3 replicas under load
+  preheat up --replicas 0 --standby 1 ./smollm2                    # the first request activates one
+"""
+
+
+def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+    """Add ``router`` and ``up`` to the ``preheat`` command."""
+    router = commands.add_parser(
+        "router",
+        help="route OpenAI requests across replicas: round-robin, least-load, session, prefix or KV-aware",
+        description=ROUTER_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    router.add_argument(
+        "--replica",
+        dest="replicas",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="http://host:port; an engine replica may carry its KV events: URL,events=tcp://H:P,replay=tcp://H:P",
+    )
+    router.add_argument(
+        "--kv-events",
+        dest="replicas",
+        action=_ReplicaOption,
+        option="events",
+        metavar="tcp://HOST:PORT",
+        help="kv: the preceding --replica is a vLLM/SGLang engine publishing ZMQ KV events here",
+    )
+    router.add_argument(
+        "--kv-replay",
+        dest="replicas",
+        action=_ReplicaOption,
+        option="replay",
+        metavar="tcp://HOST:PORT",
+        help="kv: the preceding --replica's replay endpoint, to catch up after a gap or a restart",
+    )
+    router.add_argument(
+        "--replicas-from",
+        default=None,
+        metavar="k8s://NAMESPACE/SERVICE[?port=NAME]",
+        help="the ready pods behind a Kubernetes Service are the replicas, followed as they come and go "
+        "(its EndpointSlices; needs the k8s extra and list/watch on endpointslices)",
+    )
+    _router_flags(router)
+    router.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1)")
+    router.add_argument("--port", type=int, default=None, help="port (default: 8080; 0 picks a free one)")
+    router.add_argument(
+        "--model",
+        default=None,
+        metavar="MODEL",
+        help="the replicas' model directory, for its tokenizer; @replicas: ask the replicas for theirs",
+    )
+    router.add_argument(
+        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (PREHEAT_ROUTER_API_KEY)"
+    )
+    router.add_argument(
+        "--replica-api-key",
+        default=None,
+        metavar="KEY",
+        help="the replicas' --api-key, sent to them in place of the client's (PREHEAT_ROUTER_REPLICA_API_KEY)",
+    )
+    router.add_argument(
+        "--standby",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a `preheat serve --standby` replica the router may activate when it needs capacity (repeat it)",
+    )
+    router.add_argument(
+        "--standby-model",
+        default=None,
+        metavar="MODEL",
+        help="what a standby is told to load: a directory or URI its --allow-model allows (default: --model DIR)",
+    )
+    router.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the name an activated standby serves the model under (default: MODEL's last path part)",
+    )
+    router.set_defaults(func=_cmd_router)
+
+    up = commands.add_parser(
+        "up",
+        help="start N replicas and a router on this machine; Ctrl-C stops them all",
+        description=UP_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_argument(
+        "model", help="checkpoint directory or node-cache entry name (served by every replica; the router's tokenizer)"
+    )
+    up.add_argument("--replicas", type=int, default=2, help="how many replicas (default: 2)")
+    up.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also start N standby replicas the router activates when it needs capacity (default: 0)",
+    )
+    up.add_argument("--port", type=int, default=8080, help="the router's port (default: 8080; 0 picks a free one)")
+    _router_flags(up)
+    for flag, how in REPLICA_FLAGS.items():
+        up.add_argument(flag, default=None, **how, help=f"passed to each replica's `preheat serve {flag}`")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for healthy replicas")
+    up.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="one key for the router and every replica (default: PREHEAT_ROUTER_API_KEY; none: all open on 127.0.0.1)",
+    )
+    up.set_defaults(func=_cmd_up)
+
+
+class _ReplicaOption(argparse.Action):
+    """``--kv-events``/``--kv-replay``: an option of the ``--replica`` given just before (URL,events=...)."""
+
+    def __init__(self, *args: Any, option: str, **kwargs: Any) -> None:  # Any: argparse's own signature
+        super().__init__(*args, **kwargs)
+        self.option = option
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,  # Any: argparse's signature (a str here: nargs is None)
+        option_string: str | None = None,
+    ) -> None:
+        replicas = getattr(namespace, self.dest, None)
+        if not replicas:
+            parser.error(f"{option_string} applies to the --replica before it: give --replica URL first")
+        replicas[-1] += f",{self.option}={values}"
+
+
+def _router_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default=None, choices=POLICIES, help="routing policy (default: round-robin)")
+    # The replicas' --kv-chunk-tokens: one name for one chunk size (`up` gives the replicas the same value).
+    chunk = parser.add_argument(
+        "--kv-chunk-tokens", type=int, default=None, metavar="C", help="prefix: tokens per chunk key (default: 256)"
+    )
+    renamed(parser, "--chunk-tokens", chunk)
+    parser.add_argument("--guard-gap", type=int, default=None, help="in-flight gap that forces least-load (2)")
+    parser.add_argument("--hot-in-flight", type=int, default=None, help="in flight that spreads a hot prefix (3)")
+    parser.add_argument(
+        "--index-keys", type=int, default=None, help="keys kept per replica (prefix), per tier (kv) (100000)"
+    )
+    parser.add_argument("--index-ttl", type=float, default=None, help="prefix: seconds a key is remembered (600)")
+    parser.add_argument("--health-interval", type=float, default=None, help="seconds between health checks (1)")
+    parser.add_argument(
+        "--newest-version",
+        action="store_true",
+        default=None,
+        help="route only to replicas on the newest weights version (--follow replicas; docs/refit.md)",
+    )
+    parser.add_argument("--health-timeout", type=float, default=None, help="seconds a health check may take (2)")
+    parser.add_argument("--kv-poll-interval", type=float, default=None, help="kv: seconds between event polls (0.25)")
+    parser.add_argument(
+        "--kv-snapshot-interval", type=float, default=None, help="kv: seconds between full snapshots of an L2 (60)"
+    )
+    parser.add_argument("--upstream-timeout", type=float, default=None, help="seconds to wait on a replica (300)")
+    parser.add_argument(
+        "--saturation",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a replica with N or more requests in flight through the router is saturated; all saturated: bring up "
+        "a standby or sleeping replica (3)",
+    )
+    parser.add_argument(
+        "--activation-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds an activation or a wake may take; a request with no replica waits as long (300)",
+    )
+    parser.add_argument(
+        "--no-wake",
+        dest="wake",
+        action="store_const",
+        const=False,
+        default=None,
+        help="never wake a sleeping replica (default: wake one when capacity is needed)",
+    )
+
+
+# What `up` passes through to every replica's `preheat serve`, each parsed as serve parses it
+# (tests/integration/test_cli.py compares every flag's spelling, metavar and type across commands).
+REPLICA_FLAGS: dict[str, dict[str, Any]] = {  # Any: add_argument's keyword values
+    "--kv-l1": {"metavar": "SIZE"},
+    "--kv-l2": {"metavar": "URL"},
+    "--max-model-len": {"type": int},
+    "--served-model-name": {"metavar": "NAME"},
+    "--device": {},
+    "--dtype": {"metavar": "DTYPE"},
+    "--max-queue": {"type": int},
+}
+ROUTER_FLAGS = ("policy", "kv_chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
+                "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout", "saturation",
+                "activation_timeout")  # fmt: skip
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from preheat.router.app import RouterSettings, run
+
+    flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(RouterSettings)}
+    return run(flags, findings=_doctor_findings(args.model))
+
+
+def _doctor_findings(model: str | None) -> Any:  # Any: a Refreshing[dict], imported here to keep --help fast
+    """The doctor's findings for the router's dashboard, refreshed in the background at most once a minute: only
+    the cheap checks (no read or bandwidth probes, no CUDA: the router is a CPU front end), within 5 seconds."""
+    from preheat.dashboard.refresh import Refreshing
+    from preheat.doctor import DoctorOptions, run_doctor
+
+    options = DoctorOptions(model=model if model and os.path.isdir(model) else None, io=False, gpu=False, budget_s=5)
+    return Refreshing(lambda: run_doctor(options).to_json(), every=60.0)
+
+
+def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The command-line arguments ``preheat up`` gives every replica, and the router."""
+    replica_args: list[str] = []
+    # --kv-chunk-tokens (a router flag too): the router's prefix keys and the replicas' chunks are the same size.
+    for name in ("kv_l1", "kv_chunk_tokens", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
+        value = getattr(args, name)
+        if value is not None:
+            replica_args += ["--" + name.replace("_", "-"), str(value)]
+    router_args = ["--port", str(args.port), "--model", args.model]
+    for name in ROUTER_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            router_args += ["--" + name.replace("_", "-"), str(value)]
+    if args.wake is False:
+        router_args.append("--no-wake")
+    if args.newest_version:
+        router_args.append("--newest-version")
+    if args.standby:
+        # The standbys' --allow-model (cluster.py) and the router's --standby-model name the model the same way.
+        model = os.path.abspath(args.model) if "://" not in args.model else args.model
+        router_args += ["--standby-model", model]
+        if args.served_model_name is not None:
+            router_args += ["--served-model-name", str(args.served_model_name)]
+    return replica_args, router_args
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from preheat.http.server import sigterm_interrupts
+    from preheat.router.cluster import kv_report, start_cluster, wait_healthy
+
+    def echo(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.standby < 0 or args.replicas < 0 or args.replicas + args.standby < 1:
+        print("preheat up: give at least one replica (--replicas N, --standby N)", file=sys.stderr)
+        return 2
+    from preheat.store.cache import resolve_model
+
+    # A node-cache entry's name (smollm2-135m-instruct) becomes its directory once, here: the replicas, the standby
+    # slots' --allow-model and the router's tokenizer then all name the same checkpoint.
+    args.model = resolve_model(args.model)
+    replica_args, router_args = _up_arguments(args)
+    # Secrets reach the children through their environment, never their command lines (visible to all users): the
+    # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
+    key = args.api_key or os.environ.get("PREHEAT_ROUTER_API_KEY")
+    extra = {"PREHEAT_API_KEY": key, "PREHEAT_ROUTER_API_KEY": key} if key else {}
+    if args.kv_l2 is not None:
+        extra["PREHEAT_KV_L2"] = str(args.kv_l2)
+    env = {**os.environ, **extra} if extra else None
+    # SIGTERM stops the cluster like Ctrl-C; the children are in their own sessions, so the terminal's SIGINT
+    # reaches only this process, which stops them in order.
+    in_main = threading.current_thread() is threading.main_thread()
+    cluster = None
+    with sigterm_interrupts():
+        try:
+            cluster = start_cluster(
+                args.model,
+                args.replicas,
+                replica_args=replica_args,
+                router_args=router_args,
+                echo=echo,
+                env=env,
+                standby=args.standby,
+            )
+            assert cluster.router is not None
+            assert cluster.router.url is not None
+            for child in cluster.children:
+                print(f"{child.name}: {child.url} (pid {child.pid})", flush=True)
+            live = cluster
+            wait_healthy(
+                cluster.router.url,
+                args.replicas,
+                args.ready_timeout,
+                alive=lambda: all(c.proc.poll() is None for c in live.children),
+                standby=args.standby,
+            )
+            # Every tier's state before `ready`, and a tier that is down loudly: otherwise it shows only in the
+            # children's log above, and the fleet looks whole while every request recomputes.
+            tiers, warnings = kv_report(cluster, args.kv_l1, args.kv_l2)
+            if tiers:
+                print(tiers, flush=True)
+            for warning in warnings:
+                print(f"preheat up: WARNING: {warning}", file=sys.stderr, flush=True)
+            print(f"ready: {cluster.router.url}/v1 (Ctrl-C stops everything)", flush=True)
+            while cluster.router.proc.poll() is None:
+                time.sleep(0.25)
+            print("preheat up: the router exited; stopping the replicas", file=sys.stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:
+            print("preheat up: stopping", file=sys.stderr, flush=True)
+            return 0
+        finally:
+            if cluster is not None:
+                # A second Ctrl-C must not cut the shutdown short and leave children behind.
+                interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+                if in_main:
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                cluster.stop()
+                if interrupt is not None:
+                    signal.signal(signal.SIGINT, interrupt)

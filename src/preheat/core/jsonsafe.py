@@ -1,0 +1,149 @@
+"""JSON from outside the process, parsed within stated bounds: size, nesting depth, and nothing but JSON.
+
+``json.loads`` recurses once per nesting level, so a body of 100,000 ``[`` raises ``RecursionError`` (deep in a
+thread it could exhaust the stack); it guesses UTF-16/32 from the first bytes, raises a plain ``ValueError`` for
+integers of more than 4,300 digits, and accepts ``NaN`` and ``Infinity``. Every JSON document that arrives from the
+network or from a file someone else wrote (request bodies, KV events, manifests, safetensors headers, index files)
+goes through ``loads_bounded`` instead, which refuses all of that with one error, ``JSONInputError``. It is a
+``ValueError``, so code that caught ``json.JSONDecodeError``/``ValueError`` around ``json.loads`` keeps working; the
+caller adds the file, URL or request it came from and maps it to its own answer (a 400, a ``CheckpointError``...).
+
+Bounds, for a document of n bytes: time O(n) before ``json.loads`` runs; memory: four temporary copies of at most n
+bytes for the depth check (escapes removed twice, strings removed, then only the brackets; only for documents with
+more than ``max_depth`` brackets), then whatever ``json.loads`` builds.
+
+>>> loads_bounded(b'{"a": [1, 2]}', max_bytes=100)
+{'a': [1, 2]}
+>>> loads_bounded(b"[" * 100_000, max_bytes=1 << 20)
+Traceback (most recent call last):
+...
+preheat.core.jsonsafe.JSONInputError: nested deeper than 64 levels
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from preheat.core.errors import PreheatError
+
+# Real documents nest a handful of levels (a chat message's content parts: 4; a manifest's config: ~6). 64 leaves
+# room for any of them while keeping json.loads far from the interpreter's recursion limit (~1,000 frames).
+MAX_DEPTH = 64
+
+# A JSON string once its escaped backslashes and quotes are gone, or an unterminated one running to the end: one
+# character class and an end that always matches, so the scan never backtracks (Python 3.10 has no possessive
+# quantifiers) and stays linear even for '"' followed by a million '\"'.
+_STRING = re.compile(rb'"[^"]*(?:"|\Z)')
+_OPEN = ord("[")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SAME_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_SMALL = 64 * 1024  # skeletons up to this many brackets are measured in Python; longer ones with numpy
+_CHUNK = 1 << 20  # numpy measures in chunks of this many brackets, so its temporaries stay a few MiB
+
+
+class JSONInputError(PreheatError, ValueError):
+    """A JSON document from outside was refused: too large, nested too deeply, not UTF-8, or not JSON."""
+
+
+def loads_bounded(
+    data: bytes | bytearray | memoryview | str,
+    *,
+    max_bytes: int,
+    max_depth: int = MAX_DEPTH,
+    max_containers: int | None = None,
+    allow_constants: bool = False,
+) -> object:
+    """Parse ``data`` (UTF-8 JSON) if it has at most ``max_bytes`` bytes and ``max_depth`` nested arrays/objects.
+
+    ``max_containers`` bounds how many arrays and objects it may hold in all: ``json.loads`` builds 16 million empty
+    lists (~1 GB, seconds of CPU) from 32 MiB of ``[],``. ``NaN``/``Infinity``/``-Infinity`` are refused unless
+    ``allow_constants``. Raises ``JSONInputError`` (a ``ValueError``) saying which bound or rule the document broke;
+    never ``RecursionError``.
+
+    >>> loads_bounded("[[1]]", max_bytes=10, max_depth=1)
+    Traceback (most recent call last):
+    ...
+    preheat.core.jsonsafe.JSONInputError: nested deeper than 1 levels
+    """
+    if isinstance(data, str):
+        raw = data.encode("utf-8", "surrogatepass")
+        text = data
+    else:
+        raw = bytes(data)
+        text = ""
+    if len(raw) > max_bytes:
+        raise JSONInputError(f"{len(raw)} bytes of JSON, over the limit of {max_bytes}")
+    if not text:
+        try:
+            # Decoded here, not by json.loads: it would guess UTF-16/32 from the first bytes, which the depth check
+            # below (over UTF-8 bytes) would then read differently.
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise JSONInputError(f"not UTF-8 ({exc})") from None
+    if depth_exceeds(raw, max_depth):
+        raise JSONInputError(f"nested deeper than {max_depth} levels")
+    if max_containers is not None and containers_exceed(raw, max_containers):
+        raise JSONInputError(f"more than {max_containers} arrays and objects")
+    try:
+        if allow_constants:
+            return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:  # unreachable within MAX_DEPTH unless the caller is already ~900 frames deep
+        raise JSONInputError("nested too deeply to parse here") from None
+    except ValueError as exc:  # JSONDecodeError, and integers of more than 4,300 digits
+        raise JSONInputError(f"not valid JSON: {exc}") from None
+
+
+def depth_exceeds(raw: bytes, max_depth: int) -> bool:
+    """Whether the UTF-8 JSON text ``raw`` nests arrays/objects more than ``max_depth`` deep; linear time.
+
+    Brackets inside strings do not count. For text that is not JSON the answer is still safe: ``json.loads`` stops
+    at its first error, and up to there it tells strings from brackets exactly as this scan does.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:  # most documents: too few brackets to nest that deep
+        return False
+    skeleton = brackets(raw)
+    if skeleton.count(b"[") <= max_depth:
+        return False
+    if b"[" * (max_depth + 1) in skeleton:  # the common attack: a long run of openers
+        return True
+    return nesting_depth(skeleton) > max_depth
+
+
+def containers_exceed(raw: bytes, limit: int) -> bool:
+    """Whether the UTF-8 JSON text ``raw`` holds more than ``limit`` arrays and objects (not counting strings)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    return brackets(raw).count(b"[") > limit
+
+
+def brackets(raw: bytes) -> bytes:
+    """The structural brackets of JSON text ``raw`` with ``{}`` written as ``[]``: strings and everything else gone."""
+    # Escapes read left to right: every '\\' pair goes first, so a '\' left before '"' escapes that quote.
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return _STRING.sub(b"", unescaped).translate(_SAME_BRACKETS, _NOT_BRACKETS)
+
+
+def nesting_depth(skeleton: bytes) -> int:
+    """The deepest level a ``[``/``]`` string reaches (the most openers not yet closed at any point)."""
+    if len(skeleton) <= _SMALL:
+        level = best = 0
+        for byte in skeleton:
+            level += 1 if byte == _OPEN else -1
+            best = max(best, level)
+        return best
+    import numpy as np  # a long skeleton: a Python loop would take seconds; numpy is a dependency anyway
+
+    steps = np.frombuffer(skeleton, dtype=np.uint8)
+    level = best = 0
+    for start in range(0, len(steps), _CHUNK):
+        # '[' (0x5B) -> +1, ']' (0x5D) -> -1
+        levels = np.cumsum(0x5C - steps[start : start + _CHUNK].astype(np.int32)) + level
+        best = max(best, int(levels.max()))
+        level = int(levels[-1])
+    return best
+
+
+def _refuse_constant(token: str) -> object:
+    raise ValueError(f"{token} is not JSON")

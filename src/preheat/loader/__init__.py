@@ -1,0 +1,1 @@
+"""``preheat.load``: a checkpoint from any source into tensors (``load``: plan, execute, report)."""
