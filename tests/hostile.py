@@ -132,6 +132,16 @@ class ScriptedServer:
         self.thread.join(timeout=10)
 
 
+# 64 KiB of "[": json.loads raises RecursionError on it (no ValueError, so it got past callers' except clauses: issue
+# 27); jsonsafe refuses it as nested too deeply.
+DEEP_JSON = b"[" * 65536
+
+
+def always(body: bytes, status: int = 200) -> Callable[[str, str, dict[str, str]], Answer]:
+    """A script for ``ScriptedServer``: every request is answered ``status`` with ``body`` (its length given)."""
+    return lambda method, path, headers: (status, {"Content-Length": str(len(body))}, [body])
+
+
 def endless(piece: bytes) -> Iterator[bytes]:
     """A body that never ends."""
     while True:

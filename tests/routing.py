@@ -12,8 +12,9 @@ from dataclasses import fields
 from typing import Any
 
 from netfaults import LoopbackProxy
-from preheat.router.app import RouterService, RouterSettings
+from preheat.router.app import RouterService
 from preheat.router.cluster import ServerProcess
+from preheat.router.settings import RouterSettings
 from serving import Client
 
 NAME = "tiny"

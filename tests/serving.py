@@ -1,7 +1,8 @@
-"""HTTP helpers for the server tests: a tiny client over ``http.client``, and a gate that holds connections.
+"""HTTP helpers for the server tests: a tiny client over ``preheat.http.client``, and a gate that holds connections.
 
 The tests speak plain HTTP to a real ``preheat serve`` subprocess, exactly as an OpenAI client would; nothing of the
-server is imported or mocked.
+server is imported or mocked. Failures are ``preheat.http``'s errors (``HTTPClientError``), as for every other
+client of preheat.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from netfaults import LoopbackProxy
+from preheat.http.client import Timeouts, connect, request, stream
 from preheat.server.sse import parse_events
+
+MAX_ANSWER = 1 << 30  # the tests read whatever the server sends
 
 
 @dataclass
@@ -63,10 +67,13 @@ class Client:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 120.0) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.api_key, self.timeout = api_key, timeout
+        self.url = f"http://{parts.netloc}"
+        # Connecting may take as long as reading: a busy test machine can let a listen queue overflow for seconds.
+        self.api_key, self.timeouts = api_key, Timeouts(connect=timeout, read=timeout)
 
     def connect(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        """An open connection of its own, for tests that drive the exchange by hand (and cut it)."""
+        return connect(self.host, self.port, self.timeouts)
 
     def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         out = {"Content-Type": "application/json"}
@@ -76,13 +83,8 @@ class Client:
 
     def request(self, method: str, path: str, body: object = None, headers: dict[str, str] | None = None) -> Reply:
         raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        conn = self.connect()
-        try:
-            conn.request(method, path, body=raw, headers=self.headers(headers))
-            response = conn.getresponse()
-            return Reply(response.status, dict(response.getheaders()), response.read())
-        finally:
-            conn.close()
+        answer = request(self.url + path, method, timeouts=self.timeouts, body=raw, headers=self.headers(headers))
+        return Reply(answer.status, dict(answer.headers.items()), answer.body)
 
     def get(self, path: str) -> Reply:
         return self.request("GET", path)
@@ -91,19 +93,15 @@ class Client:
         return self.request("POST", path, body, headers)
 
     def stream(self, path: str, body: dict[str, Any]) -> Stream:
-        conn = self.connect()
-        try:
-            conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(), headers=self.headers())
-            response = conn.getresponse()
-            result = Stream(response.status, dict(response.getheaders()))
-            for payload in parse_events(response.read()):
+        raw = json.dumps({**body, "stream": True}).encode()
+        with stream(self.url + path, "POST", timeouts=self.timeouts, body=raw, headers=self.headers()) as answer:
+            result = Stream(answer.status, dict(answer.headers.items()))
+            for payload in parse_events(answer.read(MAX_ANSWER)):
                 if payload == "[DONE]":
                     result.done = True
                 else:
                     result.chunks.append(json.loads(payload))
-            return result
-        finally:
-            conn.close()
+        return result
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one series of ``/metrics`` (0 when absent)."""

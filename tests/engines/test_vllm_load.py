@@ -25,8 +25,9 @@ from engines.enginekit import needs_vllm_cpu
 from engines.vllmserver import cpu_env, free_port, serve_command
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
+from preheat.core.errors import HTTPClientError
 from preheat.core.procs import end, pdeathsig
-from preheat.http.client import HTTPClientError, Timeouts, get
+from preheat.http.client import Timeouts, get
 from preheat.testing.fileserver import FileServer
 from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 from smollm2 import SmolLM2
@@ -257,7 +258,7 @@ def drop_pages(path: Path) -> None:
 def rank_page_bound(path: Path, rank: int, world_size: int) -> int:
     """Bytes of the distinct pages holding rank ``rank``'s slices as preheat's TP plan cuts them (vLLM's Llama
     layers cut the same rows and columns), plus the header: the most a rank-local load may read from disk."""
-    from preheat.checkpoint.layout import read_header
+    from preheat.checkpoint.header import read_header
     from preheat.io.buffers import PAGE
     from preheat.loader.load import plan_file
 

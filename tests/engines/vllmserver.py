@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+from preheat.core.errors import HTTPClientError
 from preheat.core.procs import pdeathsig
-from preheat.http.client import HTTPClientError, Timeouts, get
+from preheat.http.client import Timeouts, get
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -159,7 +159,7 @@ def test_rm_refuses_an_entry_in_use_and_removes_it_once_free(origin_dir: Path, c
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli.main", *args],
+        [sys.executable, "-m", "preheat.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -234,7 +234,7 @@ def spawn_pull(url: str, cache_root: Path, *, threads: int, chunk: str, quiet: b
         [
             sys.executable,
             "-m",
-            "preheat.cli.main",
+            "preheat.cli",
             "pull",
             url,
             "--cache-dir",

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def preheat(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli.main", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "preheat.cli", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 
@@ -32,7 +32,7 @@ def test_load_prints_a_stage_table(sharded_checkpoint: WrittenCheckpoint) -> Non
 def test_load_names_its_source_whole_on_a_narrow_terminal(sharded_checkpoint: WrittenCheckpoint) -> None:
     # A table title wraps at the table's width: the source path came out cut mid-word over three lines.
     result = subprocess.run(
-        [sys.executable, "-m", "preheat.cli.main", "load", str(sharded_checkpoint.root), "--mode", "read"],
+        [sys.executable, "-m", "preheat.cli", "load", str(sharded_checkpoint.root), "--mode", "read"],
         capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "COLUMNS": "80"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -239,7 +239,7 @@ def test_every_serve_and_router_setting_is_a_flag_of_its_name_and_a_variable_of_
     # PREHEAT_<FIELD> and --<field> are generated from one declaration: a flag named otherwise has no variable.
     from dataclasses import fields
 
-    from preheat.router.app import RouterSettings
+    from preheat.router.settings import RouterSettings
     from preheat.server.settings import ServeSettings
 
     commands = dict(_commands())

@@ -26,7 +26,7 @@ from preheat.testing.synthetic import LlamaShape
 
 def preheat_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli.main", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "preheat.cli", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 

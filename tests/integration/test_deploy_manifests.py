@@ -1,6 +1,6 @@
-"""deploy/: every profile renders manifests that the Kubernetes API of 1.30-1.33 accepts, that follow our policy
-(non-root, read-only root filesystem, requests, probes, pinned images, secrets by reference), and whose preheat
-command lines the real ``preheat`` parser accepts."""
+"""The shipped manifests (preheat/k8s/manifests): every profile renders manifests that the Kubernetes API of
+1.30-1.33 accepts, that follow our policy (non-root, read-only root filesystem, requests, probes, pinned images,
+secrets by reference), and whose preheat command lines the real ``preheat`` parser accepts."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 
 from deployrender import (
+    CONTAINERFILE,
     DEPLOY,
     OVERLAYS,
     PROFILES,
@@ -274,4 +275,4 @@ def test_the_router_discovers_the_replica_service(rendered: list[Doc]) -> None:
 def test_the_overlays_on_disk_are_the_profiles(rendered: list[Doc]) -> None:
     assert sorted(p.name for p in OVERLAYS.iterdir()) == sorted(PROFILES)
     assert (DEPLOY / "values.schema.json").is_file()
-    assert (DEPLOY / "image" / "Containerfile").is_file()
+    assert CONTAINERFILE.is_file()

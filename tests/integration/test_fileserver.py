@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from preheat.core.errors import ConfigError
-from preheat.http.ranges import UnsatisfiableRangeError, parse_range
-from preheat.testing.fileserver import Faults, FileServer, ForbiddenPathError, resolve_path
+from preheat.core.errors import ConfigError, ForbiddenPathError, UnsatisfiableRangeError
+from preheat.http.ranges import parse_range
+from preheat.testing.fileserver import Faults, FileServer, resolve_path
 
 DATA = bytes(range(256)) * 40  # 10240 bytes, every offset recognisable
 SECRET = b"outside-the-root: must never be served"

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostile import FUZZ, ScriptedServer, endless, huge_ints, json_values
-from preheat.core.errors import RouterError
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import JSONInputError, RouterError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.router.events import MAX_ANSWER_BYTES, KVEventPoller
 from preheat.router.index import KVIndex, KVUpdate, parse_update
 from preheat.router.upstream import Replica

@@ -12,14 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostile import FUZZ, ScriptedServer
-from preheat.core.errors import SourceError
-from preheat.http.ranges import (
-    MAX_DIGITS,
-    UnsatisfiableRangeError,
-    parse_content_range,
-    parse_length,
-    parse_range,
-)
+from preheat.core.errors import SourceError, UnsatisfiableRangeError
+from preheat.http.ranges import MAX_DIGITS, parse_content_range, parse_length, parse_range
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.net import NetSettings
 from preheat.testing.fileserver import FileServer

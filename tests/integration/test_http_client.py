@@ -9,18 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from preheat.http.client import (
-    AnswerTooLargeError,
-    ConnectError,
-    Connection,
-    RedirectError,
-    Redirects,
-    ResponseTimeoutError,
-    Timeouts,
-    get,
-    request,
-    stream,
-)
+from preheat.core.errors import AnswerTooLargeError, ConnectError, RedirectError, ResponseTimeoutError
+from preheat.http.client import Redirects, Timeouts, get, request, stream
+from preheat.http.pool import Connection
 from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 
 RELEASE = threading.Event()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvchunks import FP, LAYOUT, chunk, expect, exported, key, same
+from preheat.core.errors import CorruptChunkError
 from preheat.kv import chunkfile
 from preheat.kv.chunk import decode_chunk, encode_chunk, store_form
 from preheat.kv.memory import MemoryTier
@@ -28,23 +29,23 @@ def test_a_chunk_round_trips_bit_for_bit(kv_dtype: str) -> None:
 def test_any_flipped_bit_is_detected(offset: int) -> None:
     data = blob()
     data[offset] ^= 0x10
-    with pytest.raises(chunkfile.CorruptChunkError):
+    with pytest.raises(CorruptChunkError):
         decode_chunk(data, key(0), expect())
 
 
 def test_a_torn_chunk_is_detected() -> None:
     data = blob()
     for cut in (0, 10, 200, len(data) - 1):
-        with pytest.raises(chunkfile.CorruptChunkError):
+        with pytest.raises(CorruptChunkError):
             decode_chunk(data[:cut], key(0), expect())
 
 
 def test_a_chunk_under_another_key_fingerprint_or_dtype_is_refused() -> None:
-    with pytest.raises(chunkfile.CorruptChunkError, match="key"):
+    with pytest.raises(CorruptChunkError, match="key"):
         decode_chunk(blob(), key(1), expect())
-    with pytest.raises(chunkfile.CorruptChunkError, match="fingerprint"):
+    with pytest.raises(CorruptChunkError, match="fingerprint"):
         decode_chunk(blob(), key(0), expect(fp="f" * 32))
-    with pytest.raises(chunkfile.CorruptChunkError, match="dtype"):
+    with pytest.raises(CorruptChunkError, match="dtype"):
         decode_chunk(blob("int8"), key(0), expect("auto"))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvchunks import FP, chunk, expect, key, same
-from preheat.core.errors import ConfigError
+from preheat.core.errors import ConfigError, CorruptChunkError, MacError
 from preheat.kv import chunkfile, mac
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.fs import FileTier
@@ -51,7 +51,7 @@ def test_a_keyed_chunk_round_trips_and_carries_a_tag() -> None:
 
 
 def test_a_chunk_signed_under_another_secret_is_refused() -> None:
-    with pytest.raises(chunkfile.MacError, match="MAC mismatch"):
+    with pytest.raises(MacError, match="MAC mismatch"):
         decode_chunk(encoded(OTHER), key(0), keyed())
 
 
@@ -59,7 +59,7 @@ def test_a_chunk_signed_under_another_secret_is_refused() -> None:
 def test_any_changed_byte_of_a_keyed_chunk_is_refused(offset: int) -> None:
     blob = encoded(KEY)
     blob[offset] ^= 0x01
-    with pytest.raises(chunkfile.CorruptChunkError):
+    with pytest.raises(CorruptChunkError):
         decode_chunk(blob, key(0), keyed())
 
 
@@ -71,16 +71,16 @@ def test_a_forger_who_fixes_the_checksum_is_caught_only_by_the_mac() -> None:
     planted = evil[:head_len]
     planted[8:12] = chunkfile.VERSION_KEYED.to_bytes(4, "little")
     planted += evil[head_len:] + genuine[-mac.TAG_BYTES :]
-    with pytest.raises(chunkfile.MacError):
+    with pytest.raises(MacError):
         decode_chunk(planted, key(0), keyed())
     served = decode_chunk(evil, key(0), expect())  # what a fleet without a secret loads: the forger's K/V
     assert torch.count_nonzero(served.data) == 0
 
 
 def test_unkeyed_and_keyed_readers_refuse_each_others_chunks() -> None:
-    with pytest.raises(chunkfile.MacError, match="unkeyed"):
+    with pytest.raises(MacError, match="unkeyed"):
         decode_chunk(encoded(None), key(0), keyed())
-    with pytest.raises(chunkfile.MacError, match="no secret"):
+    with pytest.raises(MacError, match="no secret"):
         decode_chunk(encoded(KEY), key(0), expect())
 
 

@@ -292,7 +292,7 @@ def test_pieces_may_land_in_any_order(data: st.DataObject, size: int, flip: bool
 
 def preheat_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preheat.cli.main", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "preheat.cli", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 

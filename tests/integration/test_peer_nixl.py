@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from hostile import DEEP_JSON, ScriptedServer, always
 from peers import write_peer_checkpoint
 from preheat.checkpoint.digest import file_digest
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+from preheat.core.errors import NixlError
 from preheat.peer.nixl import (
     NIXL_ROUTE,
     Advert,
-    NixlError,
     RemoteTensor,
     choose_transport,
     cut_spans,
@@ -110,6 +111,16 @@ def test_a_cuda_puller_without_nixl_pulls_over_tcp(cpu_peer: PeerServer, manifes
     assert not any("NIXL" in note for note in result.notes)
     for f in manifest.files:
         assert file_digest(str(Path(result.path) / f.name)) == f.digest
+
+
+def test_a_deeply_nested_advert_leaves_the_pull_on_tcp() -> None:
+    """64 KiB of "[" as an advert raised RecursionError, past fetch_advert's NixlError fallback, and failed the pull
+    (issue 27); it is a malformed advert now: no advert, so the pull goes over TCP."""
+    with ScriptedServer(always(DEEP_JSON)) as peer:
+        assert fetch_advert(peer.url.removeprefix("http://"), TOKEN) is None
+        assert peer.requests == [("GET", NIXL_ROUTE)]
+    with pytest.raises(NixlError, match="malformed NIXL advert: nested deeper"):
+        Advert.from_json(DEEP_JSON, where="test")
 
 
 def test_a_piece_is_cut_at_tensor_boundaries() -> None:

@@ -172,3 +172,38 @@ def test_a_heartbeat_survives_a_registry_outage(tmp_path: Path) -> None:
 def test_unknown_registry_urls_are_refused(url: str) -> None:
     with pytest.raises(ConfigError):
         open_registry(url)
+
+
+# A real full disk in a child process: RLIMIT_FSIZE caps the size of any file it writes, and with SIGXFSZ ignored
+# the write past the cap fails with EFBIG, as a write to a full volume fails with ENOSPC.
+ANNOUNCE_ON_A_FULL_DISK = """
+import resource, signal, sys
+from preheat.core.errors import RegistryError
+from preheat.peer.registry import FileRegistry, PeerEntry
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+entry = PeerEntry(identity=sys.argv[2], address="10.0.0.5:9000", name="tiny", load=7, origin="http://origin/tiny")
+try:
+    FileRegistry(sys.argv[1]).announce(entry, ttl=60)
+except RegistryError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_a_failed_announce_keeps_the_old_entry_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    root = tmp_path / "registry"
+    registry = FileRegistry(str(root))
+    registry.announce(entry("10.0.0.5:9000", load=0), ttl=3600)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    child = subprocess.run(
+        [sys.executable, "-c", ANNOUNCE_ON_A_FULL_DISK, str(root), IDENTITY],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert child.returncode == 3, child.stderr
+    assert "cannot write" in child.stdout
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # no temporary file beside the entry
+    assert [e.load for e in registry.find(IDENTITY)] == [0]  # readers still see the whole old entry

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from preheat.core.errors import SourceError
+from preheat.http.client import Redirects, Timeouts, origin
+from preheat.http.pool import Pool
 from preheat.sources.http import HTTPOrigin
-from preheat.sources.httpclient import HTTPClient, origin_of
 from preheat.sources.net import NetSettings
-from preheat.sources.stats import TransferStats
 from test_sources_http import certificate  # noqa: F401 - a fixture (a self-signed certificate for 127.0.0.1)
 
 TOKEN = "s3cret"
@@ -171,9 +171,9 @@ def test_credentials_the_caller_sends_stay_behind_on_another_origin(
     front: RecordingServer, other: RecordingServer
 ) -> None:
     front.redirects[("http", "/x")] = f"http://127.0.0.1:{other.port}/x"
-    client = HTTPClient(token=None, token_netloc=f"127.0.0.1:{front.port}", settings=quick(), stats=TransferStats())
-    response = client.send(
-        "GET", f"http://127.0.0.1:{front.port}/x", {"Authorization": "Basic dXNlcjpwdw==", "Cookie": "session=1"}
+    sent = {"Authorization": "Basic dXNlcjpwdw==", "Cookie": "session=1"}
+    response = Pool(Timeouts.within(5.0)).request(
+        "GET", f"http://127.0.0.1:{front.port}/x", headers=sent, redirects=Redirects()
     )
     assert response.body.read() == b"the file\n"
     assert [(s.authorization, s.cookie) for s in front.seen] == [("Basic dXNlcjpwdw==", "session=1")]
@@ -204,7 +204,7 @@ def test_an_empty_token_sends_no_authorization_header(front: RecordingServer) ->
     ],
 )
 def test_an_origin_is_scheme_host_and_port(a: str, b: str, same: bool) -> None:
-    assert (origin_of(a) == origin_of(b)) is same
+    assert (origin(a) == origin(b)) is same
 
 
 def test_a_peer_that_redirects_is_refused_and_the_target_never_contacted(

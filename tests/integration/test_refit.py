@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hostile import DEEP_JSON, ScriptedServer, always
 from preheat.core.errors import RefitError
 from preheat.engine import Engine, SamplingParams
 from preheat.kv.build import build_tiers
@@ -27,7 +28,7 @@ from preheat.peer.registry import FileRegistry, PeerEntry
 from preheat.refit.follower import Follower
 from preheat.refit.protocol import TensorEntry, VersionManifest, head_identity, head_name, stripe, to_fetch
 from preheat.refit.publisher import Publisher, tensor_view
-from preheat.refit.server import RefitServer
+from preheat.refit.server import INFO_ROUTE, RefitServer
 from preheat.refit.swap import swap
 from preheat.server.following import base_digests
 from refit_trainer import NAME, Trainer
@@ -298,6 +299,35 @@ def test_with_no_holder_left_a_replica_keeps_its_version(own_trainer: Trainer, k
         assert torch.equal(logits(replica.engine), logits(Engine.from_checkpoint(str(kv_model))))
     finally:
         replica.stop()
+
+
+def test_a_holder_answering_deep_json_is_skipped_and_following_goes_on(kv_model: Path, registry: str) -> None:
+    """A registered holder answering 64 KiB of "[" once raised RecursionError in the follower thread, which ended it
+    (issue 27): the replica never followed again. That holder is skipped; versions from honest ones still apply."""
+    with ScriptedServer(always(DEEP_JSON)) as hostile:
+        announce(registry, hostile.url.removeprefix("http://"))
+        replica = follower(kv_model, registry).start()
+        try:
+            with Publisher(NAME, registry=registry) as publisher:
+                publisher.publish(perturbed(kv_model, 1.0), 1)
+                assert replica.wait_for(1, timeout=60)
+                publisher.publish(perturbed(kv_model, 2.0), 2)
+                assert replica.wait_for(2, timeout=60)  # the same thread, still following
+            assert ("GET", INFO_ROUTE) in hostile.requests  # it was asked, every look
+            assert replica.status()["error"] is None  # a holder skipped is no failed version
+        finally:
+            replica.stop()
+
+
+def test_refit_status_of_a_server_answering_deep_json_is_a_clear_error() -> None:
+    """``preheat refit status URL`` once died in a RecursionError traceback on an answer like this (issue 27)."""
+    with ScriptedServer(always(b'{"refit": ' + DEEP_JSON)) as hostile:
+        done = subprocess.run([sys.executable, "-m", "preheat", "refit", "status", hostile.url],
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert f"preheat: error: {hostile.url}/health: HTTP 200, not a preheat replica's health answer" in done.stderr
+    assert "nested deeper than 64 levels" in done.stderr
 
 
 def test_kv_chunks_are_never_reused_across_versions(trainer: Trainer, kv_model: Path, shared_registry: str) -> None:

@@ -20,16 +20,15 @@ from hypothesis import strategies as st
 
 from enginewire import WirePublisher, load_frames, payloads
 from hostile import FUZZ
-from preheat.core.errors import RouterError
+from preheat.core.errors import EngineEventError, RouterError
 from preheat.http.metrics import Counter
 from preheat.kv.keys import chunk_keys
-from preheat.router.app import RouterService, RouterSettings
+from preheat.router.app import RouterService
 from preheat.router.cluster import ServerProcess
 from preheat.router.engine_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EngineEventError,
     EventBatch,
     UnknownEvent,
     decode_batch,
@@ -38,6 +37,7 @@ from preheat.router.engine_events import (
 from preheat.router.engine_index import EngineBlockMap, engine_fingerprint
 from preheat.router.index import KVIndex
 from preheat.router.policies import Candidate, RouteRequest, make_policy
+from preheat.router.settings import RouterSettings
 from preheat.router.upstream import Replica, parse_replica_spec
 from preheat.router.zmq_events import EngineEventSubscriber, engine_events_counter
 from routing import NAME, replica_of, running_router, start_replicas, wait_until

@@ -15,7 +15,6 @@ import pytest
 
 from preheat.core.errors import ConfigError, RouterError
 from preheat.kv.keys import chunk_keys
-from preheat.router.app import RouterSettings
 from preheat.router.index import KVIndex, PrefixIndex, parse_update
 from preheat.router.policies import (
     Candidate,
@@ -27,6 +26,7 @@ from preheat.router.policies import (
     rendezvous,
 )
 from preheat.router.score import Costs, expected_ttft, resolve_costs
+from preheat.router.settings import RouterSettings
 from preheat.text.tokenizer import TextTokenizer
 
 FP = "ab" * 16

@@ -230,7 +230,7 @@ def test_with_no_wake_a_sleeping_replica_stays_asleep_and_its_refusal_reaches_th
 
 def test_standby_replicas_need_a_model_to_load_and_come_from_flags_or_the_environment() -> None:
     from preheat.core.errors import ConfigError
-    from preheat.router.app import RouterSettings
+    from preheat.router.settings import RouterSettings
 
     with pytest.raises(ConfigError, match="--standby-model"):
         RouterSettings.resolve({"standby": ["http://127.0.0.1:8001"]}, {})

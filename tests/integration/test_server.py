@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from preheat.core.errors import ConfigError
+from preheat.core.errors import ConfigError, HTTPClientError
 from preheat.router.cluster import ServerProcess
 from preheat.server.settings import ServeSettings
 from preheat.testing.fileserver import FileServer
@@ -267,7 +267,7 @@ def test_sigterm_during_generation_exits_cleanly(tiny_model: str) -> None:
 
 def _ignore_errors(call: object, *args: object) -> None:
     """Run a client call whose connection the test expects the server to cut."""
-    with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+    with contextlib.suppress(HTTPClientError, OSError, http.client.HTTPException, ValueError):
         call(*args)  # type: ignore[operator]
 
 

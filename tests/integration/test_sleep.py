@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from preheat.checkpoint.layout import read_header
+from preheat.checkpoint.header import read_header
 from preheat.core.errors import CacheError
 from preheat.engine.backend import cpu_has_native_bf16
 from preheat.engine.copies import copy_key

@@ -193,3 +193,27 @@ def test_concurrent_atomic_writes_of_one_path_never_share_a_temp_file(tmp_path: 
         thread.join()
     assert Path(target).read_bytes() in payloads  # one writer's bytes whole, never a mix
     assert os.listdir(tmp_path) == ["blob"]  # no temp file left behind
+
+
+def test_a_write_that_fails_midway_leaves_the_old_file_whole_and_no_temp_file(tmp_path: Path) -> None:
+    target = tmp_path / "entry.json"
+    durable.write_file(str(target), b"old")
+
+    def encode_half_then_fail() -> None:
+        with durable.replacing(str(target)) as out:
+            out.write(b"new, half")
+            raise RuntimeError("encoder broke")
+
+    with pytest.raises(RuntimeError, match="encoder broke"):
+        encode_half_then_fail()
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["entry.json"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs procfs, whose fsync answers EINVAL")
+def test_a_directory_that_cannot_be_synced_is_let_be_but_a_file_that_cannot_is_an_error() -> None:
+    # procfs refuses fsync with EINVAL, as some FUSE mounts do for directories: nothing more can be done there.
+    durable.fsync_dir("/proc/self")
+    durable.fsync_path("/proc/self")
+    with pytest.raises(OSError, match="Invalid argument"):
+        durable.fsync_path("/proc/self/status")  # a file's data not reaching the disk is a failed write

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 import threading
 import xml.etree.ElementTree as ET
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hostile import DEEP_JSON, ScriptedServer, always
 from preheat.cli.main import main
 from preheat.core.errors import ConfigError
 from preheat.core.timeline import Stage, Timeline
@@ -192,7 +194,11 @@ def test_png_without_matplotlib_says_to_use_html(
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("{not json", "not JSON"), ('{"stages": 3}', "not a preheat timeline"), ('{"stages": [{"start": 1}]}', "stage 0")],
+    [
+        ("{not json", "not valid JSON"),
+        ('{"stages": 3}', "not a preheat timeline"),
+        ('{"stages": [{"start": 1}]}', "stage 0"),
+    ],
 )
 def test_bad_files_are_refused_naming_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
@@ -238,6 +244,17 @@ def timeline_server() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_timeline_url_answering_deep_json_is_a_clear_error() -> None:
+    """``preheat timeline URL`` once died in a RecursionError traceback on 64 KiB of "[" (issue 27)."""
+    with ScriptedServer(always(DEEP_JSON)) as server:
+        done = subprocess.run([sys.executable, "-m", "preheat", "timeline", server.url],
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    url = server.url + "/v1/preheat/timeline"
+    assert f"preheat: error: {url}: cannot fetch the timeline (nested deeper than 64 levels)" in done.stderr
 
 
 def test_cli_fetches_the_timeline_from_a_server(timeline_server: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,15 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostile import FUZZ, TRICKY, containers, depth, json_values
-from preheat.core.jsonsafe import (
-    MAX_DEPTH,
-    JSONInputError,
-    brackets,
-    containers_exceed,
-    depth_exceeds,
-    loads_bounded,
-    nesting_depth,
-)
+from preheat.core.errors import JSONInputError
+from preheat.core.jsonsafe import MAX_DEPTH, brackets, containers_exceed, depth_exceeds, loads_bounded, nesting_depth
 
 LIMIT = 1 << 20
 

@@ -83,7 +83,7 @@ def test_a_malformed_k8s_url_is_refused_with_the_form_to_use(url: str) -> None:
 
 
 def test_the_router_takes_replicas_from_a_service_by_flag_or_variable() -> None:
-    from preheat.router.app import RouterSettings
+    from preheat.router.settings import RouterSettings
 
     by_flag = RouterSettings.resolve({"replicas": None, "replicas_from": "k8s://llm/preheat-replicas?port=http"}, {})
     assert (by_flag.replicas, by_flag.replicas_from) == ((), "k8s://llm/preheat-replicas?port=http")

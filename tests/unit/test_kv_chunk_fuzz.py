@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvchunks import FP, chunk, expect, key, same
-from preheat.core.errors import KVError
+from preheat.core.errors import CorruptChunkError, KVError
 from preheat.kv import chunkfile, mac
 from preheat.kv.chunk import decode_chunk, encode_chunk
 
@@ -48,7 +48,7 @@ def decodes_safely(blob: bytes, kv_dtype: str, keyed: bool) -> None:
         base = tracemalloc.get_traced_memory()[0]
         try:
             decoded = decode_chunk(blob, key(0), reader(kv_dtype, keyed))
-        except chunkfile.CorruptChunkError:
+        except CorruptChunkError:
             decoded = None
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:

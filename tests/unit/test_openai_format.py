@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from preheat.core.errors import APIError
 from preheat.server import openai, sse
-from preheat.text.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, APIError, GenerationRequest, parse_request
+from preheat.text.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, GenerationRequest, parse_request
 
 
 def parse(body: dict[str, object], kind: str = "completion") -> GenerationRequest:

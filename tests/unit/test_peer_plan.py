@@ -9,7 +9,8 @@ import pytest
 from peers import write_peer_checkpoint
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
 from preheat.core.errors import ConfigError
-from preheat.peer.plan import parse_peer_uri, plan_pieces
+from preheat.peer.plan import plan_pieces
+from preheat.sources.peer_uri import parse_peer_uri
 
 
 @pytest.fixture(scope="module")

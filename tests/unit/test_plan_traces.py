@@ -113,7 +113,7 @@ def test_malformed_lines_are_skipped_with_their_line_numbers(tmp_path: Path) -> 
     got = list(iter_requests(str(trace), problems))
     assert [r.line for r in got] == [1, 6]
     assert [line for line, _ in problems.skipped] == [2, 3, 4, 5]
-    assert "not JSON" in problems.skipped[0][1]
+    assert "not valid JSON" in problems.skipped[0][1]
     assert "exactly one of" in problems.skipped[2][1]
     assert problems.unknown_columns == {"colour"}
     assert problems.summary()[0].startswith(f"{trace}:2: skipped")

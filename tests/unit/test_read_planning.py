@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import WrittenCheckpoint
-from preheat.checkpoint.layout import CheckpointFile, open_checkpoint
+from preheat.checkpoint.header import CheckpointFile
+from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.safetensors import PREFIX_BYTES, encode_header, parse_header
 from preheat.core.config import parse_size
 from preheat.core.errors import ConfigError

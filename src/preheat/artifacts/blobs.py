@@ -50,7 +50,8 @@ from preheat.artifacts.signing import (
     fingerprint,
     verify_signature,
 )
-from preheat.core.errors import ArtifactTrustError, PeerError
+from preheat.core.errors import ArtifactTrustError, JSONInputError, PeerError
+from preheat.core.jsonsafe import loads_bounded
 
 MAGIC = b"PREHEAT-ARTIFACT 2\n"
 SIGNATURE_MAGIC = b"PREHEAT-SIGNATURE 1\n"
@@ -228,9 +229,9 @@ def parse(raw: bytes, *, where: str) -> Parsed:
         raise PeerError(f"{where}: artifact header length {length} is impossible (truncated or not a blob)")
     view = memoryview(raw)
     try:
-        header = json.loads(bytes(view[start : start + length]).decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: nesting too deep
-        raise PeerError(f"{where}: artifact header is not JSON") from None
+        header = loads_bounded(view[start : start + length], max_bytes=MAX_HEADER_BYTES)
+    except JSONInputError as exc:  # not UTF-8, not JSON, or nested too deep
+        raise PeerError(f"{where}: artifact header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise PeerError(f"{where}: artifact header is not a JSON object")
     key, size, checksum = header.get("key"), header.get("size"), header.get("sha256")

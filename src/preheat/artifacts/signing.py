@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from preheat.core import env as envs
 from preheat.core.errors import ConfigError
 
 # DER of SubjectPublicKeyInfo{ algorithm: id-Ed25519 (1.3.101.112), subjectPublicKey: BIT STRING of 32 bytes }.
@@ -79,8 +80,8 @@ def trust_key_files(given: Sequence[str] | None, env: Mapping[str, str] | None =
     (comma-separated), as ``preheat serve`` reads them."""
     if given is not None:
         return list(given)
-    raw = (os.environ if env is None else env).get("PREHEAT_TRUST_KEY", "")
-    return [part.strip() for part in raw.split(",") if part.strip()]
+    files: tuple[str, ...] = envs.get(envs.TRUST_KEY, env)
+    return list(files)
 
 
 @dataclass(frozen=True)

@@ -20,19 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from preheat.artifacts.blobs import HOW_TO_TRUST, MAX_BLOB_BYTES, ArtifactKey, CompiledKey, Verified, verify
-from preheat.artifacts.signing import TrustedKeys
+from preheat.artifacts.signing import TrustedKeys, trust_key_files
 from preheat.core import durable
-from preheat.core.errors import PeerError, RegistryError
-from preheat.http.client import (
-    AnswerTooLargeError,
-    HTTPClientError,
-    Redirects,
-    ResponseTimeoutError,
-    Timeouts,
-    get,
-)
+from preheat.core.errors import AnswerTooLargeError, HTTPClientError, PeerError, RegistryError, ResponseTimeoutError
+from preheat.http.client import Redirects, Timeouts, get
 from preheat.peer.registry import open_registry
 from preheat.peer.server import ARTIFACTS_ROUTE
+from preheat.store.cache import ModelCache
 
 log = logging.getLogger("preheat.peer")
 _KEY = re.compile(r"[0-9a-f]{32}")  # fullmatch: a CompiledKey.hex
@@ -153,6 +147,13 @@ class ArtifactStore:
             names = (n.removesuffix(".blob") for n in os.listdir(self.root) if n.endswith(".blob"))
             return sorted(n for n in names if _KEY.fullmatch(n))
         return []
+
+
+def node_store(cache_dir: str | None, trust: Sequence[str] | None = None) -> ArtifactStore:
+    """The node cache's store (``cache_dir``; None: ``PREHEAT_CACHE_DIR`` or ~/.cache/preheat), trusting the public
+    key files ``trust`` (None: ``PREHEAT_TRUST_KEY``, as ``preheat serve`` reads them). Its ``lookup`` is what a seed
+    peer serves (``python -m preheat.peer --artifacts``)."""
+    return ArtifactStore(ModelCache(cache_dir).root, TrustedKeys.from_files(trust_key_files(trust)))
 
 
 # -- fetching from peers -------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from preheat.artifacts.blobs import Verified, device_arch, key_hex
 from preheat.artifacts.signing import SigningKey
 from preheat.artifacts.store import ArtifactStore, find
 from preheat.checkpoint import manifest as mf
+from preheat.core import env
 from preheat.core.errors import ConfigError, PeerError
 
 FORMAT = "vllm-compile-cache-1"
@@ -365,17 +366,17 @@ def _sweep_staging(cache_root: str, older_than_s: float = 3600.0) -> None:
 
 def _target(unit: str, cache_root: str, triton_cache: str | None) -> str:
     if unit.startswith(f"{TRITON_DIR}/"):
-        base = triton_cache or os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+        base = triton_cache or env.get(env.TRITON_CACHE_DIR) or os.path.expanduser("~/.triton/cache")
         return os.path.join(base, unit.split("/", 1)[1])
     return os.path.join(cache_root, *unit.split("/"))
 
 
 def default_cache_root() -> str:
     """vLLM's cache root as vLLM finds it: ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm`` or ``~/.cache/vllm``."""
-    given = os.environ.get("VLLM_CACHE_ROOT")
+    given = env.get(env.VLLM_CACHE_ROOT)
     if given:
         return os.path.expanduser(given)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = env.get(env.XDG_CACHE_HOME) or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "vllm")
 
 

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch
 
 from preheat.core.errors import CheckpointError, ConfigError
+from preheat.core.jsonsafe import load_object
 
 GGUF_MAGIC = b"GGUF"
 Progress = Callable[[str, int, int], None]  # (stage, done bytes, total bytes): ProgressBars.stage
@@ -225,6 +226,8 @@ def _clean_config(raw: dict[str, object], architecture: str) -> dict[str, object
     config = {k: v for k, v in raw.items() if k not in _DROP_KEYS}
     if not config.get("architectures"):
         config["architectures"] = [architecture]
-    # Round-trip through JSON so only plain values remain (transformers may hold enums or dtypes).
-    loaded: dict[str, object] = json.loads(json.dumps(config, default=str))
-    return loaded
+    # Round-trip through JSON so only plain values remain (transformers may hold enums or dtypes). The dict came
+    # from a GGUF file's metadata, so it is parsed back within jsonsafe's depth; json.dumps writes ASCII only, so
+    # its length is its size in bytes; NaN stays NaN, as before.
+    text = json.dumps(config, default=str)
+    return load_object(text, max_bytes=len(text), allow_constants=True)

@@ -5,11 +5,12 @@ Torch-free on purpose: the router and the planning tools read tokenizer files wi
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from preheat.core.errors import CheckpointError
+from preheat.core.errors import CheckpointError, JSONInputError
+from preheat.core.jsonsafe import read_bounded
+from preheat.sources.base import READ_BYTES_LIMIT
 
 
 def read_json_object(path: str, *, require_object: bool = False) -> dict[str, Any]:  # Any: JSON values
@@ -17,10 +18,9 @@ def read_json_object(path: str, *, require_object: bool = False) -> dict[str, An
     ``CheckpointError`` naming the file when it cannot be read or parsed."""
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as handle:
-            doc = json.load(handle)
-    except (OSError, ValueError) as exc:
+    try:  # bounded: a checkpoint's files come from wherever it was downloaded; NaN: Python's json.dumps writes it
+        doc = read_bounded(path, max_bytes=READ_BYTES_LIMIT, allow_constants=True)
+    except (OSError, JSONInputError) as exc:
         raise CheckpointError(f"{path}: not readable JSON ({exc})", path=path) from None
     if not isinstance(doc, dict):
         if require_object:

@@ -1,4 +1,4 @@
-"""Find the safetensors files of a checkpoint and read their headers.
+"""Find the safetensors files of a checkpoint and read their headers (one local file's: ``preheat.checkpoint.header``).
 
 A source is one of: a ``.safetensors`` file; a Hugging Face directory with ``model.safetensors.index.json`` (shards)
 or ``model.safetensors``; or any directory of ``*.safetensors`` files (a preheat checkpoint is one, plus its manifest).
@@ -7,42 +7,20 @@ or ``model.safetensors``; or any directory of ``*.safetensors`` files (a preheat
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from preheat.checkpoint.header import CheckpointFile, read_header
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
-from preheat.checkpoint.safetensors import PREFIX_BYTES, SafetensorsHeader, TensorEntry, header_length, parse_header
+from preheat.checkpoint.safetensors import PREFIX_BYTES, TensorEntry, header_length, parse_header
 from preheat.core.errors import CheckpointError, ConfigError
 from preheat.core.jsonsafe import loads_bounded
-from preheat.io.files import read_exact
 from preheat.io.reads import read_at_least
 from preheat.sources.base import READ_BYTES_LIMIT, Origin, Source, check_name, is_uri
-from preheat.sources.local import LocalFile
 from preheat.sources.open import open_origin
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-@dataclass(frozen=True)
-class CheckpointFile:
-    """One weights file: where it is, how big it was when planned, and its parsed header.
-
-    ``path`` is a local path or a URL (for messages); remote files also carry their ``origin`` and relative ``name``.
-    """
-
-    path: str
-    size: int
-    header: SafetensorsHeader
-    origin: Origin | None = None
-    name: str = ""
-
-    def open_source(self) -> Source:
-        """Open this file's bytes (remote files only; local files are opened by the readers themselves)."""
-        if self.origin is None:
-            return LocalFile(self.path)
-        return self.origin.open(self.name)
 
 
 @dataclass(frozen=True)
@@ -72,35 +50,6 @@ class Checkpoint:
 
     def names(self) -> list[str]:
         return [entry.name for _, entry in self.entries()]
-
-
-def read_header(path: str) -> CheckpointFile:
-    """Open ``path``, read and validate its safetensors header."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found", path=path) from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, not a safetensors file", path=path) from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot open: {exc.strerror}", path=path) from None
-    try:
-        if hasattr(os, "posix_fadvise"):
-            # Readahead after a header read would pull megabytes that a TP rank may never need.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            # Linux opens a directory read-only without complaint; only the first read fails (EISDIR).
-            raise CheckpointError(f"{path}: is not a regular file, so it cannot be a safetensors file", path=path)
-        size = info.st_size
-        prefix = read_exact(fd, 0, min(PREFIX_BYTES, size), path=path)
-        length = header_length(prefix, path=path, file_size=size)
-        raw = read_exact(fd, PREFIX_BYTES, length, path=path)
-        return CheckpointFile(path, size, parse_header(raw, path=path, file_size=size))
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read the header: {exc.strerror}", path=path) from None
-    finally:
-        os.close(fd)
 
 
 def resolve_files(source: str, *, rank: int = 0, world_size: int = 1) -> list[str]:

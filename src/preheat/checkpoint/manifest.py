@@ -26,10 +26,12 @@ from functools import cached_property
 
 from preheat.checkpoint import dtypes
 from preheat.checkpoint.digest import DIGEST_PREFIX, digest_bytes, file_digest, hash_file
+from preheat.checkpoint.header import read_header
 from preheat.checkpoint.jsonfile import read_config
 from preheat.checkpoint.safetensors import MAX_DIMS, MAX_INT, SafetensorsHeader, brief
-from preheat.core.errors import CheckpointError, ConfigError
-from preheat.core.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
+from preheat.checkpoint.tp import split_dim
+from preheat.core.errors import CheckpointError, ConfigError, JSONInputError
+from preheat.core.jsonsafe import MAX_DEPTH, loads_bounded
 from preheat.sources.base import READ_BYTES_LIMIT, check_name
 
 # The digest helpers are part of this module's API (callers hash with ``manifest.digest_bytes``), hence re-exported.
@@ -455,10 +457,6 @@ def build_manifest(
     from the loader's built-in plan. ``quant`` maps quantized weight names to their ``QuantInfo``. Every byte of every
     file is read once; ``progress(nbytes)`` is called as it goes.
     """
-    # Imported here: layout reads manifests, so importing it at module level would be a cycle.
-    from preheat.checkpoint.layout import read_header
-    from preheat.checkpoint.tp import split_dim
-
     root = os.fspath(directory)
     weights, extras = _walk(root)
     if not weights:

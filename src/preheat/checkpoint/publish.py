@@ -10,22 +10,20 @@ import os
 import re
 import shutil
 
+from preheat.core import durable
 from preheat.core.errors import ConfigError
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` (creating its directory) and fsync it."""
+    """Write ``data`` to ``path`` (creating its directory) atomically and durably (``durable.write_file``)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    durable.write_file(path, data)
 
 
 def publish_dir(tmp: str, target: str, *, force: bool) -> None:
     """Move the verified ``tmp`` into place; an existing ``target`` (``force`` only) is swapped out first."""
     for current, _, _ in os.walk(tmp):
-        fsync_dir(current)
+        durable.fsync_dir(current)
     if os.path.lexists(target):
         if not force:
             raise ConfigError(f"{target}: appeared while it was being written; pass --force to replace it")
@@ -42,17 +40,8 @@ def publish_dir(tmp: str, target: str, *, force: bool) -> None:
             os.unlink(old)
     else:
         os.replace(tmp, target)
-    fsync_dir(os.path.dirname(target))
-
-
-def fsync_dir(path: str) -> None:
-    """Make renames inside ``path`` durable."""
     # A rename is durable only once its directory is synced; without it a power loss can undo the publish.
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    durable.fsync_dir(os.path.dirname(target))
 
 
 def remove_stale_temps(target: str) -> None:

@@ -14,8 +14,8 @@ import struct
 from dataclasses import dataclass
 
 from preheat.checkpoint import dtypes
-from preheat.core.errors import CheckpointError
-from preheat.core.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
+from preheat.core.errors import CheckpointError, JSONInputError
+from preheat.core.jsonsafe import MAX_DEPTH, loads_bounded
 
 PREFIX_BYTES = 8
 # Real headers are kilobytes to a few MiB; anything beyond this is a different file type or garbage, and refusing it

@@ -1,4 +1,4 @@
-"""Write safetensors files that any reader accepts, atomically (temp name, fsync, rename)."""
+"""Write safetensors files that any reader accepts, atomically (``core.durable``: temp name, fsync, rename)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from preheat.checkpoint import torch_dtypes
 from preheat.checkpoint.safetensors import encode_header
+from preheat.core import durable
 
 
 def save_file(
@@ -20,21 +21,10 @@ def save_file(
         name: (torch_dtypes.from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size())
         for name, t in tensors.items()
     }
-    tmp = f"{target}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as out:
-            out.write(encode_header(spec, dict(metadata) if metadata else None))
-            for tensor in tensors.values():
-                flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-                out.write(
-                    flat.view(torch.uint8).numpy().tobytes()
-                    if flat.numel() < 4096
-                    else flat.view(torch.uint8).numpy().data
-                )
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with durable.replacing(target) as out:
+        out.write(encode_header(spec, dict(metadata) if metadata else None))
+        for tensor in tensors.values():
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            out.write(
+                flat.view(torch.uint8).numpy().tobytes() if flat.numel() < 4096 else flat.view(torch.uint8).numpy().data
+            )

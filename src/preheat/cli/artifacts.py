@@ -196,12 +196,9 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _store(cache_dir: str | None, trust: list[str] | None = None) -> ArtifactStore:
-    from preheat.artifacts.signing import TrustedKeys, trust_key_files
-    from preheat.artifacts.store import ArtifactStore
-    from preheat.store.cache import ModelCache
+    from preheat.artifacts.store import node_store
 
-    # the flag, else the environment, like `preheat serve`
-    return ArtifactStore(ModelCache(cache_dir).root, TrustedKeys.from_files(trust_key_files(trust)))
+    return node_store(cache_dir, trust)  # the flag, else the environment, like `preheat serve`
 
 
 def _read_blob(path: str) -> bytes:

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from preheat.core.errors import CacheError, ProcessError
+from preheat.core.errors import CacheError, JSONInputError, ProcessError
+from preheat.core.jsonsafe import load_object
 from preheat.core.progress import ProgressBars
 from preheat.http import client
 
@@ -35,7 +36,7 @@ QUESTION = "What is the capital of France?"
 # temporary L2 directory, substituting these strings only.
 SERVE_PORT = 8000
 ROUTER_PORT = 8080
-KV_DIR = "/tmp/preheat-kv"
+KV_DIR = "/tmp/preheat-kv"  # noqa: S108 - a printed command for the user's own machine; tests substitute it
 VENV_PREHEAT = ".venv/bin/preheat"  # what `make demo` sets up, relative to the clone
 
 
@@ -196,7 +197,10 @@ def stream_chat(
             for payload in parse_events(line + b"\n"):
                 if payload == "[DONE]":
                     continue
-                chunk = json.loads(payload)
+                try:  # our own server, but over a socket: a chunk is bounded like any answer
+                    chunk = load_object(payload, max_bytes=1 << 20)
+                except JSONInputError as exc:
+                    raise ProcessError(f"preheat serve at {url} streamed a malformed chunk ({exc})") from None
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices", []):

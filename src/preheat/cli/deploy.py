@@ -13,18 +13,20 @@ from typing import Any
 from preheat.core.errors import ConfigError
 
 RENDER_HELP = """\
-Turn deployment values into a Kustomize overlay of deploy/kustomize/base, checked against deploy/values.schema.json
-first: a bad value (negative replicas, an unknown L2 scheme, no model) fails here, naming the key, not at pod start.
+Turn deployment values into a Kustomize overlay of the manifests shipped with preheat (their kustomize/base), checked
+against their values.schema.json first: a bad value (negative replicas, an unknown L2 scheme, no model) fails here,
+naming the key, not at pod start. Works from any directory: nothing is read from a checkout.
 
-Values are merged in order: deploy/values.yaml (the defaults), each --values FILE, then each --profile:
+Values are merged in order: the shipped values.yaml (the defaults), each --values FILE, then each --profile:
   cpu            CPU replicas (the default)
   cuda           the -cuda image, nvidia.com/gpu per replica
   redis-l2       L2 and peer registry in an in-cluster Redis (the default)
   fs-l2          L2 and registry on a ReadWriteMany volume
   scale-to-zero  a KEDA ScaledObject instead of the HPA, min 0 replicas
 
-With -o DIR the overlay is written to DIR/kustomization.yaml (apply it with `kubectl apply -k DIR`); without it
-the manifests are printed (`kubectl kustomize` of that overlay, so kubectl must be on PATH).
+With -o DIR the overlay is written to DIR/kustomization.yaml (apply it with `kubectl apply -k DIR`; it refers to the
+shipped base by a relative path); without it the manifests are printed (`kubectl kustomize` of that overlay, so
+kubectl must be on PATH).
 
 examples:
   preheat deploy render --values fleet.yaml -o overlays/prod && kubectl apply -k overlays/prod
@@ -53,8 +55,10 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     render.add_argument("-o", "--output", default=None, metavar="DIR", help="write DIR/kustomization.yaml")
     render.add_argument(
         "--deploy-dir",
-        default="deploy",
-        help="the deploy/ folder of a preheat checkout (default: ./deploy)",
+        default=None,
+        metavar="DIR",
+        help="render from a copy of the manifests (values.yaml, values.schema.json, kustomize/) instead of the "
+        "ones shipped in the package (preheat/k8s/manifests)",
     )
     render.set_defaults(func=_cmd_render)
 
@@ -82,15 +86,17 @@ def _read_yaml(path: str) -> Any:  # Any: a YAML document, validated by the call
 
 def load_values(deploy_dir: str, files: list[str], profiles: list[str]) -> dict[str, Any]:  # Any: YAML values
     """The merged values, checked against ``deploy_dir/values.schema.json`` (``ConfigError`` names bad keys)."""
-    import json
-
+    from preheat.core.errors import JSONInputError
+    from preheat.core.jsonsafe import read_object
     from preheat.k8s.values import combine, validate
 
     schema_path = os.path.join(deploy_dir, "values.schema.json")
     if not os.path.isfile(schema_path):
-        raise ConfigError(f"{schema_path}: not found; pass --deploy-dir, the deploy/ folder of a preheat checkout")
-    with open(schema_path, encoding="utf-8") as handle:
-        schema = json.load(handle)
+        raise ConfigError(f"{schema_path}: not found; --deploy-dir takes a copy of preheat/k8s/manifests")
+    try:
+        schema = read_object(schema_path, max_bytes=16 << 20)
+    except (OSError, JSONInputError) as exc:
+        raise ConfigError(f"{schema_path}: cannot read the values schema ({exc})") from None
     defaults = _read_yaml(os.path.join(deploy_dir, "values.yaml"))
     values = combine(defaults, [(path, _read_yaml(path)) for path in files], profiles)
     validate(values, schema, where=", ".join(files) or "values")
@@ -138,12 +144,15 @@ def kubectl_kustomize(overlay_dir: str) -> str:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
+    from preheat.k8s.bundle import manifests_dir
+
     require_deploy_extra()
-    values = load_values(args.deploy_dir, args.values, args.profile)
+    deploy_dir = args.deploy_dir or str(manifests_dir())  # the package's own copy: no checkout, any directory
+    values = load_values(deploy_dir, args.values, args.profile)
     if args.output:
-        path = write_overlay(values, args.deploy_dir, args.output)
+        path = write_overlay(values, deploy_dir, args.output)
         print(f"wrote {path}; apply it with: kubectl apply -k {args.output}", file=sys.stderr)
         return 0
     with tempfile.TemporaryDirectory(prefix="preheat-deploy-") as tmp:
-        sys.stdout.write(kubectl_kustomize(os.path.dirname(write_overlay(values, args.deploy_dir, tmp))))
+        sys.stdout.write(kubectl_kustomize(os.path.dirname(write_overlay(values, deploy_dir, tmp))))
     return 0

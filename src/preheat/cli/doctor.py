@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from preheat.core import env
+
 DOCTOR_HELP = """\
 Check whether this node is set up to load a model fast and, given a replica URL or a timeline, which stage of its
 cold start to fix first. Findings are ranked by the seconds they cost per cold start, each with its evidence and the
@@ -37,10 +39,10 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         help="a model directory, a replica's http(s):// URL, or a timeline JSON file",
     )
     doctor.add_argument("--json", action="store_true", help="print the preheat.doctor/1 JSON (docs/doctor.schema.json)")
-    doctor.add_argument("--origin", default=os.environ.get("PREHEAT_ORIGIN"), metavar="URI",
+    doctor.add_argument("--origin", default=env.get(env.ORIGIN), metavar="URI",
                         help="an HTTP(S) origin to probe: a file's URL, or a directory URL ending in / (the model's "
                              "largest file is read from it) [PREHEAT_ORIGIN]")
-    doctor.add_argument("--registry", default=os.environ.get("PREHEAT_REGISTRY"), metavar="URL",
+    doctor.add_argument("--registry", default=env.get(env.REGISTRY), metavar="URL",
                         help="the peer registry: redis://host:port/db or file:///dir [PREHEAT_REGISTRY]")
     doctor.add_argument("--name", default=None, metavar="NAME",
                         help="what peers announce the model as (default: its preheat.json identity or dir name)")
@@ -54,7 +56,7 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
                         help="the node cache directory to check (default: preheat's)")
     doctor.add_argument("--threads", type=int, default=None, metavar="N",
                         help="the reader threads you configured, to check")
-    doctor.add_argument("--api-key", default=os.environ.get("PREHEAT_API_KEY"), metavar="KEY",
+    doctor.add_argument("--api-key", default=env.get(env.API_KEY), metavar="KEY",
                         help="bearer token for the replica URL [PREHEAT_API_KEY]")
     # Its own dest: a subcommand's default would overwrite the top-level -v (`preheat -v doctor`) in the namespace.
     doctor.add_argument("-v", "--verbose", dest="every_check", action="store_true",

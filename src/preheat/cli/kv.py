@@ -72,7 +72,7 @@ def _url(args: argparse.Namespace) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from preheat.kv.namespace import list_namespaces
+    from preheat.kv.backends import list_namespaces
 
     found = list_namespaces(_url(args))
     if args.json:

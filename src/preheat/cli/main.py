@@ -14,14 +14,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 from preheat.cli.common import CommandParser, progress_for
+from preheat.core import env
 from preheat.core.config import format_bytes, parse_size
 from preheat.core.errors import ConfigError, PreheatError
 
 EPILOG = """\
-environment:
-  PREHEAT_THREADS        reader threads (default: tuned to the storage; see docs/loader.md)
-  PREHEAT_CHUNK_BYTES    bytes per read operation, e.g. 16MiB (default: tuned)
-  PREHEAT_LOAD_MODE      default --mode
+environment (of preheat load and preheat.load(); every variable: docs/environment.md):
+@VARIABLES@
 
 docs: README.md (quick start), docs/loader.md (how loading works), docs/architecture.md (layers),
       docs/security.md (trust model: tokens, KV MAC, signed artifacts)
@@ -56,7 +55,7 @@ def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = CommandParser(  # every subcommand inherits its class: a misspelt flag gets that command's usage
         prog="preheat",
         description="Take an LLM replica from cold to serving in seconds.",
-        epilog=EPILOG,
+        epilog=EPILOG.replace("@VARIABLES@", env.help_lines("load")),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -121,10 +120,12 @@ def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def _tp_plan(value: str) -> str | dict[str, int | None]:
     if value == "auto":
         return value
+    from preheat.core.errors import JSONInputError
+    from preheat.core.jsonsafe import read_bounded
+
     try:
-        with open(value, encoding="utf-8") as handle:
-            plan = json.load(handle)
-    except (OSError, ValueError) as exc:
+        plan = read_bounded(value, max_bytes=1 << 20)  # a plan lists a few dozen patterns
+    except (OSError, JSONInputError) as exc:
         raise ConfigError(f"--tp-plan {value}: cannot read a JSON mapping of patterns to dims ({exc})") from None
     if not isinstance(plan, dict) or not all(v is None or isinstance(v, int) for v in plan.values()):
         raise ConfigError(f"--tp-plan {value}: must map name patterns to an integer dim or null")
@@ -385,6 +386,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

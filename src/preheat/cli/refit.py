@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from preheat.cli.common import renamed
+from preheat.core import env
 
 REFIT_HELP = """\
 Live weight updates (docs/refit.md): a trainer publishes versions of preheat://NAME from memory
@@ -35,6 +36,7 @@ examples:
 """
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+HEALTH_BYTES = 1024 * 1024  # a replica's /health is a few kB
 
 
 def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
@@ -97,7 +99,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     for name in files:
         weights.update(load_file(os.path.join(args.dir, name)))
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    token = args.peer_token or os.environ.get("PREHEAT_PEER_TOKEN")
+    token = args.peer_token or env.get(env.PEER_TOKEN)
     with Publisher(args.name, registry=args.registry, host=args.host, port=args.port, token=token) as publisher:
         manifest = publisher.publish(weights, args.refit_version, dtype=dtype)
         print(
@@ -113,12 +115,16 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from preheat.core.errors import RefitError
+    from preheat.core.errors import JSONInputError, RefitError
+    from preheat.core.jsonsafe import load_object
     from preheat.http.client import Timeouts, request
 
     url = args.url.rstrip("/") + "/health"
-    answer = request(url, timeouts=Timeouts.within(10.0), max_body=1024 * 1024)
-    body = json.loads(answer.body) if answer.body.startswith(b"{") else {}
+    answer = request(url, timeouts=Timeouts.within(10.0), max_body=HEALTH_BYTES)
+    try:  # bounded: URL may be any server, and 64 KiB of "[" once ended this command in a RecursionError
+        body = load_object(answer.body, max_bytes=HEALTH_BYTES)
+    except JSONInputError as exc:
+        raise RefitError(f"{url}: HTTP {answer.status}, not a preheat replica's health answer ({exc})") from None
     refit = body.get("refit")
     if not isinstance(refit, dict):
         raise RefitError(f"{url}: this replica does not follow versions (start it with --follow)")

@@ -13,8 +13,6 @@ import threading
 import time
 from typing import Any
 
-from preheat.cli.common import renamed
-
 ROUTER_HELP = """\
 An OpenAI-compatible reverse proxy in front of `preheat serve`, vLLM or SGLang replicas: clients change only the URL.
 Request and response bodies pass through unchanged; streams are relayed chunk by chunk.
@@ -71,10 +69,6 @@ examples:
 docs: docs/router.md, docs/kv-events.md, docs/integrations.md (vLLM, SGLang)
 """
 
-# Spelled out here (router/policies.py has the same tuple): importing the router on every `preheat` start would slow
-# `preheat serve`'s cold start, which builds this parser too.
-POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
-
 UP_HELP = """\
 Start N `preheat serve` replicas of MODEL and a router in front of them, all on 127.0.0.1, print the endpoints,
 wait until every replica is healthy, and stop them all on Ctrl-C or SIGTERM (SIGKILL after a grace period).
@@ -91,22 +85,27 @@ examples:
 """
 
 
+# What `up` passes to its router and, each as `preheat serve` parses it, to every replica (the flags are generated
+# from the same settings, so they are spelt and parsed alike: tests/integration/test_cli.py compares them).
+UP_ROUTER = ("policy", "kv_chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
+             "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout", "saturation",
+             "activation_timeout", "wake", "newest_version")  # fmt: skip
+UP_REPLICA = ("kv_l1", "kv_l2", "max_model_len", "served_model_name", "device", "dtype", "max_queue")
+
+
 def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
     """Add ``router`` and ``up`` to the ``preheat`` command."""
+    from preheat.cli.flags import add_settings_flags
+    from preheat.router.settings import RouterSettings
+    from preheat.server.settings import ServeSettings
+
     router = commands.add_parser(
         "router",
         help="route OpenAI requests across replicas: round-robin, least-load, session, prefix or KV-aware",
         description=ROUTER_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    router.add_argument(
-        "--replica",
-        dest="replicas",
-        action="append",
-        default=None,
-        metavar="URL",
-        help="http://host:port; an engine replica may carry its KV events: URL,events=tcp://H:P,replay=tcp://H:P",
-    )
+    add_settings_flags(router, RouterSettings)
     router.add_argument(
         "--kv-events",
         dest="replicas",
@@ -122,50 +121,6 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         option="replay",
         metavar="tcp://HOST:PORT",
         help="kv: the preceding --replica's replay endpoint, to catch up after a gap or a restart",
-    )
-    router.add_argument(
-        "--replicas-from",
-        default=None,
-        metavar="k8s://NAMESPACE/SERVICE[?port=NAME]",
-        help="the ready pods behind a Kubernetes Service are the replicas, followed as they come and go "
-        "(its EndpointSlices; needs the k8s extra and list/watch on endpointslices)",
-    )
-    _router_flags(router)
-    router.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1)")
-    router.add_argument("--port", type=int, default=None, help="port (default: 8080; 0 picks a free one)")
-    router.add_argument(
-        "--model",
-        default=None,
-        metavar="MODEL",
-        help="the replicas' model directory, for its tokenizer; @replicas: ask the replicas for theirs",
-    )
-    router.add_argument(
-        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (PREHEAT_ROUTER_API_KEY)"
-    )
-    router.add_argument(
-        "--replica-api-key",
-        default=None,
-        metavar="KEY",
-        help="the replicas' --api-key, sent to them in place of the client's (PREHEAT_ROUTER_REPLICA_API_KEY)",
-    )
-    router.add_argument(
-        "--standby",
-        action="append",
-        default=None,
-        metavar="URL",
-        help="a `preheat serve --standby` replica the router may activate when it needs capacity (repeat it)",
-    )
-    router.add_argument(
-        "--standby-model",
-        default=None,
-        metavar="MODEL",
-        help="what a standby is told to load: a directory or URI its --allow-model allows (default: --model DIR)",
-    )
-    router.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAME",
-        help="the name an activated standby serves the model under (default: MODEL's last path part)",
     )
     router.set_defaults(func=_cmd_router)
 
@@ -187,9 +142,10 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         help="also start N standby replicas the router activates when it needs capacity (default: 0)",
     )
     up.add_argument("--port", type=int, default=8080, help="the router's port (default: 8080; 0 picks a free one)")
-    _router_flags(up)
-    for flag, how in REPLICA_FLAGS.items():
-        up.add_argument(flag, default=None, **how, help=f"passed to each replica's `preheat serve {flag}`")
+    add_settings_flags(up, RouterSettings, only=UP_ROUTER)
+    add_settings_flags(
+        up, ServeSettings, only=UP_REPLICA, help=lambda s: f"passed to each replica's `preheat serve {s.flag}`"
+    )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for healthy replicas")
     up.add_argument(
         "--api-key",
@@ -220,77 +176,11 @@ class _ReplicaOption(argparse.Action):
         replicas[-1] += f",{self.option}={values}"
 
 
-def _router_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", default=None, choices=POLICIES, help="routing policy (default: round-robin)")
-    # The replicas' --kv-chunk-tokens: one name for one chunk size (`up` gives the replicas the same value).
-    chunk = parser.add_argument(
-        "--kv-chunk-tokens", type=int, default=None, metavar="C", help="prefix: tokens per chunk key (default: 256)"
-    )
-    renamed(parser, "--chunk-tokens", chunk)
-    parser.add_argument("--guard-gap", type=int, default=None, help="in-flight gap that forces least-load (2)")
-    parser.add_argument("--hot-in-flight", type=int, default=None, help="in flight that spreads a hot prefix (3)")
-    parser.add_argument(
-        "--index-keys", type=int, default=None, help="keys kept per replica (prefix), per tier (kv) (100000)"
-    )
-    parser.add_argument("--index-ttl", type=float, default=None, help="prefix: seconds a key is remembered (600)")
-    parser.add_argument("--health-interval", type=float, default=None, help="seconds between health checks (1)")
-    parser.add_argument(
-        "--newest-version",
-        action="store_true",
-        default=None,
-        help="route only to replicas on the newest weights version (--follow replicas; docs/refit.md)",
-    )
-    parser.add_argument("--health-timeout", type=float, default=None, help="seconds a health check may take (2)")
-    parser.add_argument("--kv-poll-interval", type=float, default=None, help="kv: seconds between event polls (0.25)")
-    parser.add_argument(
-        "--kv-snapshot-interval", type=float, default=None, help="kv: seconds between full snapshots of an L2 (60)"
-    )
-    parser.add_argument("--upstream-timeout", type=float, default=None, help="seconds to wait on a replica (300)")
-    parser.add_argument(
-        "--saturation",
-        type=int,
-        default=None,
-        metavar="N",
-        help="a replica with N or more requests in flight through the router is saturated; all saturated: bring up "
-        "a standby or sleeping replica (3)",
-    )
-    parser.add_argument(
-        "--activation-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds an activation or a wake may take; a request with no replica waits as long (300)",
-    )
-    parser.add_argument(
-        "--no-wake",
-        dest="wake",
-        action="store_const",
-        const=False,
-        default=None,
-        help="never wake a sleeping replica (default: wake one when capacity is needed)",
-    )
-
-
-# What `up` passes through to every replica's `preheat serve`, each parsed as serve parses it
-# (tests/integration/test_cli.py compares every flag's spelling, metavar and type across commands).
-REPLICA_FLAGS: dict[str, dict[str, Any]] = {  # Any: add_argument's keyword values
-    "--kv-l1": {"metavar": "SIZE"},
-    "--kv-l2": {"metavar": "URL"},
-    "--max-model-len": {"type": int},
-    "--served-model-name": {"metavar": "NAME"},
-    "--device": {},
-    "--dtype": {"metavar": "DTYPE"},
-    "--max-queue": {"type": int},
-}
-ROUTER_FLAGS = ("policy", "kv_chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
-                "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout", "saturation",
-                "activation_timeout")  # fmt: skip
-
-
 def _cmd_router(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from preheat.router.app import RouterSettings, run
+    from preheat.router.app import run
+    from preheat.router.settings import RouterSettings
 
     flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(RouterSettings)}
     return run(flags, findings=_doctor_findings(args.model))
@@ -308,21 +198,15 @@ def _doctor_findings(model: str | None) -> Any:  # Any: a Refreshing[dict], impo
 
 def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The command-line arguments ``preheat up`` gives every replica, and the router."""
-    replica_args: list[str] = []
+    from preheat.cli.flags import settings_argv
+    from preheat.router.settings import RouterSettings
+    from preheat.server.settings import ServeSettings
+
     # --kv-chunk-tokens (a router flag too): the router's prefix keys and the replicas' chunks are the same size.
-    for name in ("kv_l1", "kv_chunk_tokens", "max_model_len", "served_model_name", "device", "dtype", "max_queue"):
-        value = getattr(args, name)
-        if value is not None:
-            replica_args += ["--" + name.replace("_", "-"), str(value)]
-    router_args = ["--port", str(args.port), "--model", args.model]
-    for name in ROUTER_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            router_args += ["--" + name.replace("_", "-"), str(value)]
-    if args.wake is False:
-        router_args.append("--no-wake")
-    if args.newest_version:
-        router_args.append("--newest-version")
+    # --kv-l2 reaches the replicas through their environment (_cmd_up): its URL may carry a password.
+    passed = ("kv_l1", "kv_chunk_tokens", "max_model_len", "served_model_name", "device", "dtype", "max_queue")
+    replica_args = settings_argv(ServeSettings, args, passed)
+    router_args = ["--port", str(args.port), "--model", args.model, *settings_argv(RouterSettings, args, UP_ROUTER)]
     if args.standby:
         # The standbys' --allow-model (cluster.py) and the router's --standby-model name the model the same way.
         model = os.path.abspath(args.model) if "://" not in args.model else args.model
@@ -333,6 +217,7 @@ def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from preheat.core import env
     from preheat.http.server import sigterm_interrupts
     from preheat.router.cluster import kv_report, start_cluster, wait_healthy
 
@@ -350,11 +235,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     replica_args, router_args = _up_arguments(args)
     # Secrets reach the children through their environment, never their command lines (visible to all users): the
     # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
-    key = args.api_key or os.environ.get("PREHEAT_ROUTER_API_KEY")
-    extra = {"PREHEAT_API_KEY": key, "PREHEAT_ROUTER_API_KEY": key} if key else {}
+    key = args.api_key or env.get(env.ROUTER_API_KEY)
+    extra = {env.API_KEY.name: key, env.ROUTER_API_KEY.name: key} if key else {}
     if args.kv_l2 is not None:
         extra["PREHEAT_KV_L2"] = str(args.kv_l2)
-    env = {**os.environ, **extra} if extra else None
+    # A copy of this process's environment, the children's to change.
+    children = {**env.snapshot(), **extra} if extra else None
     # SIGTERM stops the cluster like Ctrl-C; the children are in their own sessions, so the terminal's SIGINT
     # reaches only this process, which stops them in order.
     in_main = threading.current_thread() is threading.main_thread()
@@ -367,7 +253,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 replica_args=replica_args,
                 router_args=router_args,
                 echo=echo,
-                env=env,
+                env=children,
                 standby=args.standby,
             )
             assert cluster.router is not None

@@ -25,17 +25,8 @@ endpoints:
   POST /v1/preheat/load {"model": URI}   a --standby replica serves that model (`preheat activate`)
   POST /v1/preheat/sleep {"level": 1|2}, /v1/preheat/wake   release the weights and KV cache, and restore them
 
-environment (each flag has one; the flag wins):
-  PREHEAT_MODEL, PREHEAT_HOST, PREHEAT_PORT, PREHEAT_DEVICE, PREHEAT_DTYPE, PREHEAT_MAX_MODEL_LEN,
-  PREHEAT_SERVED_MODEL_NAME, PREHEAT_MAX_QUEUE, PREHEAT_API_KEY, PREHEAT_CACHE_DIR, PREHEAT_LOAD_MODE,
-  PREHEAT_KV_L1, PREHEAT_KV_L2, PREHEAT_KV_L2_MAX_BYTES, PREHEAT_KV_L2_TTL, PREHEAT_KV_DTYPE, PREHEAT_KV_CHUNK_TOKENS,
-  PREHEAT_PEER, PREHEAT_PEER_PORT, PREHEAT_PEER_HOST, PREHEAT_PEER_TOKEN, PREHEAT_PEER_MAX_MBPS, PREHEAT_REGISTRY,
-  PREHEAT_ORIGIN, PREHEAT_COMPILE, PREHEAT_STANDBY, PREHEAT_ALLOW_MODEL (comma-separated patterns)
-  PREHEAT_FOLLOW, PREHEAT_MAX_STALENESS   live weight updates from a trainer (docs/refit.md)
-  PREHEAT_T0   epoch seconds the platform started the replica (e.g. pod creation): the timeline's origin
-  PREHEAT_POD_NAME, PREHEAT_POD_NAMESPACE   on Kubernetes (downward API): the timeline starts at the pod's creation,
-               with scheduling, pod_setup, image_pull, container_start read from the pod and its events (k8s extra;
-               RBAC: get pods, list events; read on a thread, never delaying the start)
+environment: each flag's variable is shown beside it, [PREHEAT_...]; the flag wins. Also read:
+@VARIABLES@
 
 examples:
   preheat serve smollm2-135m-instruct --port 8000                  # the demo's model, by its name
@@ -87,106 +78,19 @@ No network needed.
 
 def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
     """Add ``serve``, ``timeline`` and ``demo`` to the ``preheat`` command."""
+    from preheat.cli.flags import add_settings_flags
+    from preheat.core import env
+    from preheat.core.config import settings_of
+    from preheat.server.settings import ServeSettings
+
+    flagged = [setting.variable.name for setting in settings_of(ServeSettings)]
     serve = commands.add_parser(
         "serve",
         help="serve a model with an OpenAI-compatible API and a cold-start timeline",
-        description=SERVE_HELP,
+        description=SERVE_HELP.replace("@VARIABLES@", env.help_lines("serve", skip=flagged)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument(
-        "model", nargs="?", default=None, help="checkpoint directory, node-cache entry name, or http(s)://, s3:// URI"
-    )
-    serve.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=None, help="port (default: 8000; 0 picks a free one)")
-    serve.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
-    serve.add_argument(
-        "--dtype", default=None, metavar="DTYPE", help="compute dtype: auto, bf16, fp16 or fp32 (default: auto)"
-    )
-    serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    serve.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAME",
-        help="name in 'model' (default: a node-cache entry's name, with its key as an alias; else MODEL's last part)",
-    )
-    serve.add_argument("--max-queue", type=int, default=None, help="requests waiting before 429 (default: 16)")
-    serve.add_argument(
-        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (default: off)"
-    )
-    serve.add_argument(
-        "--cache-dir", default=None, metavar="DIR", help="node cache for URIs (default: ~/.cache/preheat)"
-    )
-    kv = serve.add_argument_group("KV tiers (docs/kv-cache.md; off unless --kv-l1 or --kv-l2 is given)")
-    kv.add_argument("--kv-l1", default=None, metavar="SIZE", help="host-memory tier: 8GiB or 20%% of RAM")
-    kv.add_argument("--kv-l2", default=None, metavar="URL", help="shared tier: fs:///dir or redis://host:port/db")
-    kv.add_argument("--kv-l2-max-bytes", default=None, metavar="SIZE", help="fs:// L2 quota, LRU across processes")
-    kv.add_argument("--kv-l2-ttl", type=int, default=None, metavar="S", help="redis:// L2 expiry after a hit (1 day)")
-    kv.add_argument("--kv-dtype", default=None, choices=("auto", "int8", "fp8"), help="how chunks are stored (auto)")
-    kv.add_argument("--kv-chunk-tokens", type=int, default=None, metavar="C", help="tokens per chunk (default: 256)")
-    kv.add_argument(
-        "--kv-secret-file", default=None, metavar="FILE", help="fleet secret: load only L2 chunks signed with it (MAC)"
-    )
-    kv.add_argument(
-        "--kv-warm", default=None, metavar="SIZE", help="load L2's hottest chunks (SIZE or all) into L1 before ready"
-    )
-    peer = serve.add_argument_group("peers (docs/peer.md)")
-    peer.add_argument("--peer", action="store_true", default=None, help="serve the weights to new replicas once loaded")
-    peer.add_argument("--peer-port", type=int, default=None, metavar="N", help="peer server port (default: 0, free)")
-    peer.add_argument(
-        "--peer-host",
-        default=None,
-        metavar="ADDR",
-        help="peer server address (default: --host; beyond loopback it needs PREHEAT_PEER_TOKEN)",
-    )
-    peer.add_argument(
-        "--peer-token", default=None, metavar="TOKEN", help="shared token peers require (prefer PREHEAT_PEER_TOKEN)"
-    )
-    peer.add_argument("--peer-max-mbps", type=float, default=None, metavar="MBPS", help="total outbound cap, MB/s")
-    peer.add_argument("--registry", default=None, metavar="URL", help="redis://host:port[/db] or file:///shared/dir")
-    peer.add_argument("--origin", default=None, metavar="URI", help="where a preheat:// model falls back to")
-    peer.add_argument("--compile", action="store_true", default=None, help="torch.compile, with artifacts from peers")
-    peer.add_argument(
-        "--trust-key",
-        action="append",
-        default=None,
-        metavar="FILE",
-        help="install peers' compiled artifacts signed by this public key (repeatable; `preheat artifacts keygen`)",
-    )
-    life = serve.add_argument_group("standby, sleep and wake (docs/server.md, *Standby replicas*)")
-    life.add_argument(
-        "--standby",
-        action="store_true",
-        default=None,
-        help="start without a model: imports, thread pools and listener ready; POST /v1/preheat/load to serve one",
-    )
-    life.add_argument(
-        "--allow-model",
-        action="append",
-        default=None,
-        metavar="GLOB",
-        help="models the control routes may load, e.g. 's3://models/*' (repeatable; default: MODEL only)",
-    )
-    refit = serve.add_argument_group("live weight updates (docs/refit.md)")
-    refit.add_argument(
-        "--follow",
-        action="store_true",
-        default=None,
-        help="follow the versions a trainer publishes (`preheat.refit.Publisher`) via --registry; swap them in live",
-    )
-    refit.add_argument(
-        "--max-staleness",
-        type=int,
-        default=None,
-        metavar="K",
-        help="with --follow: refuse requests (503) while more than K published versions behind",
-    )
-    refit.add_argument(
-        "--refit-deadline",
-        type=float,
-        default=None,
-        metavar="S",
-        help="with --follow: give up a version's pull after S seconds, stay on the one served (default: 120)",
-    )
+    add_settings_flags(serve, ServeSettings)
     serve.set_defaults(func=_cmd_serve)
 
     activate = commands.add_parser(
@@ -269,10 +173,9 @@ def _doctor_findings(model: object, cache_dir: str | None = None) -> Any:  # Any
 
 
 def _cmd_activate(args: argparse.Namespace) -> int:
-    import os
-
-    from preheat.core.errors import ConfigError, SourceError
-    from preheat.http.client import HTTPClientError, Timeouts, request
+    from preheat.core import env
+    from preheat.core.errors import ConfigError, HTTPClientError, SourceError
+    from preheat.http.client import Timeouts, request
 
     if args.sleep is not None:
         path, body = "/v1/preheat/sleep", {"level": args.sleep}
@@ -284,7 +187,7 @@ def _cmd_activate(args: argparse.Namespace) -> int:
             body["served_model_name"] = args.served_model_name
     else:
         raise ConfigError("say what to do: a MODEL to load, --sleep 1|2 or --wake")
-    key = args.api_key or os.environ.get("PREHEAT_API_KEY")
+    key = args.api_key or env.get(env.API_KEY)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     url = args.url.rstrip("/") + path
     try:

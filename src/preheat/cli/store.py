@@ -115,11 +115,12 @@ def _cache(args: argparse.Namespace) -> Any:
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     from preheat.cli.common import progress_for
+    from preheat.sources.peer_uri import is_peer_uri
     from preheat.store.pull import pull
 
     with progress_for(args, label=f"pulling {args.uri}", transient=True) as bar:
         progress = bar.update
-        peers = args.uri.startswith("preheat://")
+        peers = is_peer_uri(args.uri)
         if peers:  # a name peers hold: tokens only from PREHEAT_PEER_TOKEN (a command line is public)
             from preheat.peer.pull import PeerOptions, pull_from_peers
 

@@ -1,103 +1,224 @@
-"""Settings: the loader's tunables (``LoaderSettings``: ``PREHEAT_THREADS``, ``PREHEAT_CHUNK_BYTES``,
-``PREHEAT_LOAD_MODE``) and the one flag-then-variable-then-default rule (``resolve_settings``) behind
-``preheat serve``'s and the router's settings. Other layers read their own variables (the HTTP sources, the peer
-options, the node cache's directory): docs/architecture.md, *Environment variables*, lists who reads which.
+"""Settings: how a settings dataclass declares each option once (``option``: its help, flag and environment variable,
+from which ``preheat.cli.flags`` makes the argparse flag and ``settings`` the ``PREHEAT_*`` variable), the one
+flag-then-variable-then-default rule (``resolve_settings``) behind ``preheat serve``'s and the router's settings, and
+the loader's tunables (``LoaderSettings``: ``PREHEAT_THREADS``, ``PREHEAT_CHUNK_BYTES``, ``PREHEAT_LOAD_MODE``).
 
-Sizes are written like people write them: ``8GiB``, ``512MiB``, ``64M``, ``1.5GB`` or ``20%`` (of a total the caller
-supplies, e.g. host RAM).
+Every variable is declared in ``core.env`` and read through it; docs/environment.md lists them all. Sizes
+(``parse_size``, ``format_bytes``) live in ``core.sizes`` and are re-exported here for their many users.
+
+    >>> from dataclasses import dataclass, field
+    >>> @settings(prefix="DEMO_", command="demo")
+    ... @dataclass(frozen=True)
+    ... class Demo:
+    ...     port: int = field(default=80, metadata=option("port; 0 picks a free one"))
+    >>> resolve_settings(Demo, {"port": None}, {"DEMO_PORT": " 81 "})
+    {'port': 81}
+    >>> settings_of(Demo)[0].help_text
+    'port; 0 picks a free one (default: 80) [DEMO_PORT]'
 """
 
 from __future__ import annotations
 
-import os
-import re
+import types
+import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from preheat.core.errors import ConfigError
+from preheat.core import env
+from preheat.core.sizes import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+__all__ = [
+    "LoaderSettings",
+    "Option",
+    "Setting",
+    "format_bytes",
+    "option",
+    "parse_size",
+    "resolve_settings",
+    "settings",
+    "settings_of",
+]
+
+S = TypeVar("S", bound="type[DataclassInstance]")
+_KEY = "preheat"  # the key of a field's metadata that holds its Option
+_PARSERS: dict[str, Callable[[str], object]] = {
+    "str": env.parse_text,
+    "int": env.parse_int,
+    "float": env.parse_float,
+    "bool": env.parse_switch,
+    "list": env.parse_names,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z%]*)\s*$")
 
 
-def parse_size(text: str | int, *, total: int | None = None) -> int:
-    """Parse ``"8GiB"``, ``"64M"``, ``"1048576"`` or ``"20%"`` (of ``total``) into a byte count.
+@dataclass(frozen=True)
+class Option:
+    """How a settings field is given, beside its type and default. ``flag``: its spelling (default ``--field-name``;
+    ``""``: the positional argument; a ``bool`` field whose default is True is turned off by a ``--no-...`` flag);
+    ``default_text``: what ``--help`` says the default is when the field's default does not say it (``None`` there:
+    "the model's", "off", ...); ``variable``: a variable the setting shares with other commands, declared in
+    ``core.env`` (otherwise its own ``<prefix><FIELD>``); ``parse``: the variable's text to a value, when the field's
+    type does not say how (comma-separated replica specs, ...); ``value``: what to write, as the docs' table shows
+    it; ``renamed``: former spellings of the flag, still accepted (hidden)."""
 
-    >>> parse_size("1.5KiB")
-    1536
-    >>> parse_size("20%", total=1000)
-    200
+    help: str
+    flag: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    group: str | None = None
+    default_text: str | None = None
+    variable: env.Variable[Any] | None = None  # Any: a shared variable of the field's type
+    parse: Callable[[str], object] | None = None
+    value: str | None = None
+    renamed: tuple[str, ...] = ()
+
+
+def option(
+    help: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    group: str | None = None,
+    default_text: str | None = None,
+    variable: env.Variable[Any] | None = None,  # Any: as in Option
+    parse: Callable[[str], object] | None = None,
+    value: str | None = None,
+    renamed: tuple[str, ...] = (),
+) -> dict[str, Option]:
+    """A settings field's ``metadata``: ``port: int = field(default=8000, metadata=option("port ..."))``."""
+    return {_KEY: Option(help, flag, metavar, choices, group, default_text, variable, parse, value, renamed)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of a settings dataclass as the command line and the environment see it. ``kind``: ``str``,
+    ``int``, ``float``, ``bool`` or ``list`` (a repeatable flag, a comma-separated variable)."""
+
+    name: str
+    kind: str
+    default: object  # dataclasses.MISSING: the field is required
+    option: Option
+    variable: env.Variable[Any]  # Any: the field's type
+
+    @property
+    def flag(self) -> str:
+        """``--field-name``, or the option's own spelling (``""``: positional)."""
+        if self.option.flag is not None:
+            return self.option.flag
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def default_text(self) -> str:
+        """The default as ``--help`` and the docs show it ("" when there is nothing to show)."""
+        return _default_text(self.option, self.default)
+
+    @property
+    def help_text(self) -> str:
+        """The flag's help: what it does, its default, and its variable."""
+        default = f" (default: {self.default_text})" if self.default_text else ""
+        return f"{self.option.help}{default} [{self.variable.name}]"
+
+
+_FAMILIES: dict[type, tuple[Setting, ...]] = {}
+
+
+def settings(*, prefix: str, command: str) -> Callable[[S], S]:
+    """Declare a settings dataclass's options: each field (with ``option`` metadata) is also the flag
+    ``--field-name`` and the variable ``<prefix><FIELD>`` of ``command`` (declared in ``core.env``)."""
+
+    def declare(cls: S) -> S:
+        hints = typing.get_type_hints(cls)
+        found = []
+        for f in fields(cls):
+            how = f.metadata.get(_KEY)
+            if not isinstance(how, Option):
+                raise TypeError(f"{cls.__name__}.{f.name}: give it metadata=option(...) (its help, flag, variable)")
+            kind = _kind(hints[f.name])
+            if kind == "bool" and f.default is True and not (how.flag or "").startswith("--no-"):
+                raise TypeError(f"{cls.__name__}.{f.name}: a switch that is on by default needs flag='--no-...'")
+            variable = how.variable or env.declare(
+                env.Variable(
+                    name=prefix + f.name.upper(),
+                    parse=how.parse or _PARSERS[kind],
+                    default=None if f.default is MISSING else f.default,
+                    help=how.help,
+                    value=how.value or _value(kind, how, f.name),
+                    commands=(command,),
+                    # The docs show the default as the flag's help does (a switch that is off: 0).
+                    default_text=_default_text(how, f.default) or ("0" if f.default is False else ""),
+                    origin=cls.__module__,
+                )
+            )
+            found.append(Setting(f.name, kind, f.default, how, variable))
+        _FAMILIES[cls] = tuple(found)
+        return cls
+
+    return declare
+
+
+def _default_text(how: Option, default: object) -> str:
+    if how.default_text is not None:
+        return how.default_text
+    if how.variable is not None and how.variable.default_text:
+        return how.variable.default_text  # a shared variable's default, as core.env describes it
+    if default is MISSING or default is None or default == () or default is False:
+        return ""
+    if isinstance(default, float):
+        return f"{default:g}"  # 120, not 120.0
+    return "1" if default is True else str(default)
+
+
+def _kind(hint: object) -> str:
+    """``str``, ``int``, ``float``, ``bool`` or ``list`` for a field's type (``X | None`` as ``X``)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        return "list"
+    for kind in (bool, int, float, str):  # bool first: it is an int too
+        if hint is kind:
+            return kind.__name__
+    raise TypeError(f"a settings field must be str, int, float, bool or tuple[str, ...], not {hint}")
+
+
+def _value(kind: str, how: Option, name: str) -> str:
+    if how.choices:
+        return "|".join(how.choices)
+    if kind == "bool":
+        return "1|0"
+    metavar = how.metavar or ("N" if kind in ("int", "float") else name.upper())
+    return f"{metavar},..." if kind == "list" else metavar
+
+
+def settings_of(cls: type[DataclassInstance]) -> tuple[Setting, ...]:
+    """The settings of a dataclass declared with ``@settings``, in field order."""
+    try:
+        return _FAMILIES[cls]
+    except KeyError:
+        raise TypeError(f"{cls.__name__} is not declared with @settings(prefix=..., command=...)") from None
+
+
+def resolve_settings(
+    cls: type[DataclassInstance], flags: Mapping[str, object], environ: Mapping[str, str] | None = None
+) -> dict[str, object]:
+    """The values given for the fields of a ``@settings`` dataclass: each field's flag, else its variable (in
+    ``environ``, default this process's environment), else nothing (the field's default applies).
+
+    A flag that is missing, ``None`` or an empty list was not given; a list (a repeatable flag) becomes a tuple, so
+    settings stay hashable. A variable that is empty or blank was not set; otherwise it is parsed to the field's type
+    (``ConfigError`` naming the variable when it does not parse).
     """
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"size must not be negative, got {text}")
-        return text
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise ConfigError(f"cannot parse size {text!r}: write it like '8GiB', '512MiB', '64M' or '20%'")
-    digits, unit = match.group(1), match.group(2).lower()
-    # Integers stay exact (float would round sizes above 2**53); fractions like "1.5GiB" go through float.
-    number: float = int(digits) if digits.isdigit() else float(digits)
-    if unit == "%":
-        if total is None:
-            raise ConfigError(f"size {text!r} is a percentage, but there is no total to take it of here")
-        return int(total * number / 100)
-    if unit not in _UNITS:
-        raise ConfigError(
-            f"unknown size unit {match.group(2)!r} in {text!r}: use B, KiB, MiB, GiB, TiB, KB, MB, GB or %"
-        )
-    return int(number * _UNITS[unit])
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < 1:
-        raise ConfigError(f"{name}={raw!r} must be at least 1")
-    return value
-
-
-def _env_size(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return parse_size(raw)
-    except ConfigError as exc:
-        raise ConfigError(f"{name}: {exc}") from None
+    values: dict[str, object] = {}
+    for setting in settings_of(cls):
+        given = flags.get(setting.name)
+        if given is not None and given != []:
+            values[setting.name] = tuple(given) if isinstance(given, list) else given
+        elif env.raw(setting.variable, environ) is not None:
+            values[setting.name] = env.get(setting.variable, environ)
+    return values
 
 
 @dataclass(frozen=True)
@@ -111,43 +232,4 @@ class LoaderSettings:
     @classmethod
     def from_env(cls) -> LoaderSettings:
         """Read ``PREHEAT_THREADS``, ``PREHEAT_CHUNK_BYTES`` and ``PREHEAT_LOAD_MODE``."""
-        return cls(
-            threads=_env_int("PREHEAT_THREADS"),
-            chunk_bytes=_env_size("PREHEAT_CHUNK_BYTES"),
-            mode=os.environ.get("PREHEAT_LOAD_MODE", "auto") or "auto",
-        )
-
-
-def resolve_settings(
-    settings: type[DataclassInstance],
-    flags: Mapping[str, object],
-    env: Mapping[str, str] | None,
-    *,
-    prefix: str,
-    parse: Callable[[str, str, str], object],
-) -> dict[str, object]:
-    """The values given for the fields of a settings dataclass: each field's flag, else its ``<prefix><NAME>``
-    environment variable (``env``, default ``os.environ``), else nothing (the field's default applies).
-
-    A flag that is missing, ``None`` or an empty list was not given; a list (a repeatable flag) becomes a tuple, so
-    settings stay hashable. A variable that is empty or blank was not set; otherwise ``parse(name, variable, raw)``
-    turns its stripped text into the field's type (raising ``ConfigError`` naming the variable).
-
-    >>> @dataclass(frozen=True)
-    ... class Demo:
-    ...     port: int = 80
-    >>> resolve_settings(Demo, {"port": None}, {"DEMO_PORT": " 81 "}, prefix="DEMO_", parse=lambda n, v, r: int(r))
-    {'port': 81}
-    """
-    env = os.environ if env is None else env
-    values: dict[str, object] = {}
-    for field in fields(settings):
-        given = flags.get(field.name)
-        if given is not None and given != []:
-            values[field.name] = tuple(given) if isinstance(given, list) else given
-            continue
-        variable = prefix + field.name.upper()
-        raw = env.get(variable, "").strip()
-        if raw:
-            values[field.name] = parse(field.name, variable, raw)
-    return values
+        return cls(threads=env.get(env.THREADS), chunk_bytes=env.get(env.CHUNK_BYTES), mode=env.get(env.LOAD_MODE))

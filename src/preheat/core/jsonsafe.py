@@ -7,6 +7,8 @@ network or from a file someone else wrote (request bodies, KV events, manifests,
 goes through ``loads_bounded`` instead, which refuses all of that with one error, ``JSONInputError``. It is a
 ``ValueError``, so code that caught ``json.JSONDecodeError``/``ValueError`` around ``json.loads`` keeps working; the
 caller adds the file, URL or request it came from and maps it to its own answer (a 400, a ``CheckpointError``...).
+``load_object`` is the same for a document that must be an object, ``read_bounded``/``read_object`` for a file.
+This module is the only place ``json.loads``/``json.load`` are called (tests/unit/test_json_home.py keeps it so).
 
 Bounds, for a document of n bytes: time O(n) before ``json.loads`` runs; memory: four temporary copies of at most n
 bytes for the depth check (escapes removed twice, strings removed, then only the brackets; only for documents with
@@ -17,15 +19,17 @@ more than ``max_depth`` brackets), then whatever ``json.loads`` builds.
 >>> loads_bounded(b"[" * 100_000, max_bytes=1 << 20)
 Traceback (most recent call last):
 ...
-preheat.core.jsonsafe.JSONInputError: nested deeper than 64 levels
+preheat.core.errors.JSONInputError: nested deeper than 64 levels
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from typing import Any
 
-from preheat.core.errors import PreheatError
+from preheat.core.errors import JSONInputError
 
 # Real documents nest a handful of levels (a chat message's content parts: 4; a manifest's config: ~6). 64 leaves
 # room for any of them while keeping json.loads far from the interpreter's recursion limit (~1,000 frames).
@@ -40,10 +44,7 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _SAME_BRACKETS = bytes.maketrans(b"{}", b"[]")
 _SMALL = 64 * 1024  # skeletons up to this many brackets are measured in Python; longer ones with numpy
 _CHUNK = 1 << 20  # numpy measures in chunks of this many brackets, so its temporaries stay a few MiB
-
-
-class JSONInputError(PreheatError, ValueError):
-    """A JSON document from outside was refused: too large, nested too deeply, not UTF-8, or not JSON."""
+_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}  # names in refusals
 
 
 def loads_bounded(
@@ -64,7 +65,7 @@ def loads_bounded(
     >>> loads_bounded("[[1]]", max_bytes=10, max_depth=1)
     Traceback (most recent call last):
     ...
-    preheat.core.jsonsafe.JSONInputError: nested deeper than 1 levels
+    preheat.core.errors.JSONInputError: nested deeper than 1 levels
     """
     if isinstance(data, str):
         raw = data.encode("utf-8", "surrogatepass")
@@ -93,6 +94,52 @@ def loads_bounded(
         raise JSONInputError("nested too deeply to parse here") from None
     except ValueError as exc:  # JSONDecodeError, and integers of more than 4,300 digits
         raise JSONInputError(f"not valid JSON: {exc}") from None
+
+
+def load_object(
+    data: bytes | bytearray | memoryview | str,
+    *,
+    max_bytes: int,
+    max_depth: int = MAX_DEPTH,
+    max_containers: int | None = None,
+    allow_constants: bool = False,
+) -> dict[str, Any]:  # Any: JSON values, whose shape the caller checks
+    """``loads_bounded`` for a document that must be a JSON object (a record, an answer, a header): anything else,
+    an array or a string included, is refused with ``JSONInputError`` too.
+
+    >>> load_object(b"[1]", max_bytes=10)
+    Traceback (most recent call last):
+    ...
+    preheat.core.errors.JSONInputError: a JSON array, not an object
+    """
+    value = loads_bounded(
+        data, max_bytes=max_bytes, max_depth=max_depth, max_containers=max_containers, allow_constants=allow_constants
+    )
+    if not isinstance(value, dict):
+        raise JSONInputError(f"a JSON {_KINDS.get(type(value), 'null')}, not an object")
+    return value
+
+
+def read_bounded(
+    path: str | os.PathLike[str], *, max_bytes: int, max_depth: int = MAX_DEPTH, allow_constants: bool = False
+) -> object:
+    """The JSON document in the file ``path``, read no further than one byte past ``max_bytes`` (so a larger file
+    is refused unread); ``OSError`` as ``open`` raises it, ``JSONInputError`` for the document."""
+    return loads_bounded(
+        _head(path, max_bytes), max_bytes=max_bytes, max_depth=max_depth, allow_constants=allow_constants
+    )
+
+
+def read_object(
+    path: str | os.PathLike[str], *, max_bytes: int, max_depth: int = MAX_DEPTH
+) -> dict[str, Any]:  # Any: JSON values, whose shape the caller checks
+    """``read_bounded`` for a file that must hold a JSON object (``load_object``'s rule)."""
+    return load_object(_head(path, max_bytes), max_bytes=max_bytes, max_depth=max_depth)
+
+
+def _head(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read(max_bytes + 1)  # one byte more: enough to see the file is too large, no more
 
 
 def depth_exceeds(raw: bytes, max_depth: int) -> bool:

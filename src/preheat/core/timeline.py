@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from preheat.core.errors import ConfigError
+from preheat.core import env
 
 FORMAT_VERSION = 1
 
@@ -95,13 +95,8 @@ class Timeline:
     @classmethod
     def from_env(cls) -> Timeline:
         """Origin from ``PREHEAT_T0`` when set (the platform's clock, e.g. pod creation), else process start."""
-        raw = os.environ.get("PREHEAT_T0")
-        if raw:
-            try:
-                return cls(float(raw), origin_source="PREHEAT_T0")
-            except ValueError:
-                raise ConfigError(f"PREHEAT_T0={raw!r} is not epoch seconds (e.g. 1767225600.25)") from None
-        return cls()
+        origin = env.get(env.T0)  # ConfigError naming PREHEAT_T0 when it is not epoch seconds
+        return cls() if origin is None else cls(origin, origin_source=env.T0.name)
 
     def now(self) -> float:
         """Seconds since the origin."""

@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import HTTPClientError, JSONInputError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.prom import Metrics, parse, total
 from preheat.dashboard.state import ReplicaRow, TokenRate, decisions, document, replica_entry
-from preheat.http.client import HTTPClientError, Timeouts, request
+from preheat.http.client import Timeouts, request
 
 MAX_METRICS = 4 * 1024 * 1024  # a replica's /metrics is tens of KiB
 MAX_TIMELINE = 1024 * 1024  # a timeline is a few KiB

@@ -7,7 +7,8 @@
 Findings are ranked by the seconds they cost per cold start; docs/operations.md explains each id and its fix.
 """
 
+from preheat.doctor.check import DoctorOptions
 from preheat.doctor.findings import SCHEMA, Finding, Report
-from preheat.doctor.run import DoctorOptions, run_doctor
+from preheat.doctor.run import run_doctor
 
 __all__ = ["SCHEMA", "DoctorOptions", "Finding", "Report", "run_doctor"]

@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from preheat.core.config import format_bytes
+from preheat.doctor.check import Check, DoctorOptions
 from preheat.doctor.findings import Finding
-from preheat.doctor.run import Check, DoctorOptions
 
 GB = 1e9
 SLOW_H2D_GBPS = 10.0  # PCIe Gen4 x16 moves ~25 GB/s pinned; under 10 is a narrow link, a far NUMA node or pageable

@@ -10,9 +10,10 @@ import os
 import resource
 from dataclasses import dataclass
 
+from preheat.core import env
 from preheat.core.config import format_bytes
+from preheat.doctor.check import Check, DoctorOptions
 from preheat.doctor.findings import Finding
-from preheat.doctor.run import Check, DoctorOptions
 from preheat.io.files import mount_of
 from preheat.io.tuning import is_network_fs
 
@@ -269,7 +270,7 @@ def check_threads(options: DoctorOptions, bound_s: float) -> list[Finding]:
     quota = cgroup_cpus()
     usable = min(float(affinity), quota) if quota else float(affinity)
     where = options.model if options.model and os.path.exists(options.model) else existing_parent(cache_dir(options))
-    configured = options.threads or (int(os.environ["PREHEAT_THREADS"]) if os.environ.get("PREHEAT_THREADS") else None)
+    configured = options.threads or env.get(env.THREADS)  # a bad value: ConfigError naming the variable
     tuning = tune(where, 1 << 30, threads=configured)
     network = is_network_fs(mount_of(where).fstype)
     evidence = {"cpus": affinity, "cgroup_cpus": quota, "threads": tuning.threads,

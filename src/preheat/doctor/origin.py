@@ -8,16 +8,15 @@ and object stores do), which is why preheat pulls with 16 streams.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from preheat.core.config import format_bytes
-from preheat.core.errors import PreheatError, RegistryError
+from preheat.core.errors import CheckpointError, PreheatError, RegistryError
+from preheat.doctor.check import Check, DoctorOptions
 from preheat.doctor.findings import Finding
-from preheat.doctor.run import Check, DoctorOptions
 from preheat.sources.base import Origin, Source
 
 MB = 1e6
@@ -165,19 +164,21 @@ def wanted_name(options: DoctorOptions) -> str | None:
         return options.name
     if not options.model:
         return None
+    from preheat.checkpoint.jsonfile import read_json_object
+
     try:
-        with open(os.path.join(options.model, "preheat.json"), encoding="utf-8") as handle:
-            identity = json.load(handle).get("identity")
-        if isinstance(identity, str):
-            return identity
-    except (OSError, ValueError, AttributeError):
-        pass  # no manifest: peers may still announce the served name
+        identity = read_json_object(os.path.join(options.model, "preheat.json")).get("identity")
+    except CheckpointError:
+        identity = None  # no readable manifest: peers may still announce the served name
+    if isinstance(identity, str):
+        return identity
     return os.path.basename(os.path.abspath(options.model))
 
 
 def peer_info(address: str, timeout_s: float) -> dict[str, object]:
     """``GET /peer/v1/info`` of one peer: its answer time, or the error."""
-    from preheat.http.client import HTTPClientError, Timeouts, request
+    from preheat.core.errors import HTTPClientError
+    from preheat.http.client import Timeouts, request
 
     start = time.perf_counter()
     try:

@@ -14,9 +14,9 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from preheat.doctor.check import Check, DoctorOptions
 from preheat.doctor.findings import Finding
 from preheat.doctor.node import cache_dir, existing_parent, missing, model_of
-from preheat.doctor.run import Check, DoctorOptions
 from preheat.io.files import mount_of
 from preheat.io.reads import direct_io_supported
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
-from preheat.core.errors import PlanError, SourceError
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import JSONInputError, PlanError, SourceError
+from preheat.core.jsonsafe import loads_bounded
+from preheat.doctor.check import Check, DoctorOptions
 from preheat.doctor.coldstart import analyze_timeline
 from preheat.doctor.findings import Finding
 from preheat.doctor.kvtiers import analyze_kv, parse_metrics
-from preheat.doctor.run import Check, DoctorOptions
 
 MAX_BODY = 16 * 1024 * 1024
 
@@ -31,7 +31,8 @@ def checks(options: DoctorOptions) -> list[Check]:
 
 def get(url: str, path: str, options: DoctorOptions, timeout_s: float) -> tuple[int, bytes]:
     """(status, body) of ``GET url+path``; ``SourceError`` naming the URL when it cannot be fetched."""
-    from preheat.http.client import HTTPClientError, Timeouts, request
+    from preheat.core.errors import HTTPClientError
+    from preheat.http.client import Timeouts, request
 
     full = url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}

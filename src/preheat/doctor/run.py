@@ -11,56 +11,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from preheat.doctor.findings import Area, Finding, Report
+from preheat.doctor import gpu, node, origin, reads, replica
+from preheat.doctor.check import Check, DoctorOptions
+from preheat.doctor.findings import Finding, Report
 
-DEFAULT_BUDGET_S = 30.0
 # Kept back from the budget for ranking and printing the report.
 RESERVE_S = 0.5
-
-
-@dataclass(frozen=True)
-class DoctorOptions:
-    """What to examine. Only the node (and CUDA, when present) is checked when nothing else is given.
-
-    ``model``: a model directory (or one file): its filesystem, size and read speed; ``url``: a running replica
-    (``preheat serve``) whose /health, /metrics and /v1/preheat/timeline are read; ``timeline``: a timeline JSON
-    file (``/v1/preheat/timeline``'s document); ``origin``: an HTTP(S) URL of a file, or of a directory (ending in
-    ``/``) holding the model's files, to probe; ``registry``: the peer registry (``redis://...`` or
-    ``file:///dir``); ``io``: run the read, download and bandwidth probes (off: only cheap, read-only checks);
-    ``gpu``: run the CUDA checks.
-    """
-
-    model: str | None = None
-    url: str | None = None
-    timeline: str | None = None
-    origin: str | None = None
-    registry: str | None = None
-    gpu_cost_per_hour: float = 0.0
-    budget_s: float = DEFAULT_BUDGET_S
-    io: bool = True
-    cache_dir: str | None = None
-    threads: int | None = None
-    api_key: str | None = None
-    # What peers announce the model as (identity or served name); default: the model's preheat.json identity.
-    name: str | None = None
-    gpu: bool = True
-    # Bytes the read and origin probes may move at most each (they also stop at their time bound).
-    probe_bytes: int = 256 * 1024 * 1024
-
-
-CheckFn = Callable[[DoctorOptions, float], list[Finding]]
-
-
-@dataclass(frozen=True)
-class Check:
-    """A named check with the most seconds it may take; ``fn(options, bound_s)`` must itself honour ``bound_s``."""
-
-    id: str
-    area: Area
-    bound_s: float
-    fn: CheckFn
 
 
 class Budget:
@@ -157,8 +114,6 @@ def run_check(check: Check, options: DoctorOptions, allotted_s: float) -> list[F
 def checks_for(options: DoctorOptions) -> list[Check]:
     """The checks this run needs, shortest bound first: the budget is spent in this order, so when it runs out it
     is the long probes (read speed, bandwidth, CUDA start-up) that are skipped, never the cheap checks."""
-    from preheat.doctor import gpu, node, origin, reads, replica
-
     selected = node.checks(options) + reads.checks(options) + replica.checks(options) + origin.checks(options)
     selected += gpu.checks(options) if options.gpu else []
     return sorted(selected, key=lambda check: check.bound_s)

@@ -466,15 +466,11 @@ def warm_kernels() -> None:
 
 def _identity(root: str) -> str | None:
     # preheat.load already recomputed and checked the manifest's identity when it read it; reading the field is enough.
-    import json
+    from preheat.checkpoint.jsonfile import read_json_object
 
-    path = os.path.join(root, "preheat.json")
-    if not os.path.isfile(path):
-        return None
     try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle).get("identity")
-    except (OSError, ValueError, AttributeError):
+        value = read_json_object(os.path.join(root, "preheat.json")).get("identity")
+    except CheckpointError:  # unreadable, or not JSON: no identity to key the KV tiers by
         return None
     return value if isinstance(value, str) else None
 

@@ -1,21 +1,30 @@
-"""The small HTTP client preheat's processes talk to each other with (the router to its replicas: requests, health
-checks, KV-event polls): one timeout policy, one typed error tree, bounded answers.
+"""preheat's HTTP client: one timeout policy, one redirect and credential policy, one mapping of socket, TLS and
+``http.client`` failures onto one typed error tree, and requests on a connection of their own (``request``,
+``stream``, ``get``: health checks, scrapes, artifacts from peers). Kept-alive connections pooled by origin (the
+router to its replicas, ranged weight reads, KV-event polls) are ``preheat.http.pool``'s, on the same policy.
 
 Timeout policy (``Timeouts``): connecting gets ``connect`` seconds, so a dead or unplugged host fails fast; every
 read and write after that gets ``read`` seconds, so a slow answer (a long generation) is not taken for a dead host.
 ``TCP_NODELAY`` is on: requests and answers are small, and Nagle's algorithm would hold a request's body back for
 the server's delayed ACK of its headers.
 
-Errors say what failed, by meaning: ``ConnectError`` (nothing was sent; ``refused`` when the host answered with a
-reset: nothing listens there), ``ResponseTimeoutError`` (sent, no answer in time: the server may still be working on
-it), ``ExchangeError`` (the connection broke or the answer was malformed), ``AnswerTooLargeError``,
-``RedirectError``. All are ``HTTPClientError``, a ``PreheatError`` carrying the URL.
+Errors say what failed, by meaning (``map_exception``, the one place a low-level failure becomes one of them; all in
+``core.errors``, all ``HTTPClientError``, a ``PreheatError`` carrying the URL):
 
-Besides whole answers (``request``, ``Connection``): ``stream`` reads an answer as it comes (a streamed chat), and
-``get`` follows redirects under a ``Redirects`` policy with a byte cap and an overall deadline (artifacts from
-peers). Ranged weight reads (``preheat.sources.httpclient``) keep their own pooled connections and read straight
-into the caller's buffers, but open them with ``connect``, compare origins with ``origin``, drop credentials with
-``without_credentials`` and describe failures with ``describe``, all from here.
+=====================================================  ==============================================================
+what happened                                          error
+=====================================================  ==============================================================
+nothing listens on the port (refused)                  ``ConnectError``, ``refused=True``: nothing was sent
+no connection in ``connect`` s, unknown host, TLS      ``ConnectError``, ``refused=False`` (``cause``: the failure)
+no answer within ``read`` s (or a body stalled)        ``ResponseTimeoutError``: the server may still be working on it
+reset, closed before answering or mid-body, bad HTTP   ``ExchangeError``
+a body over the caller's limit                         ``AnswerTooLargeError`` (the rest is left unread)
+a redirect refused (too many, not http(s))             ``RedirectError``
+=====================================================  ==============================================================
+
+Credentials (``Redirects``, ``without_credentials``): ``Authorization``, ``Cookie`` and ``Proxy-Authorization`` go
+to the origin they were given for (scheme, host, port: ``origin``) and are dropped for good at the first redirect
+elsewhere.
 
 >>> Timeouts.within(10.0), Timeouts.within(0.5)
 (Timeouts(connect=2.0, read=10.0), Timeouts(connect=0.5, read=0.5))
@@ -27,51 +36,25 @@ import contextlib
 import http.client
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import urljoin, urlsplit
 
-from preheat.core.errors import PreheatError
+from preheat.core.errors import (
+    AnswerTooLargeError,
+    ConnectError,
+    ExchangeError,
+    HTTPClientError,
+    RedirectError,
+    ResponseTimeoutError,
+)
 from preheat.http.ranges import parse_length
 
 if TYPE_CHECKING:
     import ssl
 
 CONNECT_SECONDS = 2.0  # a host on the same network accepts in milliseconds; two seconds is a dead one
-
-
-class HTTPClientError(PreheatError):
-    """A request to ``url`` failed before a whole answer came back."""
-
-    def __init__(self, url: str, message: str) -> None:
-        super().__init__(f"{url}: {message}")
-        self.url = url
-
-
-class ConnectError(HTTPClientError):
-    """No connection: nothing was sent. ``refused``: the host is up and nothing listens on the port."""
-
-    def __init__(self, url: str, message: str, *, refused: bool, cause: OSError | None = None) -> None:
-        super().__init__(url, message)
-        self.refused = refused
-        self.cause = cause  # the socket or TLS failure, for callers that tell a rejected certificate apart
-
-
-class ResponseTimeoutError(HTTPClientError):
-    """The request was sent and no answer came within the read timeout."""
-
-
-class ExchangeError(HTTPClientError):
-    """The connection broke during the exchange (reset, closed early) or the answer was not valid HTTP."""
-
-
-class AnswerTooLargeError(HTTPClientError):
-    """The answer's body is larger than the caller accepts (the connection was closed: the rest is unread)."""
-
-
-class RedirectError(HTTPClientError):
-    """A redirect the ``Redirects`` policy refuses to follow: too many, or to a scheme other than http(s)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +72,7 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class Redirects:
-    """Which redirects ``get`` follows: at most ``limit``, to http(s) only, and credentials (``CREDENTIAL_HEADERS``)
+    """Which redirects are followed: at most ``limit``, to http(s) only, and credentials (``CREDENTIAL_HEADERS``)
     are dropped as soon as the scheme, host or port change (a credential is for the server it was given for, never
     for wherever that server points; it is not restored if a later hop comes back).
 
@@ -99,8 +82,12 @@ class Redirects:
 
     limit: int = 3
 
-    def follow(self, url: str, location: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
-        """The next URL and the headers to send there, for a redirect from ``url`` to ``location``."""
+    def follow(self, url: str, location: str, headers: dict[str, str], hop: int = 1) -> tuple[str, dict[str, str]]:
+        """The next URL and the headers to send there, for the ``hop``-th redirect, from ``url`` to ``location``."""
+        if hop > self.limit:
+            if not self.limit:
+                raise RedirectError(url, f"answered a redirect to {location[:200]!r}, and this client follows none")
+            raise RedirectError(url, f"more than {self.limit} redirects")
         target = urljoin(url, location)
         if urlsplit(target).scheme not in ("http", "https"):
             raise RedirectError(url, f"redirect to {target!r} refused (http or https only)")
@@ -114,9 +101,24 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})  # never carried to another origin
 
 
-def origin(url: str) -> tuple[str, str, int | None]:
-    """``(scheme, host, port)`` of ``url``, lower-cased, the scheme's default port filled in: two URLs with equal
-    tuples are one origin (RFC 6454), and credentials go to no other.
+class Origin(NamedTuple):
+    """Scheme, host and port: where credentials belong (RFC 6454) and what connections are pooled by. ``port`` is
+    None for a scheme without a default port, -1 for a port that is not one (each an origin of its own)."""
+
+    scheme: str
+    host: str
+    port: int | None
+
+    @property
+    def url(self) -> str:
+        """``scheme://host:port``, an IPv6 host in brackets."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def origin(url: str) -> Origin:
+    """The origin of ``url``, lower-cased, the scheme's default port filled in: two URLs with equal origins are one
+    origin, and credentials go to no other.
 
     >>> origin("HTTPS://Models.Example") == origin("https://models.example:443/llama")
     True
@@ -127,7 +129,23 @@ def origin(url: str) -> tuple[str, str, int | None]:
         port = parts.port
     except ValueError:  # a port out of range or not a number: an origin of its own
         port = -1
-    return scheme, (parts.hostname or ""), DEFAULT_PORTS.get(scheme) if port is None else port
+    return Origin(scheme, (parts.hostname or ""), DEFAULT_PORTS.get(scheme) if port is None else port)
+
+
+def target_of(url: str) -> tuple[Origin, str]:
+    """The origin to connect to for ``url`` (``http(s)://host[:port]/path``) and the path and query to ask for;
+    ``HTTPClientError`` when it cannot be asked for.
+
+    >>> target_of("http://[::1]:8000/v1/models?x=1")
+    (Origin(scheme='http', host='::1', port=8000), '/v1/models?x=1')
+    """
+    where = origin(url)
+    if where.scheme not in ("http", "https") or not where.host:
+        raise HTTPClientError(url, "give an http(s)://host[:port]/path URL")
+    if where.port is None or where.port < 0:
+        raise HTTPClientError(url, "the port is not a number from 0 to 65535")
+    parts = urlsplit(url)
+    return where, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
 def without_credentials(headers: Mapping[str, str]) -> dict[str, str]:
@@ -151,6 +169,39 @@ def describe(exc: BaseException, timeouts: Timeouts) -> str:
     return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
 
 
+def map_exception(
+    exc: OSError | http.client.HTTPException, url: str, timeouts: Timeouts, *, connecting: bool = False
+) -> HTTPClientError:
+    """The client error that a socket, TLS or ``http.client`` failure at ``url`` means (the table above):
+    ``connecting``: while the connection was being made, when nothing was sent yet.
+
+    >>> map_exception(TimeoutError(), "http://h:1/x", Timeouts(read=5.0))
+    ResponseTimeoutError('http://h:1/x: no answer within 5 s')
+    """
+    if connecting:
+        cause = exc if isinstance(exc, OSError) else None
+        if isinstance(exc, ConnectionRefusedError):
+            return ConnectError(url, f"connection refused ({exc.strerror})", refused=True, cause=cause)
+        if isinstance(exc, TimeoutError):
+            return ConnectError(url, f"no connection within {timeouts.connect:g} s", refused=False, cause=cause)
+        # ssl.SSLError included: a failed handshake is a failed connection
+        text = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        return ConnectError(url, f"cannot connect: {text}", refused=False, cause=cause)
+    if isinstance(exc, TimeoutError):
+        return ResponseTimeoutError(url, f"no answer within {timeouts.read:g} s")
+    return ExchangeError(url, describe(exc, timeouts))
+
+
+@contextlib.contextmanager
+def map_exceptions(url: str, timeouts: Timeouts, *, connecting: bool = False) -> Iterator[None]:
+    """Socket, TLS and ``http.client`` failures inside the block raised as ``map_exception`` maps them (the original
+    is the new error's ``__cause__``)."""
+    try:
+        yield
+    except (OSError, http.client.HTTPException) as exc:
+        raise map_exception(exc, url, timeouts, connecting=connecting) from exc
+
+
 @dataclass(frozen=True)
 class Response:
     """A whole answer: status, headers (names as sent; look up without regard to case) and body."""
@@ -164,21 +215,15 @@ def connect(
     host: str, port: int, timeouts: Timeouts, url: str | None = None, tls: ssl.SSLContext | None = None
 ) -> http.client.HTTPConnection:
     """An open connection to ``host:port`` under ``timeouts`` (``url`` names it in errors), with TCP_NODELAY;
-    HTTPS with ``tls``."""
-    where = url or f"{'https' if tls else 'http'}://{host}:{port}"
+    HTTPS with ``tls``. Raises ``ConnectError``."""
+    where = url or Origin("https" if tls else "http", host, port).url
     conn = (
         http.client.HTTPSConnection(host, port, timeout=timeouts.connect, context=tls)
         if tls is not None
         else http.client.HTTPConnection(host, port, timeout=timeouts.connect)
     )
-    try:
+    with map_exceptions(where, timeouts, connecting=True):
         conn.connect()
-    except ConnectionRefusedError as exc:
-        raise ConnectError(where, f"connection refused ({exc.strerror})", refused=True, cause=exc) from None
-    except TimeoutError as exc:
-        raise ConnectError(where, f"no connection within {timeouts.connect:g} s", refused=False, cause=exc) from None
-    except OSError as exc:  # ssl.SSLError included: a failed handshake is a failed connection
-        raise ConnectError(where, f"cannot connect: {exc.strerror or exc}", refused=False, cause=exc) from None
     sock = conn.sock
     assert sock is not None  # connect() succeeded
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -186,79 +231,28 @@ def connect(
     return conn
 
 
-class Connection:
-    """One kept-alive connection to ``host:port``, opened on first use and again after any failure. Not
-    thread-safe: one per thread, or one per polled server."""
-
-    def __init__(self, host: str, port: int, timeouts: Timeouts, *, tls: ssl.SSLContext | None = None) -> None:
-        self.host, self.port, self.timeouts, self.tls = host, port, timeouts, tls
-        self.url = f"{'https' if tls else 'http'}://{host}:{port}"
-        self._conn: http.client.HTTPConnection | None = None
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        max_body: int | None = None,
-    ) -> Response:
-        """Send one request and read its whole answer (at most ``max_body`` bytes of body, when given)."""
-        url = self.url + path
-        conn = self.opened()
-        with _mapped(url, self.timeouts, self.close):
-            conn.request(method, path, body=body, headers=dict(headers or {}))
-            answer = conn.getresponse()
-            data = answer.read() if max_body is None else answer.read(max_body + 1)
-        if max_body is not None and len(data) > max_body:
-            self.close()  # the rest of the answer is still unread on this connection
-            raise AnswerTooLargeError(url, f"answer over {max_body} bytes")
-        if answer.will_close:
-            self.close()
-        return Response(answer.status, answer.headers, data)
-
-    def opened(self) -> http.client.HTTPConnection:
-        """The underlying connection, connected now if it is not open."""
-        if self._conn is None:
-            self._conn = connect(self.host, self.port, self.timeouts, self.url, self.tls)
-        return self._conn
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+def read_whole(answer: http.client.HTTPResponse, url: str, timeouts: Timeouts, max_body: int | None = None) -> bytes:
+    """``answer``'s whole body (``AnswerTooLargeError`` past ``max_body`` bytes, when given: the rest is left unread,
+    so close its connection); a body cut short is an ``ExchangeError``, never a shorter body."""
+    with map_exceptions(url, timeouts):
+        data = answer.read() if max_body is None else answer.read(max_body + 1)
+    if max_body is not None and len(data) > max_body:
+        raise AnswerTooLargeError(url, f"answer over {max_body} bytes")
+    if answer.length:  # read(n) returns what came before the connection closed; the length still says what did not
+        raise ExchangeError(url, f"connection closed after {len(data)} bytes of the body")
+    return data
 
 
-@contextlib.contextmanager
-def _mapped(url: str, timeouts: Timeouts, on_error: Callable[[], None]) -> Iterator[None]:
-    """Socket and protocol failures during an exchange as the client's typed errors (``on_error()`` first)."""
-    try:
-        yield
-    except TimeoutError:
-        on_error()
-        raise ResponseTimeoutError(url, f"no answer within {timeouts.read:g} s") from None
-    except (OSError, http.client.HTTPException) as exc:
-        on_error()
-        raise ExchangeError(url, f"{type(exc).__name__}: {exc}") from None
-
-
-def _connection(url: str, timeouts: Timeouts) -> tuple[Connection, str]:
-    """A connection for ``url`` (``http(s)://host[:port]/path``), not opened yet, and the path to ask for."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise HTTPClientError(url, "give an http(s)://host[:port]/path URL")
-    try:
-        port = parts.port
-    except ValueError:
-        raise HTTPClientError(url, "the port is not a number from 0 to 65535") from None
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+def _opened(url: str, timeouts: Timeouts) -> tuple[http.client.HTTPConnection, str]:
+    """A connection of its own for ``url``, open, and the path to ask for."""
+    where, path = target_of(url)
     tls = None
-    if parts.scheme == "https":
+    if where.scheme == "https":
         import ssl
 
         tls = ssl.create_default_context()
-    return Connection(parts.hostname, port or (443 if tls else 80), timeouts, tls=tls), path
+    assert where.port is not None  # target_of refuses a URL without one
+    return connect(where.host, where.port, timeouts, url, tls), path
 
 
 def request(
@@ -270,18 +264,21 @@ def request(
     headers: Mapping[str, str] | None = None,
     max_body: int | None = None,
 ) -> Response:
-    """One request on a connection of its own to ``url`` (``http(s)://host[:port]/path``); see
-    ``Connection.request``."""
-    conn, path = _connection(url, timeouts)
+    """One request on a connection of its own to ``url`` (``http(s)://host[:port]/path``) and its whole answer (at
+    most ``max_body`` bytes of body, when given)."""
+    conn, path = _opened(url, timeouts)
     try:
-        return conn.request(method, path, body=body, headers=headers, max_body=max_body)
+        with map_exceptions(url, timeouts):
+            conn.request(method, path, body=body, headers=dict(headers or {}))
+            answer = conn.getresponse()
+        return Response(answer.status, answer.headers, read_whole(answer, url, timeouts, max_body))
     finally:
         conn.close()
 
 
 class Streamed:
     """An answer as it comes (from ``stream``): ``status`` and ``headers`` now, the body by ``lines()`` or
-    ``read()``; failures while reading are the client's typed errors."""
+    ``read()``; failures while reading are the client's typed errors, a body cut short included."""
 
     def __init__(self, url: str, answer: http.client.HTTPResponse, timeouts: Timeouts) -> None:
         self.url, self.timeouts = url, timeouts
@@ -291,9 +288,10 @@ class Streamed:
     def lines(self) -> Iterator[bytes]:
         """The body line by line, each as soon as it has arrived (ending ``\\n`` included)."""
         while True:
-            with _mapped(self.url, self.timeouts, _nothing):
+            with map_exceptions(self.url, self.timeouts):
                 line = self._answer.readline()
             if not line:
+                self._check_whole()
                 return
             yield line
 
@@ -307,9 +305,10 @@ class Streamed:
         chunks: list[bytes] = []
         received = 0
         while True:
-            with _mapped(self.url, self.timeouts, _nothing):
+            with map_exceptions(self.url, self.timeouts):
                 chunk = self._answer.read1(min(1 << 20, max_body + 1 - received))
             if not chunk:
+                self._check_whole()
                 return b"".join(chunks)
             chunks.append(chunk)
             received += len(chunk)
@@ -318,9 +317,10 @@ class Streamed:
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 raise ResponseTimeoutError(self.url, f"answer not complete within {deadline_s:g} s")
 
-
-def _nothing() -> None:
-    """No cleanup: the stream's connection is closed when its ``with`` block ends."""
+    def _check_whole(self) -> None:
+        """At the end of the body: refuse one whose connection closed before its announced length."""
+        if self._answer.length:
+            raise ExchangeError(self.url, f"connection closed {self._answer.length} bytes before the end of the body")
 
 
 @contextlib.contextmanager
@@ -339,12 +339,11 @@ def stream(
     ...     for line in answer.lines():
     ...         print(line)
     """
-    conn, path = _connection(url, timeouts)
+    conn, path = _opened(url, timeouts)
     try:
-        opened = conn.opened()
-        with _mapped(url, timeouts, conn.close):
-            opened.request(method, path, body=body, headers=dict(headers or {}))
-            answer = opened.getresponse()
+        with map_exceptions(url, timeouts):
+            conn.request(method, path, body=body, headers=dict(headers or {}))
+            answer = conn.getresponse()
         yield Streamed(url, answer, timeouts)
     finally:
         conn.close()
@@ -373,6 +372,4 @@ def get(
             if redirects is None or answer.status not in REDIRECT_STATUSES or not location:
                 return Response(answer.status, answer.headers, answer.read(max_body, left))
         hops += 1
-        if hops > redirects.limit:
-            raise RedirectError(url, f"more than {redirects.limit} redirects")
-        url, sent = redirects.follow(url, location, sent)
+        url, sent = redirects.follow(url, location, sent, hop=hops)

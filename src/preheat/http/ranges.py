@@ -15,14 +15,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from preheat.core.errors import UnsatisfiableRangeError
+
 MAX_DIGITS = 19  # 10**19 > 2**63: no file, range or body is larger; more significant digits than this are refused
 _BEYOND = 10**MAX_DIGITS  # a request position with more digits: past the end of any file
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(?:([0-9]+)-([0-9]+)|\*)/(?:([0-9]+)|\*)\s*$", re.IGNORECASE | re.ASCII)
 _RANGE_SPEC = re.compile(r"^\s*([0-9]*)\s*-\s*([0-9]*)\s*$", re.ASCII)
-
-
-class UnsatisfiableRangeError(ValueError):
-    """The requested range starts at or past the end of the file (answer 416 with ``Content-Range: bytes */size``)."""
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from preheat.core.errors import CorruptChunkError
 from preheat.integrations.store_settings import StoreSettings
-from preheat.kv.chunkfile import CorruptChunkError
 from preheat.kv.store import BlobStore, Namespace
 from preheat.kv.warm import WarmReport, warm_into
 

@@ -12,9 +12,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from preheat.core import env as envs
 from preheat.core.errors import ConfigError
 
-IN_CLUSTER = "KUBERNETES_SERVICE_HOST"
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 MISSING = "the Kubernetes client is not installed: pip install 'preheat[k8s]' (the official kubernetes package)"
 
@@ -34,12 +34,14 @@ def api_client(
     """A ``kubernetes.client.ApiClient`` with this process's credentials (see the module's docstring); ``ConfigError``
     naming the kubeconfig or the service-account files when they cannot be read. ``service_account``: the directory
     the kubelet mounts the token and CA in."""
-    env = os.environ if env is None else env
+    # The in-cluster loader reads the service's host and port from this mapping, so it gets the whole environment.
+    env = envs.snapshot() if env is None else env
     kubernetes = kubernetes_module()
     configuration = kubernetes.client.Configuration()
-    kubeconfig = env.get("KUBECONFIG", "").strip()
+    kubeconfig = envs.get(envs.KUBECONFIG, env) or ""
+    in_cluster = envs.get(envs.KUBERNETES_SERVICE_HOST, env) is not None
     try:
-        if kubeconfig or not env.get(IN_CLUSTER):
+        if kubeconfig or not in_cluster:
             path = kubeconfig or os.path.expanduser("~/.kube/config")
             # persist_config=False: a refreshed token is kept in memory, never written back into the user's file.
             kubernetes.config.load_kube_config(
@@ -57,7 +59,7 @@ def api_client(
     except (kubernetes.config.ConfigException, OSError) as exc:
         where = (
             f"kubeconfig {kubeconfig or '~/.kube/config'}"
-            if kubeconfig or not env.get(IN_CLUSTER)
+            if kubeconfig or not in_cluster
             else f"the pod's service account ({service_account})"
         )
         raise ConfigError(f"cannot read Kubernetes credentials from {where}: {exc}") from None

@@ -4,8 +4,10 @@ The Kubernetes list-then-watch protocol, with the official client: list the Serv
 ``kubernetes.io/service-name``), then watch from the list's ``resourceVersion`` with bookmarks on, so that a quiet
 watch still moves its version forward. A watch the server ends (its ``timeoutSeconds``) is resumed from the last
 version seen; a ``410 Gone`` (the version is older than the server keeps) means relist; anything else (the API server
-restarting, a network fault, 403) is retried after a backoff that doubles up to ``MAX_BACKOFF`` and resets once a
-list succeeds. Meanwhile the router keeps the replicas it had: an unreachable API server changes nothing.
+restarting, a network fault, 403) is retried after a jittered backoff (``core.backoff``: a random wait under a ceiling
+that doubles from ``MIN_BACKOFF`` up to ``MAX_BACKOFF``, so the routers of a fleet do not all return to a restarted
+API server at once), reset once a list succeeds. Meanwhile the router keeps the replicas it had: an unreachable API
+server changes nothing.
 
 ``on_change(urls)`` hears the whole set of ready replicas each time it changes (k8s_slices.py turns slices into
 URLs; this module is only the I/O around it).
@@ -13,13 +15,15 @@ URLs; this module is only the I/O around it).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from preheat.core.backoff import Backoff
+from preheat.core.errors import GoneError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.k8s.client import api_client, api_status, kubernetes_module
 from preheat.k8s.slices import ServiceRef, SliceSet, resource_version
 
@@ -27,13 +31,11 @@ log = logging.getLogger("preheat.router")
 WATCH_SECONDS = 240  # the server ends each watch after this long (jittered by it); we resume from the last version
 CONNECT_SECONDS = 5.0
 LIST_SECONDS = 30.0
+# A slice lists at most 1,000 endpoints (~300 bytes each); a service's slices fill a few MiB at the very most.
+MAX_LIST_BYTES = 64 * 1024 * 1024
 MIN_BACKOFF = 0.5
 MAX_BACKOFF = 30.0
 GONE = 410
-
-
-class GoneError(Exception):
-    """The watch cannot resume from its version (410 Gone): list again."""
 
 
 class EndpointSliceWatcher:
@@ -89,15 +91,15 @@ class EndpointSliceWatcher:
 
     # -- the loop ----------------------------------------------------------------------------------------------------
     def _run(self, kubernetes: Any, api: Any) -> None:  # Any: the kubernetes package and its DiscoveryV1Api
-        backoff = self.min_backoff
+        policy, failures = Backoff(self.min_backoff, self.max_backoff), 0
         while not self._stop.is_set():
             try:
                 if self.version is None:
                     self.version = self._list(api)
-                    backoff = self.min_backoff
+                    failures = 0
                 while not self._stop.is_set():
                     if self._watch_once(kubernetes, api):
-                        backoff = self.min_backoff
+                        failures = 0
             except GoneError:
                 log.info("%s: watch expired (410 Gone), listing again", self.ref)
                 self.version = None
@@ -107,9 +109,9 @@ class EndpointSliceWatcher:
                     return  # stop() cut the stream
                 self._failed(exc)
             # As client-go's reflector does: a cut watch resumes from the last version seen (a 410 then relists).
-            if self._stop.wait(backoff):
+            if self._stop.wait(policy.delay(failures)):
                 return
-            backoff = min(backoff * 2, self.max_backoff)
+            failures += 1
 
     def _list(self, api: Any) -> str:  # Any: DiscoveryV1Api
         # _preload_content=False: the JSON as the API server sent it (camelCase), which k8s_slices.py reads.
@@ -120,7 +122,7 @@ class EndpointSliceWatcher:
             _request_timeout=(CONNECT_SECONDS, LIST_SECONDS),
         )
         try:
-            body = json.loads(response.data)
+            body = loads_bounded(response.data, max_bytes=MAX_LIST_BYTES)
         finally:
             response.release_conn()
         items = body.get("items") if isinstance(body, dict) else None

@@ -14,24 +14,22 @@ events, ``scheduling`` is still known, and the rest is one ``platform`` stage la
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from preheat.core import env as envs
 from preheat.core.errors import ConfigError
+from preheat.core.jsonsafe import load_object
 from preheat.core.timeline import Timeline
 from preheat.k8s.client import api_client, api_status, kubernetes_module
 from preheat.k8s.pod import POD_STAGES, PodStart, pod_start
 
 log = logging.getLogger("preheat.k8s")
-POD_NAME = "PREHEAT_POD_NAME"
-POD_NAMESPACE = "PREHEAT_POD_NAMESPACE"
-CONTAINER = "PREHEAT_CONTAINER_NAME"  # optional: which of the pod's containers is preheat (default: the first)
 READ_SECONDS = 5.0  # each API read; the start never waits for them
+MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a pod, or its events: tens of kB
 SETTLE_SECONDS = 600.0  # the longest the reads wait for the start to settle
 SETTLED = ("ready", "standby", "failed")  # marks after which the replica's start is over
 ORIGIN_SOURCE = "pod creation"
@@ -64,18 +62,16 @@ def read_pod_start(namespace: str, name: str, env: Mapping[str, str] | None = No
         events = [e for e in items if isinstance(e, dict)] if isinstance(items, list) else []
     except Exception as exc:  # as above: the pod's own times still count
         events_why = _why(exc, f"list the events of {where}", "list on events")
-    chosen = (env if env is not None else os.environ).get(CONTAINER) or None
+    chosen = envs.get(envs.CONTAINER_NAME, env)  # optional: which of the pod's containers is preheat
     return pod_start(pod, events, container=chosen, events_why=events_why)
 
 
 def _json(response: Any) -> dict[str, Any]:  # Any: urllib3's response; JSON
     try:
-        value = json.loads(response.data)
+        # Bounded as any answer from the network; a refusal (a ValueError) leaves the stages unknown, as any failure.
+        return load_object(response.data, max_bytes=MAX_ANSWER_BYTES)
     finally:
         response.release_conn()
-    if not isinstance(value, dict):
-        raise ValueError("the API server's answer is not a JSON object")
-    return value
 
 
 def _why(exc: BaseException, what: str, rule: str) -> str:
@@ -107,8 +103,7 @@ def record_pod_start(
     """With ``PREHEAT_POD_NAME`` and ``PREHEAT_POD_NAMESPACE`` set, read the pod on a daemon thread once ``timeline``
     has a ``SETTLED`` mark (or after ``settle`` seconds) and put its start on it (returns the thread; None without
     them)."""
-    env = os.environ if env is None else env
-    name, namespace = env.get(POD_NAME, "").strip(), env.get(POD_NAMESPACE, "").strip()
+    name, namespace = envs.get(envs.POD_NAME, env), envs.get(envs.POD_NAMESPACE, env)
     if not name or not namespace:
         return None
 

@@ -1,4 +1,5 @@
-"""Valid deployment values -> a ``kustomization.yaml`` over ``deploy/kustomize/base``. Pure: a dict in, a dict out.
+"""Valid deployment values -> a ``kustomization.yaml`` over ``manifests/kustomize/base`` (shipped in this package:
+``k8s/bundle.py``). Pure: a dict in, a dict out.
 
 The overlay adds the components the values ask for (the L2 backend, CUDA, KEDA) and JSON patches for the numbers
 (replicas, resources, scale-down delay...). Kustomize does the rest, so what is applied is always the reviewed base
@@ -13,7 +14,7 @@ from typing import Any
 
 from preheat.k8s.values import Values
 
-BASE_IMAGE = "ghcr.io/preheat-dev/preheat"  # the image name after deploy/kustomize/base's own images entry
+BASE_IMAGE = "ghcr.io/preheat-dev/preheat"  # the image name after manifests/kustomize/base's own images entry
 _REDIS_MEMORY_ARG = 6  # index of --maxmemory's value in components/redis-l2/redis.yaml's args
 _INIT = "/spec/template/spec/initContainers"
 TRUST_DIR = "/etc/preheat/trust"  # where compile.trustKeysSecret's files are mounted
@@ -21,7 +22,8 @@ _UNITS = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
 
 
 def components(values: Values) -> list[str]:
-    """The components (under deploy/kustomize/components) these values need, in the order Kustomize applies them."""
+    """The components (under manifests/kustomize/components) these values need, in the order Kustomize applies
+    them."""
     out = []
     if values["device"] == "cuda":
         out.append("cuda")
@@ -40,13 +42,13 @@ def served_name(values: Values) -> str:
 
 
 def kustomization(values: Values, kustomize_dir: str) -> dict[str, Any]:  # Any: a YAML document
-    """The overlay for ``values`` (already validated); ``kustomize_dir`` is deploy/kustomize relative to the overlay.
+    """The overlay for ``values`` (already validated); ``kustomize_dir`` is manifests/kustomize relative to the overlay.
 
     >>> v = {"namespace": "llm", "image": {"repository": "r/preheat", "tag": "1"}, "model": {"uri": "s3://m/x"},
     ...      "device": "cpu", "replicas": {"min": 1, "max": 4}, "autoscaler": "hpa", "router": {},
     ...      "l2": {"backend": "redis"}, "resources": {"replica": {"cpu": "4", "memory": "16Gi"}}}
-    >>> kustomization(v, "../deploy/kustomize")["components"]
-    ['../deploy/kustomize/components/redis-l2']
+    >>> kustomization(v, "../manifests/kustomize")["components"]
+    ['../manifests/kustomize/components/redis-l2']
     """
     cuda = values["device"] == "cuda"
     image = values["image"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from preheat.core.errors import CorruptChunkError, Reframe
 from preheat.kv import chunkfile, mac
 from preheat.kv.fileio import fill, fill_pieces
 
@@ -34,16 +35,16 @@ def framed_reader(key: str, expect: chunkfile.BlobExpect, allocate: Allocate) ->
     def frame(fd: int, size: int) -> int:
         found = chunkfile.blob_frame(key, expect.fingerprint, size, keyed)
         if found is None:  # no value of this key fits the file: read its header first to say why
-            raise chunkfile.Reframe
+            raise Reframe
         buffers = fitted(allocate(found.payload_bytes, b""), found.payload_bytes)
         if buffers is None:  # no room, or a damaged file whose size says another length: its header tells
-            raise chunkfile.Reframe
+            raise Reframe
         head = bytearray(found.offset)
         if not keyed and len(buffers) == 1 and found.payload_bytes >= PIECEWISE_BYTES:
             fill(fd, [memoryview(head)], 0, found.offset, key)
             checksum = found.checksum_in(head)
             if checksum is None:  # damaged, or another writer's layout: parsing the header says which
-                raise chunkfile.Reframe
+                raise Reframe
             digest = chunkfile.payload_hasher()
             fill_pieces(fd, buffers[0], found.offset, size, key, each=digest.update)  # hashed while in cache
             chunkfile.check_digest(digest.hexdigest(), checksum, key)
@@ -62,7 +63,7 @@ def framed_reader(key: str, expect: chunkfile.BlobExpect, allocate: Allocate) ->
         if checksum is None:
             parsed = chunkfile.blob_head(head, key, expect)  # raises for what is wrong
             if parsed.offset != found.offset:
-                raise chunkfile.Reframe
+                raise Reframe
         else:
             parsed = chunkfile.BlobHead(found.offset, found.payload_bytes, checksum, keyed)
         chunkfile.check_blob(head, buffers, tag=tag.tobytes(), parsed=parsed, key=key, expect=expect)
@@ -84,7 +85,7 @@ def split_reader(key: str, expect: chunkfile.BlobExpect, allocate: Allocate) -> 
         else:
             parsed = chunkfile.blob_head(head, key, expect)
         if parsed.size != size:
-            raise chunkfile.CorruptChunkError(f"value {key!r}: {size} bytes, its header says {parsed.size}")
+            raise CorruptChunkError(f"value {key!r}: {size} bytes, its header says {parsed.size}")
         parsed_by_place.append(parsed)
         peek = head[parsed.offset : parsed.offset + PEEK_BYTES]
         buffers = fitted(allocate(parsed.payload_bytes, peek), parsed.payload_bytes)

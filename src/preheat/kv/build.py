@@ -14,7 +14,7 @@ import secrets
 
 from preheat.core.config import parse_size
 from preheat.core.errors import ConfigError
-from preheat.kv import chunkfile, mac
+from preheat.kv import backends, chunkfile, mac
 from preheat.kv.chunk import expect_for, stored_dtype
 from preheat.kv.events import EventLog
 from preheat.kv.keys import fingerprint
@@ -87,12 +87,7 @@ def build_tiers(spec: KVSpec, settings: KVSettings) -> TieredKV | None:
 
 
 def open_l2(url: str, expect: chunkfile.Expect, settings: KVSettings, hook: EvictHook | None = None) -> Tier:
-    """The L2 tier for ``url`` (``fs:///path`` or ``redis://...``); unreachable ones come back marked down."""
-    if url.startswith("fs://"):
-        from preheat.kv.fs import FileTier
-
-        quota = parse_size(settings.l2_max_bytes) if settings.l2_max_bytes is not None else None
-        return FileTier(url[len("fs://") :], expect, max_bytes=quota, on_evict=hook)
-    from preheat.kv.redis_tier import RedisTier
-
-    return RedisTier(url, expect, ttl_s=settings.l2_ttl_s, on_evict=hook)
+    """The L2 tier for ``url`` (``fs:///path`` or ``redis://...``, by ``kv/backends.py``); unreachable ones come
+    back marked down."""
+    quota = parse_size(settings.l2_max_bytes) if settings.l2_max_bytes is not None else None
+    return backends.open_l2(url, expect, max_bytes=quota, ttl_s=settings.l2_ttl_s, on_evict=hook)

@@ -25,7 +25,7 @@ import torch
 from preheat.checkpoint import torch_dtypes
 from preheat.core.errors import KVError
 from preheat.kv import chunkfile
-from preheat.kv.settings import KV_DTYPES
+from preheat.kv.keys import KV_DTYPES  # keys, not settings: tier -> chunk -> settings -> backends -> tier is a loop
 
 _LIMIT = {"int8": 127.0, "fp8": float(torch.finfo(torch.float8_e4m3fn).max)}
 _STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -119,7 +119,7 @@ def encode_chunk(
 
 def decode_chunk(blob: bytes | bytearray | memoryview, key: str, expect: chunkfile.Expect) -> StoredChunk:
     """The chunk in ``blob`` (tensors are views of it) once ``chunkfile.decode`` has verified it; raises
-    ``chunkfile.CorruptChunkError`` as that does."""
+    ``CorruptChunkError`` as that does."""
     payload = chunkfile.decode(blob, key, expect)
     data = torch.frombuffer(payload.data, dtype=torch_dtypes.to_torch(expect.dtype)).view(expect.shape)
     if payload.scales is None:

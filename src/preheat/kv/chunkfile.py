@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import xxhash
 
 from preheat.checkpoint import dtypes
-from preheat.core.errors import KVError
+from preheat.core.errors import CorruptChunkError, JSONInputError, MacError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.kv import mac
 
 MAGIC = b"PHKVCHNK"
@@ -44,19 +45,10 @@ VERSION_KEYED = 2  # version 1 followed by a keyed BLAKE2b tag of everything bef
 _PREFIX = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 64 * 1024
+_MAX_HEADER_DEPTH = 8  # a header nests two levels (its shapes); deeper is damage, refused before json.loads recurses
 QUANTIZED = ("I8", "F8_E4M3")  # stored dtypes that carry float32 scales, one per head vector
 BLOB_KIND, BLOB_DTYPE = "bytes", "U8"  # an opaque value of the blob store: a flat run of bytes
 MAX_KEY_CHARS = 4096  # an engine key longer than this is refused before it reaches a header (64 KiB at most)
-
-
-class CorruptChunkError(KVError):
-    """A stored chunk failed a check (torn, flipped, foreign, too large): the tier treats it as a miss and removes
-    it."""
-
-
-class MacError(CorruptChunkError):
-    """A chunk's keyed tag is wrong or missing (forged, written under another secret, or unkeyed while this replica
-    requires a MAC), or the chunk is keyed and this replica has no secret."""
 
 
 @dataclass(frozen=True)
@@ -219,11 +211,6 @@ class BlobHead:
 HEAD_HINT = 4096  # read this much first: the prefix and header of any value whose key is not huge
 
 
-class Reframe(Exception):  # noqa: N818  # a signal to read the file another way, not an error
-    """A value's header is valid but not where ``blob_frame`` predicted it (a file of another writer), or no frame
-    fits the file: read its header first (``FileTier.read_framed`` falls back to ``read_split``)."""
-
-
 @dataclass(frozen=True)
 class BlobFrame:
     """Where a value's header and payload lie in a file of a given size, *if* the file was written by this
@@ -368,8 +355,8 @@ def blob_head(head: bytes | bytearray | memoryview, key: str, expect: BlobExpect
         raise MacError(f"value {key!r}: {'keyed' if keyed else 'unkeyed'}, and this reader "
                        f"{'has no secret' if keyed else 'requires a MAC (--kv-secret-file)'}")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : end]))
-    except (ValueError, RecursionError) as exc:
+        header = _parse_header(view[_PREFIX.size : end])
+    except JSONInputError as exc:
         raise CorruptChunkError(f"value {key!r}: header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptChunkError(f"value {key!r}: header is not a JSON object")
@@ -445,8 +432,8 @@ def verify_any(blob: bytes | bytearray | memoryview, fingerprint: str, mac_key: 
     if end > len(view):
         raise CorruptChunkError(f"{len(view)} bytes, shorter than its header")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : end]))
-    except (ValueError, RecursionError) as exc:
+        header = _parse_header(view[_PREFIX.size : end])
+    except JSONInputError as exc:
         raise CorruptChunkError(f"header is not JSON ({exc})") from None
     if not isinstance(header, dict) or header.get("fingerprint") != fingerprint:
         raise CorruptChunkError(f"not a chunk of {fingerprint}")
@@ -469,8 +456,8 @@ def peek_key(head: bytes | bytearray | memoryview) -> str | None:
     if magic != MAGIC or header_len > _MAX_HEADER or _PREFIX.size + header_len > len(view):
         return None
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
-    except (ValueError, RecursionError):
+        header = _parse_header(view[_PREFIX.size : _PREFIX.size + header_len])
+    except JSONInputError:
         return None
     found = header.get("key") if isinstance(header, dict) else None
     return found if isinstance(found, str) else None
@@ -492,8 +479,8 @@ def decode(blob: bytes | bytearray | memoryview, key: str, expect: AnyExpect) ->
     if header_len > _MAX_HEADER or _PREFIX.size + header_len > len(view):
         raise CorruptChunkError(f"chunk {key}: header length {header_len} does not fit in {len(view)} bytes")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
-    except (ValueError, RecursionError) as exc:  # ValueError covers bad UTF-8; RecursionError deep nesting
+        header = _parse_header(view[_PREFIX.size : _PREFIX.size + header_len])
+    except JSONInputError as exc:  # not UTF-8, not JSON, or nested too deep
         raise CorruptChunkError(f"chunk {key}: header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptChunkError(f"chunk {key}: header is not a JSON object")
@@ -510,6 +497,11 @@ def decode(blob: bytes | bytearray | memoryview, key: str, expect: AnyExpect) ->
     if header["scale_shape"] is None:
         return Payload(payload[:data_bytes])
     return Payload(payload[:data_bytes], payload[data_bytes:])
+
+
+def _parse_header(raw: memoryview) -> object:
+    """A header's JSON, bounded (``JSONInputError`` otherwise): chunks come from tiers others can write."""
+    return loads_bounded(raw, max_bytes=_MAX_HEADER, max_depth=_MAX_HEADER_DEPTH)
 
 
 def _verified(view: memoryview, key: str, version: int, mac_key: bytes | None) -> memoryview:

@@ -31,15 +31,16 @@ import errno
 import fcntl
 import logging
 import os
-import secrets
 import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from preheat.core.errors import ConfigError
+from preheat.core import durable
+from preheat.core.errors import ConfigError, CorruptChunkError, Reframe, _NoRoomError
 from preheat.kv import chunkfile
+from preheat.kv.backends import fs_root
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.fileio import fill, make_root, preallocate, read_all, write_all, write_unsummed
 from preheat.kv.tier import Check, Encode, EvictHook, Health, TierStats, chunk_expect
@@ -58,10 +59,6 @@ T = TypeVar("T")
 _SplitParts = tuple[
     Callable[[bytes], int], Callable[[bytes, int], "list[memoryview] | None"], Callable[[bytes, "list[memoryview]"], T]
 ]
-
-
-class _NoRoomError(Exception):
-    """``read_split``'s caller had no memory for the value: a miss, nothing wrong with the file."""
 
 
 class FileTier:
@@ -123,10 +120,12 @@ class FileTier:
             return False
         try:
             os.makedirs(self.dir, exist_ok=True)
-            probe = os.path.join(self.dir, f".probe.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-            with open(probe, "wb") as handle:
-                handle.write(b"preheat")
-            os.unlink(probe)
+            probe = durable.temp_path(os.path.join(self.dir, "probe"))
+            try:
+                with open(probe, "wb") as handle:
+                    handle.write(b"preheat")
+            finally:
+                durable.discard(probe)
             self._make_shards()
         except OSError as exc:
             self.health.down(f"cannot write under {self.root}: {exc.strerror or exc}")
@@ -209,7 +208,7 @@ class FileTier:
     ) -> T | None:
         """``read_split`` in one ``preadv`` when the header's length can be told from the file's size:
         ``frame(fd, file_size)`` reads header and rest at once (``fill``) and verifies them. It raises
-        ``chunkfile.Reframe`` to have the file read as ``read_split(name, *split())`` does instead: when it cannot
+        ``Reframe`` to have the file read as ``read_split(name, *split())`` does instead: when it cannot
         predict the header or has no buffers for that size (the header then says whether the file is damaged or
         there is no room), or when the header is valid but not as long as predicted (a file of another writer).
         Counted, removed and refreshed as ``read`` does."""
@@ -217,7 +216,7 @@ class FileTier:
         def framed(fd: int, size: int) -> T:
             try:
                 return frame(fd, size)
-            except chunkfile.Reframe:
+            except Reframe:
                 return _split(fd, size, name, split(), 0)
 
         return self._counted(name, framed)
@@ -240,7 +239,7 @@ class FileTier:
         except (FileNotFoundError, _NoRoomError):
             self.stats.add(misses=1)
             return None
-        except chunkfile.CorruptChunkError as exc:
+        except CorruptChunkError as exc:
             log.warning("KV L2: %s; removing %s", exc, path)
             self._remove(path, name)
             self.stats.rejected(exc)
@@ -280,14 +279,14 @@ class FileTier:
             fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink, or a socket, under the chunk's name
-                raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file") from None
+                raise CorruptChunkError(f"chunk {key}: not a regular file") from None
             raise
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise chunkfile.CorruptChunkError(f"chunk {key}: not a regular file")
+                raise CorruptChunkError(f"chunk {key}: not a regular file")
             if info.st_size > self._max_size:
-                raise chunkfile.CorruptChunkError(
+                raise CorruptChunkError(
                     f"chunk {key}: {info.st_size} bytes, more than any chunk of this layout ({self.expect.max_size})"
                 )
         except BaseException:
@@ -312,7 +311,7 @@ class FileTier:
             check(self._read(path, key))
         except FileNotFoundError:
             return False
-        except chunkfile.CorruptChunkError as exc:
+        except CorruptChunkError as exc:
             log.warning("KV L2: %s; replacing %s", exc, path)
             self.stats.rejected(exc, miss=False)
             return False
@@ -331,15 +330,10 @@ class FileTier:
         path = os.path.join(self.dir, "namespace.json")
         if not self._usable() or os.path.lexists(path):
             return
-        temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            with open(temp, "wb") as handle:
-                handle.write(description)
-            os.rename(temp, path)
+            durable.write_file(path, description, mode=0o666)  # as the chunk files: any sharer may replace it
         except OSError as exc:
             log.debug("KV L2: could not describe the namespace in %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
 
     def write(self, name: str, encode: Encode, check: Check) -> bool:
         """Store the pieces ``encode`` makes under ``name`` (temporary file, then ``rename``), unless a file that
@@ -366,7 +360,11 @@ class FileTier:
             log.debug("KV L2: %s is %d bytes, more than the whole quota (%d); not stored", name, size, self.max_bytes)
             return False
         shard = f"{self.dir}/{name[:2]}"
-        temp = f"{shard}/.{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        # durable's temporary name and clean-up, but not its write: a chunk is preallocated and written in pieces
+        # (the unsummed kind hashed as it goes), and not fsynced: the L2 is a cache whose files check themselves, so
+        # one torn by a power loss is a miss (and is replaced), never wrong bytes; a sync per put would cost more
+        # than the put.
+        temp = durable.temp_path(path)
         try:
             try:
                 fd = os.open(temp, _CREATE_FLAGS, 0o666)
@@ -384,10 +382,9 @@ class FileTier:
                     write_all(fd, pieces)
             finally:
                 os.close(fd)
-            os.rename(temp, path)  # atomically replaces a damaged file (or a FIFO planted under the name)
+            os.replace(temp, path)  # atomically replaces a damaged file (or a FIFO planted under the name)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
+            durable.discard(temp)
             self.stats.add(errors=1)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and self.max_bytes is not None:
                 self.sweep()
@@ -451,7 +448,7 @@ class FileTier:
     def _sweep_locked(self, quota: int) -> int:
         files, total, now = [], 0, time.time()
         for path, info in _walk(os.path.join(self.root, "v1")):
-            if path.endswith(".tmp"):
+            if path.endswith(durable.TEMP_SUFFIX):
                 if now - info.st_mtime > STALE_TEMP_S:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
@@ -502,6 +499,20 @@ class FileTier:
         return None
 
 
+def open_url(
+    url: str,
+    expect: chunkfile.AnyExpect,
+    *,
+    max_bytes: int | None = None,
+    ttl_s: int | None = None,
+    on_evict: EvictHook | None = None,
+) -> FileTier:
+    """The ``FileTier`` of an ``fs://`` URL: the ``fs`` entry of ``kv/backends.py``, which checked the URL.
+    ``ttl_s`` is Redis's: files live until the quota sweep removes them."""
+    del ttl_s
+    return FileTier(fs_root(url), expect, max_bytes=max_bytes, on_evict=on_evict)
+
+
 def _walk(top: str) -> list[tuple[str, os.stat_result]]:
     """Every regular file under ``top`` with its stat (files vanishing under a concurrent sweep are skipped)."""
     out: list[tuple[str, os.stat_result]] = []
@@ -539,7 +550,7 @@ def _split(fd: int, size: int, name: str, parts: _SplitParts[T], extra: int) -> 
     need = min(size, wanted + extra)
     head = first if need <= len(first) else os.pread(fd, need, 0)
     if len(head) < wanted:
-        raise chunkfile.CorruptChunkError(f"chunk {name}: {size} bytes, shorter than its header")
+        raise CorruptChunkError(f"chunk {name}: {size} bytes, shorter than its header")
     buffers = place(head, size)
     if buffers is None:
         raise _NoRoomError

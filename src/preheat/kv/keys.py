@@ -27,6 +27,7 @@ from preheat.core.errors import KVError
 
 KEY_VERSION = 1  # bump when the recipe below changes: old chunks then simply stop matching
 DEFAULT_CHUNK_TOKENS = 256
+KV_DTYPES = ("auto", "int8", "fp8")  # --kv-dtype; part of the fingerprint. auto: the compute dtype's bytes exactly
 _U32_MAX = 2**32 - 1
 K = TypeVar("K", bound=Hashable)  # a chunk key: hex strings here, integers in the analyzer's compact traces
 

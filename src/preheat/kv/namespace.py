@@ -19,13 +19,16 @@ from urllib.parse import unquote
 
 import xxhash
 
-from preheat.core.errors import ConfigError
-from preheat.kv.settings import check_redis_url
+from preheat.core.errors import ConfigError, JSONInputError
+from preheat.core.jsonsafe import load_object
+from preheat.kv.backends import check_url, fs_root
 
 NAMESPACE_FILE = "namespace.json"
 _SAFE = frozenset(string.ascii_letters + string.digits + "-_@=+,.")
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_@=+,.-]*")  # every character in _SAFE
 _MAX_NAME = 160  # escaped keys longer than this are stored under a hash (file names stop at 255 bytes)
+_DESCRIPTION_BYTES = 64 << 10  # a description is a few hundred bytes: a larger one is someone else's, not parsed
+
 
 @dataclass(frozen=True)
 class Namespace:
@@ -86,23 +89,26 @@ def key_of(name: str) -> str | None:
     return unquote(rest, errors="strict") if "%" in rest else rest
 
 
-def list_namespaces(url: str) -> list[tuple[str, dict[str, object] | None]]:
-    """The namespaces stored at ``url``: (id, description) pairs, the description None where there is none (the
-    reference engine's chunks, whose id is its KV fingerprint). Redis lists described namespaces only."""
+def list_fs(url: str) -> list[tuple[str, dict[str, object] | None]]:
+    """The namespaces in an ``fs://`` directory, described or not (``backends.list_namespaces`` calls it)."""
     out: list[tuple[str, dict[str, object] | None]] = []
-    if url.startswith("fs://"):
-        top = os.path.join(url[len("fs://") :], "v1")
-        try:
-            names = sorted(os.listdir(top))
-        except OSError as exc:
-            raise ConfigError(f"{url}: cannot list namespaces ({exc.strerror or exc})") from None
-        for name in names:
-            if len(name) == 32 and os.path.isdir(os.path.join(top, name)):
-                out.append((name, _description(os.path.join(top, name, NAMESPACE_FILE))))
-        return out
-    check_redis_url(url)
-    import redis
+    top = os.path.join(fs_root(url), "v1")
+    try:
+        names = sorted(os.listdir(top))
+    except OSError as exc:
+        raise ConfigError(f"{url}: cannot list namespaces ({exc.strerror or exc})") from None
+    for name in names:
+        if len(name) == 32 and os.path.isdir(os.path.join(top, name)):
+            out.append((name, _description(os.path.join(top, name, NAMESPACE_FILE))))
+    return out
 
+
+def list_redis(url: str) -> list[tuple[str, dict[str, object] | None]]:
+    """The described namespaces in a Redis database (``backends.list_namespaces`` calls it)."""
+    check_url(url)
+    import redis  # here: listing an fs:// directory imports no redis-py
+
+    out: list[tuple[str, dict[str, object] | None]] = []
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     try:
         for raw in client.scan_iter(match="preheat:kv:" + "?" * 32, count=1000):
@@ -119,14 +125,13 @@ def list_namespaces(url: str) -> list[tuple[str, dict[str, object] | None]]:
 def _description(path: str) -> dict[str, object] | None:
     try:
         with open(path, "rb") as handle:
-            return _parse_description(handle.read(64 << 10))
+            return _parse_description(handle.read(_DESCRIPTION_BYTES + 1))
     except OSError:
         return None
 
 
 def _parse_description(blob: bytes) -> dict[str, object] | None:
     try:
-        found = json.loads(blob)
-    except (ValueError, RecursionError):
+        return load_object(blob, max_bytes=_DESCRIPTION_BYTES)
+    except JSONInputError:  # someone else's key, or a damaged one: listed without a description
         return None
-    return found if isinstance(found, dict) else None

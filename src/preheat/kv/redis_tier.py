@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.connection import PythonRespSerializer
 
+from preheat.core.errors import CorruptChunkError
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, decode_chunk, encode_chunk
 from preheat.kv.settings import DEFAULT_TTL_S
@@ -137,10 +138,10 @@ class RedisTier:
                 continue
             try:
                 if isinstance(blob, redis.RedisError):  # WRONGTYPE: a list or hash under a chunk's name
-                    raise chunkfile.CorruptChunkError(f"chunk {name}: not a string value ({blob})")
+                    raise CorruptChunkError(f"chunk {name}: not a string value ({blob})")
                 assert isinstance(blob, bytes)
                 value = decode(blob)  # refuses a value over expect.max_size first
-            except chunkfile.CorruptChunkError as exc:
+            except CorruptChunkError as exc:
                 log.warning("KV L2: %s; deleting it from %s", exc, self.describe())
                 self._delete(name)
                 self.stats.rejected(exc)
@@ -266,6 +267,20 @@ class RedisTier:
 
     def close(self) -> None:
         self.client.close()
+
+
+def open_url(
+    url: str,
+    expect: chunkfile.AnyExpect,
+    *,
+    max_bytes: int | None = None,
+    ttl_s: int | None = None,
+    on_evict: EvictHook | None = None,
+) -> RedisTier:
+    """The ``RedisTier`` of a ``redis://`` or ``rediss://`` URL: their entries in ``kv/backends.py``, which checked
+    the URL and refuses a quota (``max_bytes``: Redis's own maxmemory evicts). ``ttl_s`` None: ``DEFAULT_TTL_S``."""
+    del max_bytes
+    return RedisTier(url, expect, ttl_s=DEFAULT_TTL_S if ttl_s is None else ttl_s, on_evict=on_evict)
 
 
 def _any(_blob: bytes | bytearray) -> None:

@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
 
 from preheat.core.config import parse_size
 from preheat.core.errors import ConfigError
-from preheat.kv.fileio import make_root
-from preheat.kv.keys import DEFAULT_CHUNK_TOKENS
+from preheat.kv import backends
+from preheat.kv.keys import DEFAULT_CHUNK_TOKENS, KV_DTYPES
 from preheat.kv.mac import read_secret_file
 
-KV_DTYPES = ("auto", "int8", "fp8")  # auto: store the compute dtype's bytes exactly
 DEFAULT_TTL_S = 24 * 3600  # Redis L2: seconds a chunk lives after its last hit
-L2_SCHEMES = ("fs://", "redis://", "rediss://")
-# What a redis(s):// L2 URL may say in its query (redis-py passes the rest to its connection, which would fail late).
-REDIS_QUERY = (
-    "db", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
-)
 
 
 @dataclass(frozen=True)
@@ -47,14 +40,15 @@ class KVSettings:
         if self.l1 is not None:
             l1_bytes(self.l1)
         if self.l2 is not None:
-            check_l2_url(self.l2)
+            backends.check_url(self.l2, "--kv-l2")  # the scheme's own rules: kv/backends.py
         if self.secret_file is not None:
             if self.l2 is None:
                 raise ConfigError("--kv-secret-file signs the chunks of a shared L2: give --kv-l2 too")
             read_secret_file(self.secret_file, warn=False)
         if self.l2_max_bytes is not None:
-            if self.l2 is None or not self.l2.startswith("fs://"):
-                raise ConfigError("--kv-l2-max-bytes is the quota of an fs:// L2 (Redis uses its own maxmemory)")
+            refused = "no --kv-l2 is given" if self.l2 is None else backends.quota_refusal(self.l2)
+            if refused is not None:
+                raise ConfigError(f"--kv-l2-max-bytes is the quota of an {backends.quota_schemes()} L2 ({refused})")
             parse_size(self.l2_max_bytes)
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype {self.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
@@ -67,31 +61,8 @@ class KVSettings:
                 parse_size(self.warm)
         if self.l2_ttl_s < 1:
             raise ConfigError(f"--kv-l2-ttl {self.l2_ttl_s}: must be at least 1 second")
-        if self.l2 is not None and self.l2.startswith("fs://"):  # last: nothing is made for settings refused
-            make_l2_root(self.l2)
-
-
-def check_l2_url(url: str) -> None:
-    """Refuse an ``--kv-l2`` URL of no known scheme, a relative ``fs://`` path, or a Redis URL redis-py would refuse
-    late. Messages never repeat a password."""
-    if not url.startswith(L2_SCHEMES):
-        shown = url.rsplit("@", maxsplit=1)[-1]  # never repeat a password
-        raise ConfigError(f"--kv-l2 {shown!r}: use fs:///shared/dir, redis://host:port/db or rediss://...")
-    if url.startswith("fs://") and not url[len("fs://") :].startswith("/"):
-        raise ConfigError(f"--kv-l2 {url!r}: an fs:// URL takes an absolute path (fs:///shared/kv)")
-    if url.startswith(("redis://", "rediss://")):
-        check_redis_url(url)
-
-
-def make_l2_root(url: str) -> None:
-    """Make the directory of an ``fs://`` L2 that does not exist yet, or refuse naming it (``fileio.make_root``).
-
-    Done while the settings are checked, before any model loads: a directory that cannot be made stops the start
-    at once, instead of a replica serving with its L2 down (the tier itself is opened only after the load)."""
-    try:
-        make_root(os.path.abspath(url[len("fs://") :]))
-    except ConfigError as exc:
-        raise ConfigError(f"--kv-l2 {url}: {exc}") from None
+        if self.l2 is not None:  # last: nothing is made for settings refused (an fs:// L2's missing directory)
+            backends.prepare(self.l2, "--kv-l2")
 
 
 def warm_bytes(settings: KVSettings) -> int | None:
@@ -108,24 +79,3 @@ def l1_bytes(spec: str) -> int:
     if spec.strip().endswith("%") and not 0 < float(spec.strip()[:-1]) <= 90:
         raise ConfigError(f"--kv-l1 {spec!r}: a share of RAM must be above 0% and at most 90%")
     return size
-
-
-def check_redis_url(url: str) -> None:
-    """Refuse a ``redis://`` or ``rediss://`` L2 URL redis-py would only reject at its first command. Messages never
-    repeat the password."""
-    parts = urlsplit(url)
-    shown = f"{parts.scheme}://{parts.hostname or ''}..."
-    try:
-        parts.port  # noqa: B018  # the property raises ValueError for a port that is not a number in range
-    except ValueError:
-        raise ConfigError(f"--kv-l2 {shown}: the port is not a number from 0 to 65535") from None
-    if not parts.hostname:
-        raise ConfigError(f"--kv-l2 {shown}: no host (redis://[user:password@]host:port/db)")
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        raise ConfigError(f"--kv-l2 {shown}: the database {db!r} is not a number (redis://host:port/0)")
-    for name in parse_qs(parts.query):
-        if name not in REDIS_QUERY:
-            raise ConfigError(f"--kv-l2 {shown}: unknown option {name!r} (known: {', '.join(REDIS_QUERY)})")
-        if name.startswith("ssl_") and parts.scheme != "rediss":
-            raise ConfigError(f"--kv-l2 {shown}: {name} is a TLS option: use rediss://")

@@ -39,65 +39,26 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
 
 from preheat.core.config import parse_size
 from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile, mac
+from preheat.kv.backends import list_namespaces, open_l2
 from preheat.kv.blob_reads import PEEK_BYTES, Allocate, fitted, framed_reader, split_reader
 from preheat.kv.fanout import DEFAULT_THREADS, FanOut
-from preheat.kv.namespace import Namespace, key_of, list_namespaces, storage_name
-from preheat.kv.settings import DEFAULT_TTL_S, check_redis_url
-from preheat.kv.tier import Check, Encode, TierStats
+from preheat.kv.namespace import Namespace, key_of, storage_name
+from preheat.kv.settings import DEFAULT_TTL_S
+from preheat.kv.tier import Storage, TierStats
 
 __all__ = ["DEFAULT_MAX_VALUE", "BlobStore", "Namespace", "Storage", "Value", "key_of", "list_namespaces",
            "open_storage", "open_store", "storage_name"]  # the namespace's names too: one import for an integration
 
 log = logging.getLogger("preheat.kv")
 
-T = TypeVar("T")
 Bytes = bytes | bytearray | memoryview
 Value = Bytes | tuple[Bytes, ...]  # one buffer, or parts stored one after the other (no joined copy)
 DEFAULT_MAX_VALUE = 256 << 20  # bytes; a value larger than this is refused (a 70B model's 256-token chunk is ~80 MiB)
 _HEAD_BYTES = 16 + 64 * 1024  # enough to read any header's claimed key (prefix + the largest header)
-
-
-class Storage(Protocol):
-    """The storage path ``FileTier`` and ``RedisTier`` share (``kv/fs.py``, ``kv/redis_tier.py``): self-checking
-    values under file- and Redis-safe names. ``decode``/``check`` raise ``chunkfile.CorruptChunkError`` for bytes
-    they refuse, which the storage counts and removes."""
-
-    stats: TierStats
-    expect: chunkfile.AnyExpect
-
-    @property
-    def up(self) -> bool: ...
-
-    def describe(self) -> str: ...
-
-    def read(self, name: str, decode: Callable[[bytes | bytearray], T]) -> T | None: ...
-
-    def read_many(
-        self, names: Sequence[str], decodes: Sequence[Callable[[bytes | bytearray], T]]
-    ) -> list[T | None]: ...
-
-    def write(self, name: str, encode: Encode, check: Check) -> bool: ...
-
-    def write_many(self, items: Sequence[tuple[str, Encode, Check]]) -> list[bool]: ...
-
-    def describe_namespace(self, description: bytes) -> None: ...
-
-    def contains(self, name: str) -> bool: ...
-
-    def contains_many(self, names: Sequence[str]) -> list[bool]: ...
-
-    def remove(self, name: str) -> bool: ...
-
-    def entries(self, limit: int) -> list[tuple[str, int]]: ...
-
-    def head(self, name: str, nbytes: int) -> bytes | None: ...
-
-    def close(self) -> None: ...
 
 
 class BlobStore:
@@ -379,19 +340,4 @@ def open_storage(
     """The storage at ``url`` for values ``expect`` describes (``open_store``; tools that read a namespace by its
     id alone, as ``preheat kv warm``, use it directly)."""
     quota = parse_size(max_bytes) if isinstance(max_bytes, str) else max_bytes
-    if url.startswith("fs://"):
-        root = url[len("fs://") :]
-        if not root.startswith("/"):
-            raise ConfigError(f"{url!r}: an fs:// URL takes an absolute path (fs:///shared/kv)")
-        from preheat.kv.fs import FileTier
-
-        return FileTier(root, expect, max_bytes=quota)
-    if url.startswith(("redis://", "rediss://")):
-        if quota is not None:
-            raise ConfigError("a quota is for an fs:// store (give Redis a maxmemory and an LRU policy)")
-        check_redis_url(url)
-        from preheat.kv.redis_tier import RedisTier
-
-        return RedisTier(url, expect, ttl_s=ttl_s)
-    shown = url.rsplit("@", maxsplit=1)[-1]  # never repeat a password
-    raise ConfigError(f"{shown!r}: use fs:///shared/dir, redis://host:port/db or rediss://...")
+    return open_l2(url, expect, max_bytes=quota, ttl_s=ttl_s)  # the backend of url's scheme: kv/backends.py

@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from preheat.core.errors import KVError
+from preheat.core.errors import CorruptChunkError, KVError, MacError
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk
-from preheat.kv.chunkfile import CorruptChunkError, MacError
 
 log = logging.getLogger("preheat.kv")
+
+T = TypeVar("T")
 
 EvictHook = Callable[[str, str], None]  # (tier name, key): a chunk left the tier (eviction, corruption, quota)
 Encode = Callable[[], "list[bytes | memoryview]"]  # the pieces of a value to store, made only when it is written
@@ -139,6 +140,49 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Storage(Protocol):
+    """The storage path ``FileTier`` and ``RedisTier`` share (``kv/fs.py``, ``kv/redis_tier.py``): self-checking
+    values under file- and Redis-safe names. ``decode``/``check`` raise ``CorruptChunkError`` for bytes
+    they refuse, which the storage counts and removes."""
+
+    stats: TierStats
+    expect: chunkfile.AnyExpect
+
+    @property
+    def up(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+    def read(self, name: str, decode: Callable[[bytes | bytearray], T]) -> T | None: ...
+
+    def read_many(
+        self, names: Sequence[str], decodes: Sequence[Callable[[bytes | bytearray], T]]
+    ) -> list[T | None]: ...
+
+    def write(self, name: str, encode: Encode, check: Check) -> bool: ...
+
+    def write_many(self, items: Sequence[tuple[str, Encode, Check]]) -> list[bool]: ...
+
+    def describe_namespace(self, description: bytes) -> None: ...
+
+    def contains(self, name: str) -> bool: ...
+
+    def contains_many(self, names: Sequence[str]) -> list[bool]: ...
+
+    def remove(self, name: str) -> bool: ...
+
+    def entries(self, limit: int) -> list[tuple[str, int]]: ...
+
+    def head(self, name: str, nbytes: int) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+class SharedTier(Tier, Storage, Protocol):
+    """A shared L2 (``FileTier``, ``RedisTier``; opened by URL in ``kv/backends.py``): the reference engine's chunks
+    as a ``Tier`` and any engine's values as a blob store's ``Storage``, through the same path."""
 
 
 def chunk_expect(expect: chunkfile.AnyExpect) -> chunkfile.Expect:

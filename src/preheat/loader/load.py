@@ -29,10 +29,12 @@ import torch
 
 from preheat.checkpoint import dtypes, torch_dtypes
 from preheat.checkpoint.digest import TensorDigests
-from preheat.checkpoint.layout import Checkpoint, CheckpointFile, open_checkpoint
+from preheat.checkpoint.header import CheckpointFile
+from preheat.checkpoint.layout import Checkpoint, open_checkpoint
 from preheat.checkpoint.loadverify import VerifyPlan, plan_verification
 from preheat.checkpoint.manifest import MANIFEST_NAME
 from preheat.checkpoint.tp import TPPlan, rank_slice
+from preheat.core import env
 from preheat.core.config import LoaderSettings, format_bytes
 from preheat.core.errors import CacheError, CheckpointError, ConfigError, DeviceError
 from preheat.io.buffers import PAGE, host_buffer, round_down, round_up
@@ -435,7 +437,7 @@ def _node_cache(cache: ModelCache | str | os.PathLike[str] | bool | None) -> Mod
     from preheat.store import ModelCache
 
     if cache is None:
-        return ModelCache() if os.environ.get("PREHEAT_CACHE_DIR") else None
+        return ModelCache() if env.get(env.CACHE_DIR) else None
     if cache is False:
         return None
     if cache is True:

@@ -31,7 +31,7 @@ def require_token(
     host: str,
     token: str | None,
     *,
-    token_flag: str = "PREHEAT_PEER_TOKEN (or --peer-token)",
+    token_flag: str = "PREHEAT_PEER_TOKEN (or --peer-token)",  # noqa: S107 - the setting's name, not a token
     host_flag: str = "--peer-host",
 ) -> None:
     """``ConfigError`` when a peer server would bind ``host`` beyond loopback without a token; the message names

@@ -37,8 +37,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from preheat.checkpoint import manifest as mf
-from preheat.core.errors import PeerError
-from preheat.http.client import Connection, HTTPClientError, Timeouts
+from preheat.core.errors import HTTPClientError, NixlError, PeerError
+from preheat.core.jsonsafe import load_object
+from preheat.http.client import Timeouts
+from preheat.http.pool import Connection
 from preheat.sources.base import Origin, Source
 
 if TYPE_CHECKING:
@@ -51,10 +53,6 @@ NIXL_ROUTE = "/peer/v1/nixl"
 MAX_ADVERT_BYTES = 64 * 1024 * 1024
 _TIMEOUT_S = 30.0  # one READ of one piece (16 MiB by default); far above any healthy device-to-device transfer
 _names = itertools.count()
-
-
-class NixlError(PeerError):
-    """NIXL could not be set up or a transfer failed; the caller falls back to TCP."""
 
 
 def nixl_api() -> ModuleType | None:
@@ -115,7 +113,9 @@ class Advert:
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> Advert:
         try:
-            doc = json.loads(data)
+            # Bounded: 64 KiB of "[" from a peer raised RecursionError here, which failed the pull instead of
+            # falling back to TCP. JSONInputError is a ValueError.
+            doc = load_object(data, max_bytes=MAX_ADVERT_BYTES, max_depth=8)
             tensors = tuple(RemoteTensor(str(f), int(o), int(n), int(a), int(d)) for f, o, n, a, d in doc["tensors"])
             return cls(str(doc["agent"]), base64.b64decode(doc["metadata"], validate=True), tensors)
         except (ValueError, KeyError, TypeError, binascii.Error) as exc:

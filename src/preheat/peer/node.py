@@ -11,16 +11,21 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from preheat.checkpoint import manifest as mf
+from preheat.core import env
 from preheat.core.errors import CheckpointError, ConfigError, PreheatError
 from preheat.peer.access import require_token
 from preheat.peer.nixl import NixlExport
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry, valid_address
 from preheat.peer.server import ArtifactLookup, PeerServer
+from preheat.sources.peer_uri import is_peer_uri
+
+# The node cache directory (None: the default) -> its compiled artifacts, as the peer server looks them up.
+ArtifactSource = Callable[[str | None], ArtifactLookup]
 
 log = logging.getLogger("preheat.peer")
 
@@ -40,10 +45,10 @@ def read_manifest(root: str) -> mf.Manifest:
 def advertised_host(host: str) -> str:
     """The host other replicas should dial: ``PREHEAT_PEER_ADVERTISE``, else the bind address unless it is a
     wildcard, else this machine's name resolved."""
-    given = os.environ.get("PREHEAT_PEER_ADVERTISE", "").strip()
+    given = env.get(env.PEER_ADVERTISE)
     if given:
         return given
-    if host not in ("0.0.0.0", "::", ""):
+    if host not in ("0.0.0.0", "::", ""):  # noqa: S104 - recognises a wildcard, binds nothing
         return host
     import socket
 
@@ -53,7 +58,7 @@ def advertised_host(host: str) -> str:
 def announceable(origin: str | None) -> str | None:
     """``origin`` as a registry entry may show it: a remote URI without userinfo, query or fragment (whoever reads
     the registry must not learn a credential from it), else None. Pullers never use it as their origin."""
-    if not origin or "://" not in origin or origin.startswith("preheat://"):
+    if not origin or "://" not in origin or is_peer_uri(origin):
         return None
     parts = urlsplit(origin)
     netloc = parts.netloc.rsplit("@", 1)[-1]
@@ -124,8 +129,13 @@ def start_peering(
     return Peering(server, heartbeat, address)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m preheat.peer DIR``: serve a checkpoint directory to peers until Ctrl-C or SIGTERM."""
+def main(argv: Sequence[str] | None = None, *, artifacts: ArtifactSource | None = None) -> int:
+    """``python -m preheat.peer DIR``: serve a checkpoint directory to peers until Ctrl-C or SIGTERM.
+
+    ``artifacts``: for ``--artifacts``, the node cache's compiled artifacts as the peer server looks them up, from
+    the cache directory. ``preheat.peer.__main__`` passes ``preheat.artifacts``' store: that package fetches from
+    peers (it imports this one), so this package never imports it back.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m preheat.peer",
         description="Serve a checkpoint directory to replicas pulling preheat://NAME (a seed peer, no engine).",
@@ -136,10 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=0, help="port (default: 0, a free one; printed)")
     parser.add_argument("--name", default="", help="name to announce (pullers may ask for preheat://NAME)")
-    parser.add_argument("--registry", default=os.environ.get("PREHEAT_REGISTRY"), help="redis://... or file:///dir")
+    parser.add_argument("--registry", default=env.get(env.REGISTRY), help="redis://... or file:///dir")
     parser.add_argument(
         "--origin",
-        default=os.environ.get("PREHEAT_ORIGIN"),
+        default=env.get(env.ORIGIN),
         help="origin URI to announce (informational: pullers use only their own --origin)",
     )
     parser.add_argument("--max-mbps", default=None, help="total outbound cap in MB/s (default: none)")
@@ -157,18 +167,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", default=None, help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
     args = parser.parse_args(argv)
-    token = os.environ.get("PREHEAT_PEER_TOKEN") or None  # never on the command line: `ps` shows it to everyone
+    token = env.get(env.PEER_TOKEN)  # never on the command line: `ps` shows it to everyone
     import signal
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        require_token(args.host, token, token_flag="PREHEAT_PEER_TOKEN", host_flag="--host")
+        require_token(args.host, token, token_flag="PREHEAT_PEER_TOKEN", host_flag="--host")  # noqa: S106 - a name
         max_bps = float(args.max_mbps) * 1e6 if args.max_mbps else None
         root = os.path.realpath(args.root)
         manifest = read_manifest(root)
         nixl = _gpu_export(root, manifest, args.device) if args.device != "cpu" else None
-        lookup = _artifact_lookup(args.cache_dir) if args.artifacts else None
+        lookup = _artifact_lookup(artifacts, args.cache_dir) if args.artifacts else None
         peering = start_peering(
             root,
             manifest=manifest,
@@ -198,13 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _artifact_lookup(cache_dir: str | None) -> ArtifactLookup:
-    """The node cache's compiled artifacts, as the peer server looks them up (verified against PREHEAT_TRUST_KEY)."""
-    from preheat.artifacts.signing import TrustedKeys, trust_key_files
-    from preheat.artifacts.store import ArtifactStore
-    from preheat.store.cache import ModelCache
-
-    return ArtifactStore(str(ModelCache(cache_dir).root), TrustedKeys.from_files(trust_key_files(None))).lookup
+def _artifact_lookup(artifacts: ArtifactSource | None, cache_dir: str | None) -> ArtifactLookup:
+    if artifacts is None:
+        raise ConfigError("--artifacts: this entry point was given no artifact store (run python -m preheat.peer)")
+    return artifacts(cache_dir)
 
 
 def _gpu_export(root: str, manifest: mf.Manifest, device: str) -> NixlExport | None:

@@ -1,62 +1,20 @@
-"""The pure part of peer transfer: ``preheat://`` names, and the plan of pieces a striped pull fetches
-(``preheat.store.pieces`` holds the plan's types; ``preheat.store.fetch`` fetches it).
+"""The pure part of peer transfer: the plan of pieces a striped pull fetches (``preheat.store.pieces`` holds the
+plan's types; ``preheat.store.fetch`` fetches it; ``preheat.sources.peer_uri`` parses the ``preheat://`` names).
 
 A checkpoint's files are cut into pieces of about ``chunk_bytes``, preferably at tensor boundaries, so that most
 tensors lie inside one piece and can be verified against their manifest digest as soon as that piece lands; a tensor
 larger than a piece spans several and is verified when the last of them lands. Bytes outside every tensor (the
 safetensors header, small extra files) are covered by the whole-file digest checked before publishing.
-
->>> parse_peer_uri("preheat://llama-3-8b").name
-'llama-3-8b'
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from preheat.checkpoint import manifest as mf
 from preheat.core.errors import ConfigError
 from preheat.store.pieces import Piece, PiecePlan, manifest_files
-
-SCHEME = "preheat://"
-IDENTITY = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
-_NAME = re.compile(r"^[A-Za-z0-9._:@+-]{1,200}$")
-
-
-@dataclass(frozen=True)
-class PeerURI:
-    """``preheat://NAME``: NAME is a checkpoint identity (``xxh3-128:...``) or a name peers announce."""
-
-    name: str
-
-    @property
-    def is_identity(self) -> bool:
-        """Whether NAME is a content identity (then every manifest received is checked against it)."""
-        return IDENTITY.match(self.name) is not None
-
-    def __str__(self) -> str:
-        return SCHEME + self.name
-
-
-def is_peer_uri(location: str) -> bool:
-    """Whether ``location`` is a ``preheat://`` name to find among peers."""
-    return location.startswith(SCHEME)
-
-
-def parse_peer_uri(uri: str) -> PeerURI:
-    """Parse ``preheat://NAME``; ``ConfigError`` for anything else (paths, queries, empty names)."""
-    if not is_peer_uri(uri):
-        raise ConfigError(f"{uri!r} is not a preheat:// name")
-    name = uri[len(SCHEME) :].rstrip("/")
-    if not _NAME.match(name):
-        raise ConfigError(
-            f"{uri!r}: write preheat://NAME with NAME a checkpoint identity (xxh3-128:<32 hex>) or a served name "
-            "(letters, digits, . _ - : @ +)"
-        )
-    return PeerURI(name)
 
 
 def plan_pieces(manifest: mf.Manifest, chunk_bytes: int) -> PiecePlan:

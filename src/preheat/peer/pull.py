@@ -13,33 +13,44 @@ choosing, or at a local path. An announced origin that differs from the operator
 and the pull's notes (and so in the error when no origin is left), for the operator to adopt if they trust it.
 
 Credentials: the peer token (``PeerOptions.token``) is sent only to peers, the origin's own credentials only to the
-origin (and never across a redirect to another scheme, host or port: ``preheat.sources.httpclient``).
+origin (and never across a redirect to another scheme, host or port: ``preheat.http.client.Redirects``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from preheat.checkpoint import manifest as mf
+from preheat.core import env as envs
 from preheat.core.errors import CheckpointError, ConfigError, RegistryError, SourceError, SourceNotFoundError
 from preheat.peer import nixl
-from preheat.peer.plan import parse_peer_uri, plan_pieces
+from preheat.peer.plan import plan_pieces
 from preheat.peer.registry import PeerEntry, open_registry, valid_address
 from preheat.peer.server import FILES_ROUTE
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.net import NetSettings
 from preheat.sources.open import open_origin
+from preheat.sources.peer_uri import parse_peer_uri
 from preheat.store import locks
 from preheat.store.cache import ModelCache
 from preheat.store.fetch import PieceSource, Progress
 from preheat.store.pull import PullResult, download, origin_key, pull
 
 log = logging.getLogger("preheat.peer")
+# What ``PeerOptions.from_env`` reads, by field (core/env.py declares each). Any: variables of several value types.
+_VARIABLES: dict[str, envs.Variable[Any]] = {
+    "registry": envs.REGISTRY,
+    "peers": envs.PEERS,
+    "origin": envs.ORIGIN,
+    "token": envs.PEER_TOKEN,
+    "stall_timeout": envs.PEER_STALL_TIMEOUT,
+    "max_peers": envs.PEER_MAX_PEERS,
+}
 MiB = 1024 * 1024
 
 
@@ -71,29 +82,11 @@ class PeerOptions:
     def from_env(cls, env: Mapping[str, str] | None = None, **given: object) -> PeerOptions:
         """Options from ``given`` (None values ignored), else ``PREHEAT_REGISTRY``, ``PREHEAT_PEERS`` (comma
         separated), ``PREHEAT_ORIGIN``, ``PREHEAT_PEER_TOKEN``, ``PREHEAT_PEER_STALL_TIMEOUT``,
-        ``PREHEAT_PEER_MAX_PEERS``, else the defaults."""
-        env = os.environ if env is None else env
+        ``PREHEAT_PEER_MAX_PEERS`` in ``env`` (default: this process's environment), else the defaults."""
         values: dict[str, object] = {k: v for k, v in given.items() if v is not None}
-        names = {
-            "registry": "PREHEAT_REGISTRY",
-            "origin": "PREHEAT_ORIGIN",
-            "token": "PREHEAT_PEER_TOKEN",
-        }
-        for key, variable in names.items():
-            if key not in values and env.get(variable, "").strip():
-                values[key] = env[variable].strip()
-        if "peers" not in values and env.get("PREHEAT_PEERS", "").strip():
-            values["peers"] = tuple(p.strip() for p in env["PREHEAT_PEERS"].split(",") if p.strip())
-        for key, variable, kind in (
-            ("stall_timeout", "PREHEAT_PEER_STALL_TIMEOUT", float),
-            ("max_peers", "PREHEAT_PEER_MAX_PEERS", int),
-        ):
-            raw = env.get(variable, "").strip()
-            if key not in values and raw:
-                try:
-                    values[key] = kind(raw)
-                except ValueError:
-                    raise ConfigError(f"{variable}={raw!r} is not a number") from None
+        for key, variable in _VARIABLES.items():
+            if key not in values and envs.raw(variable, env) is not None:
+                values[key] = envs.get(variable, env)
         options = cls(**values)  # type: ignore[arg-type]  # keys are this class's fields, values parsed above
         options.check()
         return options

@@ -33,8 +33,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-from preheat.core.errors import ConfigError, RegistryError
-from preheat.peer.plan import IDENTITY
+from preheat.core import durable
+from preheat.core.errors import ConfigError, JSONInputError, RegistryError
+from preheat.core.jsonsafe import loads_bounded
+from preheat.sources.peer_uri import IDENTITY
 
 log = logging.getLogger("preheat.peer")
 DEFAULT_TTL = 10.0
@@ -79,9 +81,10 @@ class PeerEntry:
         if len(raw) > MAX_ENTRY_BYTES:
             raise RegistryError(f"{where}: not a peer entry (over {MAX_ENTRY_BYTES} bytes)")
         try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-            raise RegistryError(f"{where}: not a peer entry (not JSON: {type(exc).__name__})") from None
+            # One flat object; a newer peer's unknown fields may nest a little.
+            doc = loads_bounded(raw, max_bytes=MAX_ENTRY_BYTES, max_depth=8)
+        except JSONInputError as exc:
+            raise RegistryError(f"{where}: not a peer entry (not JSON: {exc})") from None
         if not isinstance(doc, dict):
             raise RegistryError(f"{where}: not a peer entry (a JSON {type(doc).__name__}, not an object)")
         try:
@@ -216,12 +219,10 @@ class FileRegistry:
     def announce(self, entry: PeerEntry, ttl: float) -> None:
         path = self._path(entry)
         stamped = replace(entry, expires=self.clock() + ttl)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(stamped.to_json())
-            os.replace(tmp, path)  # readers see the old entry or the new one, never half of one
+            # Readers see the old entry or the new one, never half of one; a failed write leaves no temporary file.
+            durable.write_file(path, stamped.to_json().encode())
         except OSError as exc:
             raise RegistryError(f"registry {self.url}: cannot write {path}: {exc.strerror}") from None
 

@@ -38,8 +38,8 @@ from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from preheat.checkpoint import manifest as mf
-from preheat.core.errors import ConfigError
-from preheat.http.ranges import UnsatisfiableRangeError, content_range, parse_range
+from preheat.core.errors import ConfigError, UnsatisfiableRangeError
+from preheat.http.ranges import content_range, parse_range
 from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 from preheat.peer.access import require_token
 from preheat.peer.nixl import NIXL_ROUTE, NixlExport

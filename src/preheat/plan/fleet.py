@@ -1,7 +1,7 @@
 """``preheat simulate --emit-values``: the policy simulate recommends, as Kubernetes deployment values. Pure.
 
 The recommendation is the cheapest policy whose p99 TTFT meets the target; when none does, the one with the lowest
-p99. Its switches map onto ``deploy/values.yaml``: min/max replicas, the warm node pool (standby slots count as
+p99. Its switches map onto ``k8s/manifests/values.yaml``: min/max replicas, the warm node pool (standby slots count as
 pool nodes: the manifests keep nodes, not standby processes, warm), the idle timeout as the scale-down delay, and
 the scale-out rule's slots x utilization as the autoscaler's in-flight target per replica.
 """

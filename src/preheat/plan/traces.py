@@ -16,7 +16,6 @@ Columns or keys this module does not know are named once in the ``Problems`` (ne
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import warnings
@@ -27,11 +26,14 @@ from datetime import datetime
 
 import numpy as np
 
-from preheat.core.errors import PlanError
+from preheat.core.errors import JSONInputError, PlanError
+from preheat.core.jsonsafe import loads_bounded
 
 MOONCAKE_BLOCK = 512  # tokens per Mooncake hash id (the published traces' block size)
 CHARS_PER_TOKEN = 4.0  # estimate for text prompts when no tokenizer is given (simulate only needs counts)
 _U32 = 2**32
+MAX_LINE_BYTES = 64 * 1024 * 1024  # one request: even a long prompt's text or token ids fill a few MiB
+MAX_LINE_CONTAINERS = 100_000  # a chat's messages; a line of "[]," would otherwise become millions of lists
 _PREHEAT_KEYS = frozenset(
     {"timestamp", "prompt", "messages", "token_ids", "output_tokens", "output_length", "input_length", "max_tokens"}
 )
@@ -121,12 +123,9 @@ def _iter_jsonl(path: str, problems: Problems) -> Iterator[Request]:
             if not raw.strip():
                 continue
             try:
-                doc = fast_token_ids(raw) or json.loads(raw)
-            except json.JSONDecodeError as exc:
-                problems.bad_line(number, f"not JSON ({exc.msg} at column {exc.colno})")
-                continue
-            except ValueError as exc:  # e.g. a number too long for int()
-                problems.bad_line(number, f"not JSON ({exc})")
+                doc = fast_token_ids(raw) or _parse(raw)
+            except JSONInputError as exc:  # not JSON, or past a bound: 64 KiB of "[" is a bad line, not a crash
+                problems.bad_line(number, str(exc))
                 continue
             if not isinstance(doc, dict):
                 problems.bad_line(number, f"expected a JSON object, got {type(doc).__name__}")
@@ -157,13 +156,18 @@ def fast_token_ids(raw: str) -> dict[str, object] | None:
     if ids is None:
         return None
     try:
-        doc = json.loads(raw[:opening] + "[]" + raw[closing + 1 :])
-    except ValueError:
+        doc = _parse(raw[:opening] + "[]" + raw[closing + 1 :])
+    except JSONInputError:
         return None
     if not isinstance(doc, dict) or doc.get("token_ids") != []:
         return None
     doc["token_ids"] = ids
     return doc
+
+
+def _parse(line: str) -> object:
+    """One line of JSON, bounded: a trace file may come from anyone."""
+    return loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_containers=MAX_LINE_CONTAINERS)
 
 
 def _plain_ids(body: str) -> array[int] | None:

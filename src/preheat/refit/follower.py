@@ -15,7 +15,6 @@ mid-pull is abandoned for the newer one.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -26,12 +25,13 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from preheat.checkpoint.torch_dtypes import to_torch
-from preheat.core.errors import PreheatError, RefitError
+from preheat.core.errors import PreheatError, RefitError, SupersededError
+from preheat.core.jsonsafe import load_object
 from preheat.http.client import Timeouts, request
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
 from preheat.refit.protocol import VersionManifest, check_name, head_identity, head_name, to_fetch
 from preheat.refit.publisher import tensor_view
-from preheat.refit.pull import Discovery, Pull, SupersededError, fetch_manifest
+from preheat.refit.pull import Discovery, Pull, fetch_manifest
 from preheat.refit.server import INFO_ROUTE, RefitServer
 from preheat.refit.swap import ModelSlots, SwapReport, check_shapes, swap
 
@@ -42,6 +42,7 @@ log = logging.getLogger("preheat.refit")
 T = TypeVar("T")
 Runner = Callable[[Callable[[], T]], T]
 INFO_TIMEOUTS = Timeouts(connect=1.0, read=5.0)
+INFO_BYTES = 65536  # a holder's info lists the versions it serves: a few dozen bytes
 
 
 def run_now(fn: Callable[[], T]) -> T:
@@ -220,13 +221,18 @@ class Follower:
                 continue
             try:
                 answer = request(
-                    f"http://{entry.address}{INFO_ROUTE}", timeouts=INFO_TIMEOUTS, headers=self.headers, max_body=65536
+                    f"http://{entry.address}{INFO_ROUTE}",
+                    timeouts=INFO_TIMEOUTS,
+                    headers=self.headers,
+                    max_body=INFO_BYTES,
                 )
-                info = json.loads(answer.body) if answer.status == 200 else {}
-            except (PreheatError, ValueError) as exc:
-                log.debug("refit: holder %s did not answer: %s", entry.address, exc)
+                # Bounded: a holder is any address in the registry, and 64 KiB of "[" would otherwise raise a
+                # RecursionError here, which ended this thread. A JSONInputError is a PreheatError: holder skipped.
+                info = load_object(answer.body, max_bytes=INFO_BYTES, max_depth=8) if answer.status == 200 else {}
+            except PreheatError as exc:
+                log.debug("refit: holder %s skipped (no answer, or not a list of versions): %s", entry.address, exc)
                 continue
-            versions = info.get("versions") if isinstance(info, dict) else None
+            versions = info.get("versions")
             if isinstance(versions, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
                 holders[entry.address] = versions
         found = Discovery(holders)

@@ -18,7 +18,6 @@ True
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -27,7 +26,8 @@ from dataclasses import dataclass
 from preheat.checkpoint.digest import digest_bytes
 from preheat.checkpoint.dtypes import is_known, itemsize
 from preheat.checkpoint.manifest import canonical_json
-from preheat.core.errors import RefitError
+from preheat.core.errors import JSONInputError, RefitError
+from preheat.core.jsonsafe import loads_bounded
 
 FORMAT = 1
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # ~150 bytes a tensor: far beyond any model's tensor count
@@ -130,9 +130,9 @@ class VersionManifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise RefitError(f"{where}: version manifest over {MAX_MANIFEST_BYTES} bytes")
         try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise RefitError(f"{where}: version manifest is not JSON ({type(exc).__name__})") from None
+            doc = loads_bounded(data, max_bytes=MAX_MANIFEST_BYTES)
+        except JSONInputError as exc:
+            raise RefitError(f"{where}: version manifest refused ({exc})") from None
         try:
             return _parse(doc)
         except (ValueError, TypeError, KeyError) as exc:

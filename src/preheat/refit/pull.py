@@ -19,21 +19,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from preheat.checkpoint.digest import digest_bytes
-from preheat.core.errors import PreheatError, RefitError
+from preheat.core.errors import PreheatError, RefitError, SupersededError, VerificationError
 from preheat.http.client import Timeouts, describe, request
 from preheat.refit.protocol import TensorEntry, VersionManifest, stripe
 from preheat.refit.server import VERSIONS_ROUTE
 
 log = logging.getLogger("preheat.refit")
 TIMEOUTS = Timeouts(connect=2.0, read=30.0)
-
-
-class SupersededError(RefitError):
-    """A newer version appeared while this one was being pulled: the pull was abandoned."""
-
-
-class VerificationError(RefitError):
-    """A holder sent bytes that do not match the manifest (length or digest): it is not asked again."""
 
 
 @dataclass

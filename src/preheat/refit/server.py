@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
+from preheat.core import env
 from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 from preheat.peer.access import require_token
 from preheat.refit.protocol import VersionManifest
@@ -70,7 +70,7 @@ class RefitServer(BackgroundServer):
     def address(self) -> str:
         """``host:port`` as announced in the registry: ``PREHEAT_PEER_ADVERTISE`` as the host when set (a server
         bound to ``0.0.0.0`` is dialled at the node's address), else the bind host."""
-        host = os.environ.get("PREHEAT_PEER_ADVERTISE") or self.host
+        host = env.get(env.PEER_ADVERTISE) or self.host
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{self.port}"
 

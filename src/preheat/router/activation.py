@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from preheat.core.errors import RouterError
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
-from preheat.http.client import ConnectError, HTTPClientError, Response, Timeouts, request
+from preheat.core.errors import ColdStartError, ConnectError, HTTPClientError, JSONInputError
+from preheat.core.jsonsafe import loads_bounded
+from preheat.http.client import Response, Timeouts, request
 from preheat.router.capacity import SLEEPING, STANDBY, Cold, rank_cold
 from preheat.router.metrics import RouterMetrics
 from preheat.router.upstream import Replica
@@ -31,14 +31,6 @@ CONTROL_SECONDS = 10.0  # the load and wake routes answer at once (202): they on
 RETRY_FAILED_AFTER = 30.0  # a replica whose cold start failed is not tried again before this many seconds
 MAX_ANSWER = 1 << 20
 KEPT_MEASUREMENTS = 16  # per kind: the mean of the last ones prices a replica whose own cost is unknown
-
-
-class ColdStartError(RouterError):
-    """A cold start that did not end with a serving replica; ``refused``: the replica may never load this model."""
-
-    def __init__(self, message: str, *, refused: bool = False) -> None:
-        super().__init__(message)
-        self.refused = refused
 
 
 @dataclass(frozen=True)

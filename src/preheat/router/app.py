@@ -1,7 +1,5 @@
-"""``preheat router``: settings, wiring, and the process's life (bind, check replicas, serve until SIGINT/SIGTERM).
-
-``RouterSettings`` is the one source of truth: every flag has a ``PREHEAT_ROUTER_*`` variable; the flag wins, then
-the variable, then the default.
+"""``preheat router``: wiring, and the process's life (bind, check replicas, serve until SIGINT/SIGTERM), from
+``RouterSettings`` (router/settings.py: every flag, and its ``PREHEAT_ROUTER_*`` variable).
 """
 
 from __future__ import annotations
@@ -9,10 +7,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
-from preheat.core.config import resolve_settings
-from preheat.core.errors import ConfigError, RouterError
+from preheat.core.errors import RouterError
 from preheat.core.procs import listening_line
 from preheat.dashboard.watch import Findings
 from preheat.http.metrics import Counter
@@ -23,147 +20,14 @@ from preheat.router.activation import ColdSettings, ColdStarter
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
-from preheat.router.policies import POLICIES, LoadGuard, make_policy
+from preheat.router.policies import LoadGuard, make_policy
 from preheat.router.prompts import PromptReader, tokenizer_from_replicas
 from preheat.router.proxy import Router, RouterHTTPServer
-from preheat.router.upstream import Replica, join_replica_specs, parse_replica_spec, parse_url
+from preheat.router.settings import FROM_REPLICAS, RouterSettings
+from preheat.router.upstream import Replica, parse_replica_spec
 
 log = logging.getLogger("preheat.router")
-PREFIX = "PREHEAT_ROUTER_"
-FROM_REPLICAS = "@replicas"  # --model @replicas: the tokenizer is asked of the replicas at start
-SECONDS = (
-    "health_interval",
-    "health_timeout",
-    "kv_poll_interval",
-    "index_ttl",
-    "kv_snapshot_interval",
-    "upstream_timeout",
-    "activation_timeout",
-)
-NO = ("0", "false", "no", "off")
 DISCOVERY_WAIT = 10.0  # seconds the router's start waits for the first EndpointSlice list
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    """Everything ``preheat router`` needs (docs/router.md has the table of flags and variables)."""
-
-    # Each ``URL[,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT]]`` (upstream.parse_replica_spec): with events=, an
-    # engine replica (vLLM, SGLang) whose ZMQ KV events feed policy kv.
-    replicas: tuple[str, ...]
-    policy: str = "round-robin"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    model: str | None = None  # tokenizer source for prefix and kv: a directory, or FROM_REPLICAS
-    kv_chunk_tokens: int = 256  # prefix only: kv uses each replica's published chunk size
-    health_interval: float = 1.0
-    health_timeout: float = 2.0
-    kv_poll_interval: float = 0.25
-    guard_gap: int = 2
-    hot_in_flight: int = 3
-    index_keys: int = 100_000  # per replica: prefix's routed keys; kv's keys per tier
-    index_ttl: float = 600.0
-    kv_snapshot_interval: float = 60.0  # kv: a replica with an L2 is asked for a full snapshot this often
-    upstream_timeout: float = 300.0
-    api_key: str | None = None  # what clients must send (Authorization: Bearer); None: the router is open
-    # What the router sends the replicas (their --api-key) in place of the client's Authorization, and on its
-    # KV-event polls; None: the client's passes through, and polls carry api_key (one key for the whole fleet).
-    replica_api_key: str | None = None
-    # Cold capacity (docs/router.md, *Standby and sleeping replicas*): standby replicas the router may activate with
-    # standby_model (served as served_model_name), sleeping replicas it may wake (wake), when no replica is in
-    # rotation or every one has saturation requests in flight; a cold start may take activation_timeout seconds.
-    standby: tuple[str, ...] = ()
-    standby_model: str | None = None
-    served_model_name: str | None = None
-    saturation: int = 3
-    activation_timeout: float = 300.0
-    wake: bool = True
-    # k8s://NAMESPACE/SERVICE[?port=NAME]: the replicas are that Service's ready endpoints, followed as they change
-    # (router/k8s_discovery.py); beside any --replica given.
-    replicas_from: str | None = None
-    # Live weight updates (docs/refit.md): send requests only to the replicas on the newest weights version their
-    # /health reports (replicas started with --follow), so no client sees an older version once one has the new.
-    newest_version: bool = False
-
-    @classmethod
-    def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> RouterSettings:
-        """Settings from ``flags`` (None = not given), else ``PREHEAT_ROUTER_<NAME>``, else the default.
-
-        >>> RouterSettings.resolve({"replicas": None}, {"PREHEAT_ROUTER_REPLICAS": "http://a:1,http://b:2"}).replicas
-        ('http://a:1', 'http://b:2')
-        """
-        values = resolve_settings(cls, flags, env, prefix=PREFIX, parse=_parse)
-        if not values.get("replicas") and not values.get("standby") and not values.get("replicas_from"):
-            raise ConfigError(
-                f"no replicas: pass --replica URL (repeat it) or set {PREFIX}REPLICAS=URL,URL "
-                "(or give standby replicas: --standby URL --standby-model MODEL, "
-                "or a Kubernetes Service: --replicas-from k8s://NAMESPACE/SERVICE)"
-            )
-        values.setdefault("replicas", ())
-        settings = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
-        settings.check()
-        return settings
-
-    def check(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"--policy {self.policy!r}: use one of {', '.join(POLICIES)}")
-        if self.policy in ("prefix", "kv") and not self.model:
-            raise ConfigError(
-                f"--policy {self.policy} tokenizes prompts: pass --model DIR (the replicas' model), "
-                f"or --model {FROM_REPLICAS} to ask the replicas for their tokenizer"
-            )
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port {self.port}: must be 0-65535 (0 picks a free port)")
-        for number in ("kv_chunk_tokens", "index_keys", "guard_gap", "hot_in_flight", "saturation"):
-            if int(getattr(self, number)) < 1:
-                raise ConfigError(f"--{number.replace('_', '-')} must be at least 1")
-        for seconds in SECONDS:
-            if float(getattr(self, seconds)) <= 0:
-                raise ConfigError(f"--{seconds.replace('_', '-')} must be positive")
-        for secret in ("api_key", "replica_api_key"):
-            value = getattr(self, secret)
-            if value is not None and not value.strip():
-                raise ConfigError(f"--{secret.replace('_', '-')} is empty: give a key, or leave the flag out")
-        urls = [parse_replica_spec(spec).url for spec in self.replicas] + [parse_url(u).url for u in self.standby]
-        if len(set(urls)) != len(urls):
-            raise ConfigError("the same replica is given twice")
-        if self.replicas_from is not None:
-            parse_k8s_url(self.replicas_from)
-            if self.model == FROM_REPLICAS and not self.replicas:
-                raise ConfigError(
-                    f"--model {FROM_REPLICAS} asks the --replica URLs for their tokenizer at start, and "
-                    "--replicas-from finds its replicas later: pass --model DIR (the model's directory)"
-                )
-        if self.standby and not self.activation_model:
-            raise ConfigError(
-                "--standby replicas need the model to activate them with: pass --standby-model MODEL (a directory or "
-                "URI each standby's --allow-model allows), or --model DIR"
-            )
-
-    @property
-    def activation_model(self) -> str | None:
-        """What a standby is told to load: ``standby_model``, else ``model`` when it is a directory."""
-        if self.standby_model:
-            return self.standby_model
-        return self.model if self.model and self.model != FROM_REPLICAS else None
-
-
-def _parse(name: str, variable: str, raw: str) -> object:
-    if name == "replicas":
-        return join_replica_specs(raw.split(","))
-    if name == "standby":
-        return tuple(part.strip() for part in raw.split(",") if part.strip())
-    kind = next(f.type for f in fields(RouterSettings) if f.name == name)
-    if kind == "bool":
-        return raw.lower() not in NO
-    try:
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-    except ValueError:
-        raise ConfigError(f"{variable}={raw!r} is not a number") from None
-    return raw
 
 
 def prefix_fingerprint(model: str, chunk_tokens: int) -> str:

@@ -8,7 +8,6 @@ every group, then SIGKILL to any group still alive after a grace period. On Linu
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,10 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
-from preheat.core.errors import ProcessError
+from preheat.core.errors import HTTPClientError, ProcessError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.core.procs import Child
 from preheat.dashboard.prom import by_label, parse
-from preheat.http.client import HTTPClientError, Timeouts, request
+from preheat.http.client import Timeouts, request
 
 ADDRESS_TIMEOUT = 120.0  # a child prints its address once its socket is bound (before any model loads)
 GRACE_SECONDS = 10.0
@@ -145,8 +145,8 @@ def _replicas_healthy(url: str) -> tuple[int, int]:
     """How many replicas the router's ``/health`` (200 or 503, JSON either way) says are in rotation (given with
     ``--replica``), and how many standby replicas are waiting or serving; (0, 0) while it does not answer."""
     try:
-        status = json.loads(request(url, timeouts=Timeouts.within(5.0), max_body=1 << 20).body)
-    except (HTTPClientError, ValueError):
+        status = loads_bounded(request(url, timeouts=Timeouts.within(5.0), max_body=1 << 20).body, max_bytes=1 << 20)
+    except (HTTPClientError, ValueError):  # ValueError: jsonsafe's JSONInputError
         return 0, 0
     replicas = status.get("replicas", []) if isinstance(status, dict) else []
     listed = [r for r in replicas if isinstance(r, dict)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from preheat.core.errors import RouterError
+from preheat.core.errors import EngineEventError
 
 BlockHash = int | bytes  # vLLM: uint64 with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, else the digest's bytes; SGLang: int64
 END_SEQ = -1  # the replay socket's "no more batches" marker
@@ -38,10 +38,6 @@ _FIELDS = {  # positional order of the array-like form (vLLM's struct field orde
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }  # fmt: skip
-
-
-class EngineEventError(RouterError):
-    """A frame or payload that is not an engine KV-event batch (the message says what and where)."""
 
 
 @dataclass(frozen=True)

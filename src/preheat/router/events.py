@@ -11,9 +11,10 @@ import logging
 from collections.abc import Sequence
 from urllib.parse import urlencode
 
-from preheat.core.errors import RouterError
+from preheat.core.errors import AnswerTooLargeError, HTTPClientError, RouterError
 from preheat.core.jsonsafe import loads_bounded
-from preheat.http.client import AnswerTooLargeError, Connection, HTTPClientError, Timeouts
+from preheat.http.client import Timeouts
+from preheat.http.pool import Connection
 from preheat.router.health import ReplicaLoop
 from preheat.router.index import KVIndex, parse_update
 from preheat.router.upstream import Replica
@@ -84,7 +85,7 @@ class KVEventPoller(ReplicaLoop):
             self.index.apply(replica.url, parse_update(payload, replica.url), finished=finished)
             if _left(replica):  # it left while we applied: remove()'s forget may have run before our apply
                 self.index.forget(replica.url)
-        except (ValueError, RouterError) as exc:  # ValueError: jsonsafe.JSONInputError (too large, deep, not JSON)
+        except (ValueError, RouterError) as exc:  # ValueError: a JSONInputError (too large, deep, not JSON)
             log.warning("%s%s: ignoring a malformed answer: %s", replica.url, EVENTS_PATH, exc)
             self.index.forget(replica.url)  # start over from a snapshot
         return True

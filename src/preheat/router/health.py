@@ -12,8 +12,9 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
-from preheat.http.client import ConnectError, HTTPClientError, Timeouts, request
+from preheat.core.errors import ConnectError, HTTPClientError, JSONInputError
+from preheat.core.jsonsafe import loads_bounded
+from preheat.http.client import Timeouts, request
 from preheat.router.capacity import NOT_SERVING
 from preheat.router.upstream import Replica
 

@@ -30,8 +30,7 @@ from preheat.core.errors import ConfigError
 from preheat.kv.keys import chunk_keys
 from preheat.router.index import InFlight, KVIndex, PrefixIndex
 from preheat.router.score import Estimate, expected_ttft, resolve_costs
-
-POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
+from preheat.router.settings import POLICIES  # spelt once: the flag's choices
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from preheat.core.errors import PreheatError, RouterError
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import APIError, JSONInputError, PreheatError, RouterError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.router.policies import RouteRequest
 from preheat.router.upstream import parse_replica_spec
-from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, APIError, parse_body
+from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, parse_body
 
 if TYPE_CHECKING:
     from preheat.text.tokenizer import TextTokenizer
@@ -102,7 +102,8 @@ def tokenizer_from_replicas(urls: Sequence[str], headers: Mapping[str, str], tim
 
     An engine given a hub id (not a local path) names no directory here: pass ``--model DIR`` then.
     """
-    from preheat.http.client import HTTPClientError, Timeouts, get
+    from preheat.core.errors import HTTPClientError
+    from preheat.http.client import Timeouts, get
 
     tried: list[str] = []
     for url in urls:

@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec
 
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import APIError, JSONInputError, UpstreamError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.state import ReplicaRow
 from preheat.dashboard.watch import Findings, FleetWatcher
 from preheat.dashboard.web import answer, is_dashboard_path
@@ -39,8 +40,8 @@ from preheat.router.capacity import refused_code, saturated
 from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
-from preheat.router.upstream import Replica, UpstreamError
-from preheat.text.request import MAX_BODY_BYTES, APIError
+from preheat.router.upstream import Replica
+from preheat.text.request import MAX_BODY_BYTES
 
 log = logging.getLogger("preheat.router")
 P = ParamSpec("P")

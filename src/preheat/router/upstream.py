@@ -1,9 +1,10 @@
 """The replicas behind the router: their URL, health, requests in flight, and a small pool of kept-alive connections.
 
 The router is on every request's path, so a request reuses an idle HTTP/1.1 connection to its replica instead of
-paying a TCP handshake (and a replica thread start) each time. A kept-alive connection the replica has meanwhile
-closed fails on first use; ``Replica.send`` then retries once on a fresh connection, which is safe because the
-replica never saw the request.
+paying a TCP handshake (and a replica thread start) each time: each replica has a ``preheat.http.pool.Pool``, which
+resends a request once on a fresh connection when a kept-alive one turns out closed by the replica meanwhile (safe:
+the replica never saw it). The pool's errors become ``UpstreamError``, which says whether the replica can have
+started on the request.
 """
 
 from __future__ import annotations
@@ -14,19 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from preheat.core.errors import RouterError
-from preheat.http.client import CONNECT_SECONDS, ConnectError, Timeouts, connect
+from preheat.core.errors import HTTPClientError, ResponseTimeoutError, RouterError, UpstreamError
+from preheat.http.client import CONNECT_SECONDS, Origin, Timeouts
+from preheat.http.pool import Pool
 
 POOL_SIZE = 32  # idle connections kept per replica; more concurrent requests open (then close) extra ones
 SERVICE_EWMA = 0.2  # weight of the newest request in a replica's mean request duration
-
-
-class UpstreamError(RouterError):
-    """A replica could not be reached, or failed before sending a response (``before_first_byte``: safe to retry)."""
-
-    def __init__(self, message: str, *, before_first_byte: bool) -> None:
-        super().__init__(message)
-        self.before_first_byte = before_first_byte
 
 
 @dataclass(frozen=True)
@@ -132,7 +126,8 @@ class Replica:
         self.in_flight = 0
         self.finished = 0
         self.service_seconds: float | None = None
-        self._idle: list[http.client.HTTPConnection] = []
+        self.origin = Origin("http", self.address.host, self.address.port)
+        self.pool = Pool(self.timeouts, idle=POOL_SIZE)
         self._lock = threading.Lock()
 
     def set_healthy(self, healthy: bool) -> bool:
@@ -160,22 +155,14 @@ class Replica:
                 self.service_seconds = seconds if old is None else old + SERVICE_EWMA * (seconds - old)
 
     # -- connections ---------------------------------------------------------------------------------------------
-    def _idle_connection(self) -> http.client.HTTPConnection | None:
-        with self._lock:
-            return self._idle.pop() if self._idle else None
-
     def release(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
         """Return ``conn`` to the pool once ``response`` was read to its end, unless either side asked to close or the
         answer is an error: a server that refuses a request early (401, 404) may not have read its body, and the
         unread bytes would be taken for the next request sent on this connection."""
-        if response.will_close or not response.isclosed() or response.status >= 400 or self.retired:
+        if response.status >= 400 or self.retired:
             conn.close()
             return
-        with self._lock:
-            if len(self._idle) < POOL_SIZE:
-                self._idle.append(conn)
-                return
-        conn.close()
+        self.pool.release(self.origin, conn, response)  # which closes it when either side asked to, or it is unread
 
     def retire(self) -> None:
         """The replica left the fleet: out of rotation, its idle connections closed, and those of the requests
@@ -186,10 +173,7 @@ class Replica:
 
     def close_idle(self) -> None:
         """Close every pooled connection (the replica was ejected: they point at a dead or restarted process)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self.pool.close_idle()
 
     def send(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
@@ -197,28 +181,15 @@ class Replica:
         """Send one request and wait for the response's status line and headers.
 
         ``UpstreamError(before_first_byte=True)`` when the replica refused, reset or closed before answering
-        anything. A stale pooled connection is retried once on a fresh one first.
+        anything (a kept-alive connection it had closed is retried once on a fresh one first); ``False`` when it
+        did not answer within the timeout: it may still be generating, and a second copy of a slow request on
+        another replica only makes a slow fleet slower.
         """
-        for attempt in range(2):
-            conn = self._idle_connection()
-            reused = conn is not None
-            if conn is None:
-                try:  # with the short connect timeout: a dead host fails fast
-                    conn = connect(self.address.host, self.address.port, self.timeouts, self.url)
-                except ConnectError as exc:  # nothing was sent: safe to retry on another replica
-                    raise UpstreamError(f"{self.url}{path}: {exc}", before_first_byte=True) from exc
-            try:
-                conn.request(method, path, body=body, headers=dict(headers))
-                return conn, conn.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
-                    continue  # the replica closed this idle connection: it never saw the request
-                # A timeout is not retried elsewhere: the replica may still be generating, and a second copy of a
-                # slow request on another replica only makes a slow fleet slower.
-                fresh = not isinstance(exc, TimeoutError)
-                raise UpstreamError(f"{self.url}{path}: {type(exc).__name__}: {exc}", before_first_byte=fresh) from exc
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+        try:
+            return self.pool.send(self.origin, method, path, body=body, headers=headers)
+        except HTTPClientError as exc:  # ConnectError (nothing sent), ResponseTimeoutError or ExchangeError
+            fresh = not isinstance(exc, ResponseTimeoutError)
+            raise UpstreamError(str(exc), before_first_byte=fresh) from exc
 
     def __repr__(self) -> str:
         return f"Replica({self.url}, healthy={self.healthy}, phase={self.phase}, in_flight={self.in_flight})"

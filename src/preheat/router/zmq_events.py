@@ -26,8 +26,9 @@ import xxhash
 import zmq
 import zmq.utils.monitor
 
+from preheat.core.errors import EngineEventError
 from preheat.http.metrics import Counter
-from preheat.router.engine_events import EngineEventError, EventBatch, decode_message
+from preheat.router.engine_events import EventBatch, decode_message
 from preheat.router.engine_index import Applied, EngineBlockMap
 from preheat.router.index import KVIndex, ReplicaCache
 from preheat.router.upstream import EventSource, Replica

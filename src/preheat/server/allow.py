@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from preheat.server.settings import REMOTE_SCHEMES
+from preheat.sources.peer_uri import SCHEME as PEER_SCHEME
 
 
 def normalize(model: str) -> str:
@@ -57,7 +58,7 @@ def _malformed(model: str) -> str | None:
     if not model or any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in model):
         return "empty, or with whitespace or control characters"
     if not model.startswith(REMOTE_SCHEMES):
-        return "unknown scheme (use a directory, http(s)://, s3:// or preheat://)" if "://" in model else None
+        return f"unknown scheme (use a directory, http(s)://, s3:// or {PEER_SCHEME})" if "://" in model else None
     parts = urlsplit(model)
     if "@" in parts.netloc:
         return "credentials in a model URI are not allowed (use the origin's token settings)"

@@ -22,27 +22,24 @@ import select
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from preheat.core.errors import ConfigError, PreheatError
+from preheat.core import env
+from preheat.core.errors import APIError, ConfigError, PreheatError
 from preheat.core.procs import listening_line
 from preheat.core.timeline import Timeline, process_start_time
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
 from preheat.server import openai, sse
-from preheat.server.lifecycle import LOADING, STANDBY, Lifecycle, resume_gc
-from preheat.server.metrics import ServerMetrics
+from preheat.server.lifecycle import resume_gc
 from preheat.server.settings import ServeSettings
+from preheat.server.state import LOADING, ServerState
 from preheat.text.process import ProcessTokenizer, TokenizerProcess
-from preheat.text.request import MAX_BODY_BYTES, APIError
+from preheat.text.request import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
-    from preheat.dashboard.watch import Findings, ReplicaDashboard
-    from preheat.refit.follower import Follower
-    from preheat.server.loading import Loaded
-    from preheat.server.worker import Worker
+    from preheat.dashboard.watch import Findings
 
 log = logging.getLogger("preheat.server")
 MAX_BODY = MAX_BODY_BYTES
@@ -53,50 +50,6 @@ TOKENIZER_ROUTE = "/v1/preheat/tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 CONTROL_ROUTES = ("/v1/preheat/load", "/v1/preheat/sleep", "/v1/preheat/wake")  # lifecycle.py; docs/server.md
 REFIT_ROUTE = "/v1/preheat/refit"  # --follow: server/following.py; docs/refit.md
-
-
-class ServerState:
-    """What every request thread shares: settings, timeline, metrics, and (once ready) the engine and worker."""
-
-    def __init__(self, settings: ServeSettings, timeline: Timeline) -> None:
-        self.settings, self.timeline = settings, timeline
-        self.created = int(time.time())
-        self.loaded: Loaded | None = None
-        self.worker: Worker | None = None
-        self.refit: Follower | None = None  # --follow: the weights version served (server/following.py)
-        self.load_error: str | None = None
-        self.ready = threading.Event()
-        self.tokenize_lock = threading.Lock()  # tokenizer objects are not documented as thread-safe; encoding is cheap
-        self._first_token_lock = threading.Lock()
-        self._first_token_seen = False
-        # A lambda, not the bound method: an activation or a wake replaces the timeline (set_timeline).
-        self.metrics = ServerMetrics(lambda: self.timeline.stages(), self._load)  # noqa: PLW0108
-        # standby / loading / ready / sleeping ...: preheat.server.lifecycle
-        self.life = Lifecycle(STANDBY if settings.standby else LOADING)
-        self.dashboard: ReplicaDashboard | None = None  # GET /dashboard's, made on the first visit (cold-start path)
-        self.findings: Findings | None = None  # the doctor's, for the dashboard (run() is given them)
-        self.text: TokenizerProcess | None = None  # the tokenizer process started at the start (run())
-
-    def set_timeline(self, timeline: Timeline) -> None:
-        """Start a new timeline (an activation's or a wake's, from its request): its first token is marked anew."""
-        with self._first_token_lock:
-            self.timeline, self._first_token_seen = timeline, False
-
-    def _load(self) -> tuple[int, int]:
-        return self.worker.load() if self.worker is not None else (0, 0)
-
-    def first_token(self, ttft: float) -> None:
-        """Mark the first request's first token on the timeline, once per timeline."""
-        with self._first_token_lock:
-            if self._first_token_seen:
-                return
-            self._first_token_seen = True
-        self.timeline.mark("first_request_ttft", ttft=ttft)
-
-    def loading_stage(self) -> str:
-        """The stage the loader is in now (a stage without an end yet), for ``/health`` while loading."""
-        open_stages = [s.name for s in self.timeline.stages() if s.end is None]
-        return str(open_stages[-1]) if open_stages else "starting"
 
 
 class PreheatHTTPServer(TrackedServer):
@@ -314,7 +267,6 @@ class Handler(TrackedHandler):
         if loaded is None:
             self.send_error_json(APIError(503, "the model is still loading", code="loading"))
             return
-        import os
 
         files: dict[str, str] = {}
         for name in TOKENIZER_FILES:
@@ -401,7 +353,7 @@ def run(
             raise ConfigError(message) from None
     host, port = httpd.socket.getsockname()[:2]
     httpd.say = say
-    if os.environ.get("PREHEAT_POD_NAME"):  # on Kubernetes: the pod's start, read on its own thread (k8s/)
+    if env.get(env.POD_NAME):  # on Kubernetes: the pod's start, read on its own thread (k8s/)
         from preheat.k8s.pod_timeline import record_pod_start
 
         record_pod_start(timeline)

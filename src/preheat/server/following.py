@@ -13,15 +13,14 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from preheat.core.errors import APIError
 from preheat.http.metrics import Family
-from preheat.text.request import APIError
 
 if TYPE_CHECKING:
     from preheat.refit.follower import Follower
     from preheat.refit.swap import SwapReport
-    from preheat.server.app import ServerState
     from preheat.server.lifecycle import ControlResponder
-    from preheat.server.loading import Loaded
+    from preheat.server.state import Loaded, ServerState
 
 log = logging.getLogger("preheat.server")
 REFIT_ROUTE = "/v1/preheat/refit"

@@ -18,20 +18,16 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Protocol
 
-from preheat.core.errors import PreheatError
+from preheat.core.errors import APIError, ClientGoneError, PreheatError, QueueFullError, WorkerPausedError
 from preheat.server import openai, sse
-from preheat.server.worker import Job, QueueFullError, WorkerPausedError
-from preheat.text.request import APIError, GenerationRequest, bad_request, parse_request
+from preheat.server.worker import Job
+from preheat.text.request import GenerationRequest, bad_request, parse_request
 
 if TYPE_CHECKING:
     from preheat.engine import Engine, GenerationStep, SamplingParams
-    from preheat.server.app import ServerState
+    from preheat.server.state import ServerState
 
 POLL_SECONDS = 0.05
-
-
-class ClientGoneError(Exception):
-    """The client closed the connection; its generation was cancelled."""
 
 
 class Responder(Protocol):

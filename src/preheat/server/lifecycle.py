@@ -17,7 +17,8 @@ to a replica in any other):
 - A sleep waits for the requests already admitted (running and queued) up to ``timeout`` seconds while refusing new
   ones with 503; if they are not done by then, the sleep is refused with 409 and the replica serves on.
 
-One transition at a time: a second one while one runs gets 409.
+One transition at a time: a second one while one runs gets 409. The phase and that transition are ``Lifecycle``, a
+part of ``ServerState`` (``preheat.server.state``); this module moves them.
 """
 
 from __future__ import annotations
@@ -28,26 +29,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-from preheat.core.errors import PreheatError
-from preheat.core.jsonsafe import JSONInputError, loads_bounded
+from preheat.core.errors import APIError, JSONInputError, PreheatError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.core.timeline import Timeline
 from preheat.peer.access import is_loopback
-from preheat.text.request import APIError
+from preheat.server.state import LOADING, READY, SLEEPING, STANDBY, WAKING, Asleep, Host, Kept, Loaded, ServerState
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
-    from preheat.server.app import PreheatHTTPServer, ServerState
-    from preheat.server.loading import Kept, Loaded
-    from preheat.server.prepare import EngineImports
     from preheat.server.settings import ServeSettings
-    from preheat.store.cache import Lease
 
 log = logging.getLogger("preheat.server")
 
-STANDBY, LOADING, READY, SLEEPING, WAKING = "standby", "loading", "ready", "sleeping", "waking"
 DEFAULT_SLEEP_TIMEOUT = 30.0  # seconds a sleep waits for admitted requests before it is refused
 TRANSITION_WAIT_S = 5.0  # at most, for the thread that loaded the engine to return (``Lifecycle.transition``)
 MAX_CONTROL_BODY = 64 * 1024
@@ -71,68 +67,6 @@ class ControlResponder(Protocol):
     def send_json(self, status: int, payload: object, headers: dict[str, str] | None = None) -> None: ...
 
     def send_error_json(self, error: APIError, headers: dict[str, str] | None = None) -> None: ...
-
-
-@dataclass
-class Asleep:
-    """What a sleeping replica holds: its kept engine parts, the level, and (CUDA level 1) the offloaded engine."""
-
-    level: int
-    kept: Kept
-    path: str
-    offloaded: Engine | None  # CUDA level 1: the engine with its weights in pinned host memory
-    lease: Lease | None  # level 1 keeps the node-cache entry from being evicted; level 2 lets it go
-    copy_lease: Lease | None = None  # the same for the converted copy the model mapped (preheat.engine.copies)
-
-
-class Lifecycle:
-    """The replica's phase and the one transition that may run at a time; shared by every request thread."""
-
-    def __init__(self, phase: str) -> None:
-        self.phase = phase
-        self.lock = threading.Lock()  # guards phase changes (taken briefly: never held during a load)
-        self.last_error: str | None = None
-        self.imports: EngineImports | None = None  # a standby replica's engine import, started at once
-        self.asleep: Asleep | None = None
-        self.done = threading.Event()  # set when the running transition ends (``wait`` requests)
-        self.peer_started = False
-        self.prepared = False  # standby: imports and kernels done, an activation now pays only for its model
-        # The thread of the last start, activation or wake. It answers (``done``) before it has returned, and until
-        # it returns its frames hold the engine: a sleep waits for it, or what it frees would be freed after the
-        # sleep had measured (a sleep right after a wake, on a busy machine, reported 0 bytes released).
-        self.transition: threading.Thread | None = None
-
-    def begin(self, allowed_from: tuple[str, ...], to: str) -> str | None:
-        """Move to ``to`` if the phase is one of ``allowed_from``; otherwise the phase that stands in the way."""
-        with self.lock:
-            if self.phase not in allowed_from:
-                return self.phase
-            self.phase = to
-            self.last_error = None
-            self.done.clear()
-            return None
-
-    def close(self) -> None:
-        """At shutdown: a sleeping replica's KV tiers (queued L2 writes) and node-cache lease."""
-        asleep, self.asleep = self.asleep, None
-        if asleep is None:
-            return
-        if asleep.kept.kv_tiers is not None:
-            asleep.kept.kv_tiers.close()
-        for lease in (asleep.lease, asleep.copy_lease):
-            if lease is not None:
-                lease.close()
-
-    def health(self) -> dict[str, object]:
-        """``/health``'s body for a phase other than ``ready`` and ``loading`` (the app answers those itself)."""
-        body: dict[str, object] = {"status": self.phase}
-        if self.phase == STANDBY:
-            body["prepared"] = self.prepared
-        if self.phase == SLEEPING and self.asleep is not None:
-            body["level"] = self.asleep.level
-        if self.last_error is not None:
-            body["last_error"] = self.last_error
-        return body
 
 
 def conflict(phase: str, action: str) -> APIError:
@@ -176,7 +110,7 @@ def _field(body: dict[str, object], name: str, kinds: tuple[type, ...], default:
 
 
 # -- standby ---------------------------------------------------------------------------------------------------------
-def prepare_standby(httpd: PreheatHTTPServer, say: Callable[[str], None]) -> None:
+def prepare_standby(httpd: Host, say: Callable[[str], None]) -> None:
     """Do everything that does not depend on a model, then wait in ``standby``: the engine's imports (torch), the
     kernels' lazy initialisation and thread pool (``engine_warm``), and the modules an activation would import
     (node cache, HTTP and peer pulls, KV tiers, jinja2), each on the standby's own timeline."""
@@ -382,8 +316,6 @@ def handle_sleep(responder: ControlResponder, state: ServerState, body: bytes) -
 
 
 def _release(state: ServerState, loaded: Loaded, level: int) -> Asleep:
-    from preheat.server.loading import Kept
-
     engine = loaded.engine
     kept = Kept.of(engine)
     offloaded = None
@@ -418,7 +350,7 @@ def handle_wake(responder: ControlResponder, state: ServerState, body: bytes, sa
 
 
 def _wake(state: ServerState, say: Callable[[str], None]) -> None:
-    from preheat.server.loading import Loaded, load
+    from preheat.server.loading import load
 
     life = state.life
     asleep = life.asleep

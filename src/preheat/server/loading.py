@@ -10,46 +10,21 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from preheat.core.config import LoaderSettings
 from preheat.core.timeline import Timeline
 from preheat.server.settings import ServeSettings
+from preheat.server.state import Kept, Loaded
 
 if TYPE_CHECKING:
-    from preheat.engine import Engine
-    from preheat.engine.config import ModelConfig
     from preheat.io.premap import Premapped
-    from preheat.kv.tiered import TieredKV
     from preheat.server.prepare import EngineImports
     from preheat.store.cache import Lease
     from preheat.text.process import TokenizerProcess
     from preheat.text.tokenizer import TextTokenizer
 
 log = logging.getLogger("preheat.server")
-
-
-@dataclass
-class Kept:
-    """What a sleeping replica keeps of its engine: everything but the weights and the KV pool."""
-
-    config: ModelConfig
-    tokenizer: TextTokenizer
-    kv_tiers: TieredKV | None
-
-    @classmethod
-    def of(cls, engine: Engine) -> Kept:
-        return cls(engine.config, engine.tokenizer, engine.kv_tiers)
-
-
-@dataclass
-class Loaded:
-    """The ready engine, and the cache lease that keeps a pulled checkpoint from being garbage-collected under it."""
-
-    engine: Engine
-    path: str
-    lease: Lease | None = None
 
 
 def fetch(settings: ServeSettings, timeline: Timeline) -> tuple[str, Lease | None]:

@@ -8,14 +8,15 @@ Three entry points, each one call from the server: ``peer_options`` (for the ``f
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from preheat.core import env
 from preheat.core.errors import ConfigError, PeerError, PreheatError
 from preheat.core.timeline import Timeline
 from preheat.http.metrics import Family, Samples
 from preheat.server.settings import ServeSettings
+from preheat.sources.peer_uri import is_peer_uri
 
 if TYPE_CHECKING:
     from preheat.artifacts.blobs import ArtifactKey, Verified
@@ -25,8 +26,7 @@ if TYPE_CHECKING:
     from preheat.peer.nixl import NixlExport
     from preheat.peer.node import Peering
     from preheat.peer.pull import PeerOptions
-    from preheat.server.app import ServerState
-    from preheat.server.loading import Loaded
+    from preheat.server.state import Loaded, ServerState
 
 log = logging.getLogger("preheat.server")
 _RUNNING: dict[int, Peering] = {}  # id(ServerState) -> its peer server, until shutdown
@@ -34,7 +34,7 @@ _RUNNING: dict[int, Peering] = {}  # id(ServerState) -> its peer server, until s
 
 def peer_options(settings: ServeSettings) -> PeerOptions | None:
     """How the ``fetch`` stage finds peers for a ``preheat://`` model (None for other models)."""
-    if not settings.model.startswith("preheat://"):
+    if not is_peer_uri(settings.model):
         return None
     from preheat.peer.pull import PeerOptions
 
@@ -94,8 +94,8 @@ def compile_engine(engine: Engine, settings: ServeSettings, timeline: Timeline) 
         max_model_len=engine.max_model_len,
     )
     store = ArtifactStore(_cache_root(settings), trusted_keys(settings))
-    directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or store.inductor_dir(key)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory  # read by Inductor when it first compiles, below
+    directory = env.get(env.TORCHINDUCTOR_CACHE_DIR) or store.inductor_dir(key)
+    env.put(env.TORCHINDUCTOR_CACHE_DIR, directory)  # read by Inductor when it first compiles, below
     with timeline.stage("compile", key=key.hex, device=key.device, arch=key.arch) as stage:
         found, source, refused = find_artifacts(
             key, store, registry=settings.registry, identity=engine.identity, token=settings.peer_token
@@ -136,7 +136,7 @@ def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -
 
     store = ArtifactStore(_cache_root(settings), trusted_keys(settings))  # serves only what verifies
     nixl = _nixl_export(loaded)
-    remote = settings.model if "://" in settings.model and not settings.model.startswith("preheat://") else None
+    remote = settings.model if "://" in settings.model and not is_peer_uri(settings.model) else None
     try:
         peering = start_peering(
             loaded.path,

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+from preheat.core import env
 from preheat.core.errors import CheckpointError
 from preheat.core.timeline import Timeline
 from preheat.engine.config import ModelConfig, read_model_config
@@ -66,7 +67,7 @@ def start_engine_imports(timeline: Timeline) -> EngineImports:
     lost its core stalls the barrier for a scheduler slice. Measured on the 2-core benchmark machine with other
     jobs running: SmolLM2's first token 1.7-4.6 s active, 0.17-0.41 s passive (docs/server.md, *Start-up order*).
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.set_default(env.OMP_WAIT_POLICY, "PASSIVE")
     return EngineImports(timeline)
 
 

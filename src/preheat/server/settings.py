@@ -1,81 +1,196 @@
-"""``ServeSettings``: the one source of truth for ``preheat serve``; every flag is also a ``PREHEAT_*`` variable.
+"""``ServeSettings``: the one source of truth for ``preheat serve``: each field declares its flag and its
+``PREHEAT_*`` variable (``core.config.option``; ``preheat.cli.flags`` makes the flags from them).
 
 Precedence: a flag given on the command line, then its environment variable, then the default. Values are checked
-here, before the socket is bound, so a typo fails in milliseconds instead of after a model load.
+here, before the socket is bound, so a typo fails in milliseconds instead of after a model load. Cheap to import
+(the node cache and the KV tiers are imported when a check needs them): every ``preheat`` command line that builds
+serve's flags imports it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from preheat.core.config import resolve_settings
+from preheat.core import env
+from preheat.core.config import option, resolve_settings, settings
 from preheat.core.errors import ConfigError
-from preheat.kv.settings import KVSettings
-from preheat.store.cache import EntryMeta, default_cache_dir, resolve_model
+from preheat.sources.base import REMOTE_SCHEMES as SOURCE_SCHEMES
+from preheat.sources.peer_uri import SCHEME as PEER_SCHEME
+from preheat.sources.peer_uri import peer_name
+
+if TYPE_CHECKING:
+    from preheat.kv.settings import KVSettings
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
-REMOTE_SCHEMES = ("http://", "https://", "s3://", "preheat://")
+REMOTE_SCHEMES = (*SOURCE_SCHEMES, PEER_SCHEME)  # pulled into the node cache first: sources, and names peers hold
+KV_DTYPES = ("auto", "int8", "fp8")  # kv/settings.py's, spelt here to keep this import cheap (a test compares them)
+KV = "KV tiers (docs/kv-cache.md; off unless --kv-l1 or --kv-l2 is given)"
+PEERS = "peers (docs/peer.md)"
+STANDBY = "standby, sleep and wake (docs/server.md, *Standby replicas*)"
+REFIT = "live weight updates (docs/refit.md)"
 
 
+@settings(prefix="PREHEAT_", command="serve")
 @dataclass(frozen=True)
 class ServeSettings:
     """Everything ``preheat serve`` needs to start. ``None`` means "ask the checkpoint" (dtype, context length)."""
 
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "cpu"
-    dtype: str | None = None
-    max_model_len: int | None = None
-    served_model_name: str | None = None
-    max_queue: int = 16
-    api_key: str | None = None
-    cache_dir: str | None = None
+    model: str = field(
+        metadata=option("checkpoint directory, node-cache entry name, or http(s)://, s3:// URI", flag="", value="MODEL")
+    )
+    host: str = field(default="127.0.0.1", metadata=option("address to bind; the default is this machine only"))
+    port: int = field(default=8000, metadata=option("port; 0 picks a free one"))
+    device: str = field(default="cpu", metadata=option("cpu or cuda[:N]"))
+    dtype: str | None = field(
+        default=None, metadata=option("compute dtype: auto, bf16, fp16 or fp32", metavar="DTYPE", default_text="auto")
+    )
+    max_model_len: int | None = field(default=None, metadata=option("context length", default_text="the model's"))
+    served_model_name: str | None = field(
+        default=None,
+        metadata=option(
+            "name in 'model'",
+            metavar="NAME",
+            default_text="a node-cache entry's name, with its key as an alias; else MODEL's last part",
+        ),
+    )
+    max_queue: int = field(default=16, metadata=option("requests waiting before 429"))
+    api_key: str | None = field(
+        default=None,
+        metadata=option("require 'Authorization: Bearer KEY' on /v1/*", metavar="KEY", variable=env.API_KEY),
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata=option("node cache for URIs", metavar="DIR", default_text="~/.cache/preheat", variable=env.CACHE_DIR),
+    )
     # KV tiers (docs/kv-cache.md): L1 host memory (bytes or % of RAM), L2 fs:///dir or redis://host:port/db.
-    kv_l1: str | None = None
-    kv_l2: str | None = None
-    kv_l2_max_bytes: str | None = None
-    kv_l2_ttl: int = 24 * 3600
-    kv_dtype: str = "auto"
-    kv_chunk_tokens: int = 256
-    kv_secret_file: str | None = None  # the fleet's MAC secret: replicas load only L2 chunks signed with it
-    kv_warm: str | None = None  # before /health says ok: L2's hottest chunks into L1 (a size, or all)
+    kv_l1: str | None = field(
+        default=None, metadata=option("host-memory tier: 8GiB or 20% of RAM", metavar="SIZE", group=KV)
+    )
+    kv_l2: str | None = field(
+        default=None, metadata=option("shared tier: fs:///dir or redis://host:port/db", metavar="URL", group=KV)
+    )
+    kv_l2_max_bytes: str | None = field(
+        default=None, metadata=option("fs:// L2 quota, LRU across processes", metavar="SIZE", group=KV)
+    )
+    kv_l2_ttl: int = field(
+        default=24 * 3600,
+        metadata=option("redis:// L2 expiry after a hit, seconds", metavar="S", group=KV, default_text="86400: a day"),
+    )
+    kv_dtype: str = field(default="auto", metadata=option("how chunks are stored", choices=KV_DTYPES, group=KV))
+    kv_chunk_tokens: int = field(default=256, metadata=option("tokens per chunk", metavar="C", group=KV))
+    # The fleet's MAC secret: replicas load only L2 chunks signed with it.
+    kv_secret_file: str | None = field(
+        default=None,
+        metadata=option("fleet secret: load only L2 chunks signed with it (MAC)", metavar="FILE", group=KV),
+    )
+    # Before /health says ok: L2's hottest chunks into L1 (a size, or all).
+    kv_warm: str | None = field(
+        default=None,
+        metadata=option("load L2's hottest chunks (SIZE or all) into L1 before ready", metavar="SIZE", group=KV),
+    )
     # Peers (docs/peer.md): serve the loaded checkpoint to new replicas, find peers for preheat:// models, and ship
     # torch.compile artifacts between them.
-    peer: bool = False
-    peer_port: int = 0
-    peer_host: str | None = None  # None: the API's --host; beyond loopback the peer server needs peer_token
-    peer_token: str | None = None
-    peer_max_mbps: float | None = None
-    registry: str | None = None
-    origin: str | None = None
-    compile: bool = False
+    peer: bool = field(default=False, metadata=option("serve the weights to new replicas once loaded", group=PEERS))
+    peer_port: int = field(default=0, metadata=option("peer server port; 0 picks a free one", metavar="N", group=PEERS))
+    # None: the API's --host; beyond loopback the peer server needs peer_token.
+    peer_host: str | None = field(
+        default=None,
+        metadata=option(
+            "peer server address; beyond loopback it needs PREHEAT_PEER_TOKEN",
+            metavar="ADDR",
+            group=PEERS,
+            default_text="--host",
+        ),
+    )
+    peer_token: str | None = field(
+        default=None,
+        metadata=option(
+            "shared token peers require (prefer the variable: `ps` shows command lines to everyone)",
+            metavar="TOKEN",
+            group=PEERS,
+            variable=env.PEER_TOKEN,
+        ),
+    )
+    peer_max_mbps: float | None = field(
+        default=None, metadata=option("total outbound cap, MB/s", metavar="MBPS", group=PEERS)
+    )
+    registry: str | None = field(
+        default=None,
+        metadata=option(
+            "redis://host:port[/db] or file:///shared/dir", metavar="URL", group=PEERS, variable=env.REGISTRY
+        ),
+    )
+    origin: str | None = field(
+        default=None,
+        metadata=option("where a preheat:// model falls back to", metavar="URI", group=PEERS, variable=env.ORIGIN),
+    )
+    compile: bool = field(default=False, metadata=option("torch.compile, with artifacts from peers", group=PEERS))
     # Public keys whose signatures make peers' compiled artifacts installable (compiled artifacts are code).
-    trust_key: tuple[str, ...] = ()
+    trust_key: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "install peers' compiled artifacts signed by this public key (repeatable; `preheat artifacts keygen`)",
+            metavar="FILE",
+            group=PEERS,
+            variable=env.TRUST_KEY,
+        ),
+    )
     # Standby (docs/server.md, *Standby replicas*): start without a model, load one on POST /v1/preheat/load.
-    standby: bool = False
+    standby: bool = field(
+        default=False,
+        metadata=option(
+            "start without a model: imports, thread pools and listener ready; POST /v1/preheat/load to serve one",
+            group=STANDBY,
+        ),
+    )
     # Glob patterns of the models the control routes may load (preheat.server.allow); () = MODEL only.
-    allow_model: tuple[str, ...] = ()
+    allow_model: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "models the control routes may load, e.g. 's3://models/*' (repeatable)",
+            metavar="GLOB",
+            group=STANDBY,
+            default_text="MODEL only",
+        ),
+    )
     # Live weight updates (docs/refit.md): follow the versions a trainer publishes under the served name; refuse
     # requests while more than max_staleness versions behind.
-    follow: bool = False
-    max_staleness: int | None = None
-    refit_deadline: float = 120.0  # seconds a version's pull may take before the replica gives it up
+    follow: bool = field(
+        default=False,
+        metadata=option(
+            "follow the versions a trainer publishes (`preheat.refit.Publisher`) via --registry; swap them in live",
+            group=REFIT,
+        ),
+    )
+    max_staleness: int | None = field(
+        default=None,
+        metadata=option(
+            "with --follow: refuse requests (503) while more than K published versions behind", metavar="K", group=REFIT
+        ),
+    )
+    # Seconds a version's pull may take before the replica gives it up.
+    refit_deadline: float = field(
+        default=120.0,
+        metadata=option(
+            "with --follow: give up a version's pull after S seconds, stay on the one served", metavar="S", group=REFIT
+        ),
+    )
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
         """Settings from ``flags`` (missing, ``None`` or ``[]`` = not given), else ``PREHEAT_<NAME>`` in ``env``
-        (default ``os.environ``; ``PREHEAT_CACHE_DIR`` is shared with ``preheat pull`` and the cache), else the
-        defaults; then ``check()``.
+        (default: this process's environment; ``PREHEAT_CACHE_DIR`` is shared with ``preheat pull`` and the cache),
+        else the defaults; then ``check()``.
 
         >>> ServeSettings.resolve({"model": "/tmp", "port": None}, {"PREHEAT_PORT": "9000"}).port
         9000
         """
-        values = resolve_settings(cls, flags, env, prefix="PREHEAT_", parse=_parse)
+        values = resolve_settings(cls, flags, env)
         if "model" not in values and values.get("standby"):
             values["model"] = ""  # a standby replica learns its model from POST /v1/preheat/load
         if "model" not in values:
@@ -83,6 +198,8 @@ class ServeSettings:
                 "no model: pass MODEL (a checkpoint directory, the name of a node-cache entry, or an http(s)://, "
                 "s3:// URI) or set PREHEAT_MODEL (or start a standby replica: --standby --allow-model PATTERN)"
             )
+        from preheat.store.cache import resolve_model
+
         cache_dir = values.get("cache_dir")
         # A name such as smollm2-135m-instruct, when no such path exists: the node-cache entry of that name.
         values["model"] = resolve_model(str(values["model"]), cache_dir if isinstance(cache_dir, str) else None)
@@ -122,6 +239,8 @@ class ServeSettings:
         if self.standby:
             self.check_standby()
         elif not self.is_remote and not os.path.isdir(self.model):
+            from preheat.store.cache import default_cache_dir
+
             raise ConfigError(
                 f"model {self.model!r} is not a directory, nor the name of an entry of the node cache in "
                 f"{self.cache_dir or default_cache_dir()} (`preheat cache ls` lists them): pass a preheat or Hugging "
@@ -192,6 +311,8 @@ class ServeSettings:
         server answered to before entries had names); else the last part of MODEL."""
         if self.served_model_name:
             return (self.served_model_name,)
+        from preheat.store.cache import EntryMeta
+
         last = os.path.basename(self.model.rstrip("/")) or self.model
         meta = EntryMeta.read(self.model) if self.model and not self.is_remote else None
         if meta is None:
@@ -201,11 +322,14 @@ class ServeSettings:
     @property
     def refit_name(self) -> str:
         """The name whose versions ``--follow`` follows: NAME of ``preheat://NAME``, else the served model name."""
-        return self.model.removeprefix("preheat://") if self.model.startswith("preheat://") else self.model_name
+        name = peer_name(self.model)
+        return self.model_name if name is None else name
 
     @property
     def kv(self) -> KVSettings:
         """The KV-tier settings (off unless ``--kv-l1`` or ``--kv-l2`` is given)."""
+        from preheat.kv.settings import KVSettings
+
         return KVSettings(
             l1=self.kv_l1,
             l2=self.kv_l2,
@@ -221,23 +345,3 @@ class ServeSettings:
     def engine_dtype(self) -> str | None:
         """The dtype handed to the engine (``auto`` means the checkpoint's own)."""
         return None if self.dtype in (None, "auto") else self.dtype
-
-
-def _parse(name: str, variable: str, raw: str) -> object:
-    if name in ("trust_key", "allow_model"):  # comma-separated, like PREHEAT_PEERS
-        return tuple(part.strip() for part in raw.split(",") if part.strip())
-    if name in ("peer", "compile", "standby", "follow"):
-        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise ConfigError(f"{variable}={raw!r}: write 1 or 0")
-        return raw.lower() in ("1", "true", "yes", "on")
-    if name in ("peer_max_mbps", "refit_deadline"):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"{variable}={raw!r} is not a number") from None
-    if name in ("port", "max_model_len", "max_queue", "kv_l2_ttl", "kv_chunk_tokens", "peer_port", "max_staleness"):
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(f"{variable}={raw!r} is not an integer") from None
-    return raw

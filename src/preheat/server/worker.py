@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar, Union
 
-from preheat.core.errors import PreheatError
+from preheat.core.errors import PreheatError, QueueFullError, WorkerPausedError
 
 if TYPE_CHECKING:  # the engine imports torch: never at module level on the cold-start path
     from preheat.engine import Engine, GenerationStep, SamplingParams
@@ -31,14 +31,6 @@ T = TypeVar("T")
 
 # What a job's consumer receives: a step, an error raised by the engine, or None once the generation is over.
 Event = Union["GenerationStep", BaseException, None]
-
-
-class QueueFullError(PreheatError):
-    """The waiting line is full; the request should be retried later (HTTP 429)."""
-
-
-class WorkerPausedError(PreheatError):
-    """The worker takes no new requests: the replica is going to sleep (HTTP 503)."""
 
 
 @dataclass

@@ -20,24 +20,44 @@ Versions: the request that learns a file's size also records its ``ETag`` (stron
 never mixes the bytes of two versions of a file.
 
 Authentication: ``PREHEAT_HTTP_TOKEN`` (or ``token=``) is sent as ``Authorization: Bearer <token>``, only to the
-origin's own host. Timeouts and retries: see ``preheat.sources.net``.
+origin's own host, and a redirect to another origin (scheme, host or port) drops it, and any ``Authorization`` or
+``Cookie`` header, for the rest of that request's redirects (``preheat.http.client.Redirects``).
+
+Connections, redirects and the mapping of network failures are ``preheat.http``'s: each origin has a
+``preheat.http.pool.Pool`` (a connection per request in flight, kept alive between them); this module maps what
+comes back to ``sources`` errors: 404/410 -> ``SourceNotFoundError``, 401/403 -> ``SourceAccessError``, a rejected
+TLS certificate, a refused redirect or an impossible URL -> ``SourceError``, and 5xx/408/429 and every other
+``HTTPClientError`` -> ``TransientError`` for the retry loop (``preheat.sources.net``: timeouts and retries).
 """
 
 from __future__ import annotations
 
 import http.client
 import logging
-import os
+import ssl
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from preheat.core.errors import ConfigError, SourceChangedError, SourceError, SourceNotFoundError
-from preheat.http.client import describe
+from preheat.core import env
+from preheat.core.errors import (
+    ConfigError,
+    ConnectError,
+    ExchangeError,
+    HTTPClientError,
+    ResponseTimeoutError,
+    SourceAccessError,
+    SourceChangedError,
+    SourceError,
+    SourceNotFoundError,
+    TransientError,
+)
+from preheat.http.client import Redirects, Timeouts, describe
+from preheat.http.pool import Answer, Pool
 from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources.base import Validator, check_name, strong_etag, too_large
-from preheat.sources.httpclient import HTTPClient, Response
-from preheat.sources.net import NetSettings, TransientError, retrying
+from preheat.sources.net import NetSettings, retrying
 from preheat.sources.remote import Cursor, RemoteFile
 from preheat.sources.stats import TOTALS, TransferStats
 
@@ -45,6 +65,69 @@ log = logging.getLogger("preheat.sources.http")
 
 _IDLE_STREAMS = 32  # streams kept open per file on a Range-ignoring server (about one per reader thread)
 _SKIP_BUFFER = 1 << 20
+MAX_REDIRECTS = 5
+USER_AGENT = "preheat/0.1"
+
+
+class _Client:
+    """An origin's requests: its pool, its token and settings, counted in ``stats``; failures as ``sources``
+    errors."""
+
+    def __init__(self, *, token: str | None, token_netloc: str, settings: NetSettings, stats: TransferStats) -> None:
+        self.settings = settings
+        self.timeouts = Timeouts(connect=settings.connect_timeout, read=settings.read_timeout)
+        self.stats = stats
+        self.pool = Pool(self.timeouts)
+        self.redirects = Redirects(limit=min(settings.redirects, MAX_REDIRECTS))
+        self._token = token or None  # "" means none (a peer origin passes it so PREHEAT_HTTP_TOKEN is not read)
+        self._token_netloc = token_netloc
+
+    def send(self, method: str, url: str, headers: Mapping[str, str] | None = None) -> Answer:
+        """``method url`` with its redirects followed; the answer once its headers have arrived. Raises
+        ``TransientError`` for network failures, ``SourceError`` for TLS failures and refused redirects."""
+        sent = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **(headers or {})}
+        if self._token is not None and urlsplit(url).netloc == self._token_netloc:
+            sent["Authorization"] = f"Bearer {self._token}"  # dropped by the first redirect to another origin
+        try:
+            answer = self.pool.request(method, url, headers=sent, redirects=self.redirects)
+        except ConnectError as exc:
+            if isinstance(exc.cause, ssl.SSLCertVerificationError):
+                raise SourceError(
+                    f"{exc.url}: TLS certificate rejected ({exc.cause.verify_message}); "
+                    "point SSL_CERT_FILE at the CA bundle"
+                ) from None
+            raise TransientError(describe(exc.cause or exc, self.timeouts)) from exc
+        except (ResponseTimeoutError, ExchangeError) as exc:
+            raise TransientError(describe(exc.__cause__ or exc, self.timeouts)) from exc
+        except HTTPClientError as exc:  # a refused redirect, or a URL (a redirect's) that cannot be asked for
+            raise SourceError(str(exc)) from None
+        self.stats.add(requests=answer.hops)
+        return answer
+
+    def check(self, response: Answer, what: str) -> None:
+        """Return for 2xx; otherwise release the response and raise the error its status means."""
+        status = response.status
+        if 200 <= status < 300:
+            return
+        reason = response.body.reason
+        response.drain()
+        if status in (404, 410):
+            raise SourceNotFoundError(
+                f"{response.url}: not found (HTTP {status}); check the URL and that it was uploaded"
+            )
+        if status in (401, 403):
+            raise SourceAccessError(f"{response.url}: access denied (HTTP {status} {reason}); {self._token_hint()}")
+        if status in (408, 429) or status >= 500:
+            raise TransientError(f"HTTP {status} {reason}")
+        raise SourceError(f"{what}: unexpected answer HTTP {status} {reason}")
+
+    def _token_hint(self) -> str:
+        if self._token is None:
+            return (
+                "if the server needs a token, set PREHEAT_HTTP_TOKEN (sent as 'Authorization: Bearer <token>') "
+                "or pass token= to HTTPOrigin"
+            )
+        return "a bearer token was sent (PREHEAT_HTTP_TOKEN or token=) and refused: check that it is valid here"
 
 
 @dataclass
@@ -52,7 +135,7 @@ class _OriginState:
     """What an origin's files share: the client (connections, token), the settings and whether Range works."""
 
     uri: str
-    client: HTTPClient
+    client: _Client
     ignores_range: bool = False
     warned: bool = False
 
@@ -82,10 +165,10 @@ class HTTPOrigin:
             raise ConfigError(f"{url}: a checkpoint URL prefix cannot carry a query or fragment")
         self._base = urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
         if token is None:
-            token = os.environ.get("PREHEAT_HTTP_TOKEN") or None
+            token = env.get(env.HTTP_TOKEN)
         self.settings = settings if settings is not None else NetSettings.from_env()
         self.stats = TransferStats(parent=TOTALS)
-        client = HTTPClient(token=token, token_netloc=parts.netloc, settings=self.settings, stats=self.stats)
+        client = _Client(token=token, token_netloc=parts.netloc, settings=self.settings, stats=self.stats)
         self._state = _OriginState(self._base, client)
 
     @property
@@ -154,6 +237,7 @@ class HTTPOrigin:
             if announced is not None and received != announced:
                 response.abandon()
                 raise TransientError(f"connection closed after {received} of {announced} bytes")
+            response.finish()
             return b"".join(pieces)
 
         return retrying(attempt, settings=self.settings, what=f"GET {url}", stats=self.stats)
@@ -162,8 +246,8 @@ class HTTPOrigin:
         return HTTPFile(self._state, self.join(name))
 
     def close(self) -> None:
-        """Close every kept-alive connection (they reopen if the origin is used again)."""
-        self._state.client.pool.close_all()
+        """Close the kept-alive connections (new ones open if the origin is used again)."""
+        self._state.client.pool.close_idle()
 
     def __enter__(self) -> HTTPOrigin:
         return self
@@ -191,7 +275,7 @@ class HTTPFile(RemoteFile):
             return {"If-Match": pinned.etag}
         return {"If-Unmodified-Since": pinned.modified} if pinned.modified is not None else {}
 
-    def _check_version(self, response: Response, what: str) -> None:
+    def _check_version(self, response: Answer, what: str) -> None:
         """Refuse an answer for another version than the pinned one (412, or its own ETag/Last-Modified differ)."""
         pinned = self._pinned
         if pinned is None:
@@ -238,7 +322,7 @@ class HTTPFile(RemoteFile):
             response.drain()
             raise SourceError(f"{what}: expected HTTP 206, got {response.status}")
 
-    def _check_partial(self, response: Response, first: int, last: int, size: int, what: str) -> None:
+    def _check_partial(self, response: Answer, first: int, last: int, size: int, what: str) -> None:
         header = response.header("Content-Range")
         got = parse_content_range(header)
         length = response.int_header("Content-Length")
@@ -252,7 +336,7 @@ class HTTPFile(RemoteFile):
             response.abandon()
             raise SourceChangedError(f"{what}: the file is now {got.total} bytes, was {size}; it changed on the server")
 
-    def _fill(self, response: Response, cursor: Cursor, n: int, *, to_end: bool) -> None:
+    def _fill(self, response: Answer, cursor: Cursor, n: int, *, to_end: bool) -> None:
         """Read exactly ``n`` body bytes into ``cursor``; ``to_end``: they are the whole body (keep the connection)."""
         received = 0
         try:
@@ -280,22 +364,23 @@ class HTTPFile(RemoteFile):
             if extra:
                 response.abandon()
                 raise SourceError(f"GET {self._url}: the server sent more than the {n} bytes it announced")
+        if to_end:
+            response.finish()  # read to its end: the connection serves the next read
 
     # -- Range-ignoring servers: shared streams ----------------------------------------------------------------------
 
-    def _adopt(self, response: Response, size: int) -> _Stream:
-        """Keep a 200 answer to a Range request as a stream at byte 0 (its connection leaves the thread's pool)."""
+    def _adopt(self, response: Answer, size: int) -> _Stream:
+        """Keep a 200 answer to a Range request as a stream at byte 0 (its connection stays with it)."""
         length = response.int_header("Content-Length")
         if length is not None and length != size:
             response.abandon()
             raise SourceChangedError(
                 f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server"
             )
-        self._client.pool.detach(response.conn)
         return _Stream(response, 0)
 
     def _open_stream(self, size: int) -> _Stream:
-        response = self._client.send("GET", self._target, self._conditions(), dedicated=True)
+        response = self._client.send("GET", self._target, self._conditions())
         self._check_version(response, f"GET {self._url}")
         if response.status != 200:
             self._client.check(response, f"GET {self._url}")
@@ -380,7 +465,7 @@ class HTTPFile(RemoteFile):
         raise SourceError(f"{what}: the server sends neither Content-Length nor Content-Range, so the size is unknown")
 
 
-def _validator_of(response: Response, size: int) -> Validator:
+def _validator_of(response: Answer, size: int) -> Validator:
     return Validator(size, etag=strong_etag(response.header("ETag")), modified=response.header("Last-Modified"))
 
 
@@ -388,7 +473,7 @@ def _validator_of(response: Response, size: int) -> Validator:
 class _Stream:
     """A 200 response being read front to back; ``pos`` is the file offset of its next byte."""
 
-    response: Response
+    response: Answer
     pos: int
 
 

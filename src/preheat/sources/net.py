@@ -2,9 +2,10 @@
 
 A dead or stalled server must never hang a load for minutes: connecting gives up after ``connect_timeout`` seconds,
 a read that receives nothing for ``read_timeout`` seconds fails, and a failure worth retrying (a dropped connection,
-a timeout, HTTP 5xx/429) is retried a few times with short exponential backoff (0.2 s, 0.4 s, 0.8 s, ...). A retry of a
-ranged read asks only for the bytes not received yet, and an attempt that made progress is resumed at once, so a
-connection that keeps dropping mid-body still finishes as long as each attempt moves forward.
+a timeout, HTTP 5xx/429) is retried a few times with short jittered exponential backoff (a random wait under 0.2 s,
+0.4 s, 0.8 s, ...: ``core.backoff``). A retry of a ranged read asks only for the bytes not received yet, and an
+attempt that made progress is resumed at once, so a connection that keeps dropping mid-body still finishes as long as
+each attempt moves forward.
 
 Environment: ``PREHEAT_HTTP_TIMEOUT`` (``READ`` or ``CONNECT,READ`` seconds; one value also caps the connect timeout),
 ``PREHEAT_HTTP_RETRIES`` (attempts per request, at least 1). Both apply to HTTP(S) and S3.
@@ -12,22 +13,18 @@ Environment: ``PREHEAT_HTTP_TIMEOUT`` (``READ`` or ``CONNECT,READ`` seconds; one
 
 from __future__ import annotations
 
-import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from preheat.core.errors import ConfigError, SourceError
+from preheat.core import env
+from preheat.core.backoff import Backoff
+from preheat.core.errors import SourceError, TransientError
 from preheat.sources.base import READ_BYTES_LIMIT
 from preheat.sources.stats import TransferStats
 
 T = TypeVar("T")
-
-
-class TransientError(Exception):
-    """A failure worth retrying (network error, timeout, 5xx). Internal: callers see ``SourceError`` at the end."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +34,7 @@ class NetSettings:
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
     attempts: int = 4
-    backoff: float = 0.2  # first retry delay; doubles per consecutive failure
+    backoff: float = 0.2  # the first retry waits up to this; the ceiling doubles per consecutive failure
     max_backoff: float = 5.0
     whole_file_limit: int = READ_BYTES_LIMIT  # bytes ``read_bytes`` may hold (configs, manifests); more is refused
     # Redirects one request may follow. Peers get 0: a peer serves its own checkpoint's files or nothing, and a
@@ -49,30 +46,17 @@ class NetSettings:
         """Read ``PREHEAT_HTTP_TIMEOUT`` and ``PREHEAT_HTTP_RETRIES`` (unset: the defaults above)."""
         base = cls()
         connect, read = base.connect_timeout, base.read_timeout
-        raw = os.environ.get("PREHEAT_HTTP_TIMEOUT", "").strip()
-        if raw:
-            try:
-                values = [float(part) for part in raw.split(",")]
-            except ValueError:
-                values = []
-            if len(values) not in (1, 2) or any(v <= 0 for v in values):
-                raise ConfigError(
-                    f"PREHEAT_HTTP_TIMEOUT={raw!r}: write seconds as READ or CONNECT,READ (e.g. '30' or '5,30')"
-                )
-            connect, read = (min(connect, values[0]), values[0]) if len(values) == 1 else (values[0], values[1])
-        attempts = base.attempts
-        raw = os.environ.get("PREHEAT_HTTP_RETRIES", "").strip()
-        if raw:
-            if not raw.isdigit() or int(raw) < 1:
-                raise ConfigError(f"PREHEAT_HTTP_RETRIES={raw!r}: write the number of attempts, at least 1")
-            attempts = int(raw)
+        timeouts = env.get(env.HTTP_TIMEOUT)  # READ or CONNECT,READ: checked there (ConfigError naming it)
+        if timeouts is not None:
+            connect, read = (min(connect, timeouts[0]), timeouts[0]) if len(timeouts) == 1 else timeouts[:2]
+        attempts = env.get(env.HTTP_RETRIES) or base.attempts
         return cls(connect_timeout=connect, read_timeout=read, attempts=attempts)
 
     def delay(self, failures: int) -> float:
-        """Seconds to wait after ``failures`` consecutive failures, with up to 25% jitter so that the threads of a
+        """Seconds to wait after ``failures`` (>= 1) consecutive failures: a random wait under a ceiling that starts
+        at ``backoff`` and doubles up to ``max_backoff`` (``core.backoff``, full jitter), so that the threads of a
         load (or the replicas of a deployment) that failed together do not all retry in the same instant."""
-        base = min(self.max_backoff, self.backoff * float(2 ** (failures - 1)))
-        return base * (1 + random.random() / 4)
+        return Backoff(self.backoff, self.max_backoff).delay(failures - 1)
 
 
 def retrying(

@@ -23,10 +23,17 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from preheat.core.errors import ConfigError, SourceAccessError, SourceChangedError, SourceError, SourceNotFoundError
+from preheat.core.errors import (
+    ConfigError,
+    SourceAccessError,
+    SourceChangedError,
+    SourceError,
+    SourceNotFoundError,
+    TransientError,
+)
 from preheat.http.ranges import parse_content_range, range_header
 from preheat.sources.base import Validator, check_name, strong_etag, too_large
-from preheat.sources.net import NetSettings, TransientError, retrying
+from preheat.sources.net import NetSettings, retrying
 from preheat.sources.remote import Cursor, RemoteFile
 from preheat.sources.stats import TOTALS, TransferStats
 

@@ -28,11 +28,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-from preheat.core import durable
+from preheat.core import durable, env
 from preheat.core.errors import CacheError
+from preheat.core.jsonsafe import read_object
+from preheat.sources.peer_uri import peer_name
 from preheat.store import locks
 
 META_NAME = ".preheat-cache.json"
+META_BYTES = 1 << 20  # an entry's record: a key, a URI, a name, a time (a shared cache dir may hold anything)
 STALE_AFTER = 3600.0  # seconds: an abandoned partial younger than this is kept for a pull to resume
 # Extensions a source's last path part loses in its name: a single-file checkpoint is named for the model, not the
 # format (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``).
@@ -41,10 +44,10 @@ NAME_SUFFIXES = (".gguf", ".safetensors")
 
 def default_cache_dir() -> str:
     """``PREHEAT_CACHE_DIR``, else ``$XDG_CACHE_HOME/preheat``, else ``~/.cache/preheat``."""
-    explicit = os.environ.get("PREHEAT_CACHE_DIR")
+    explicit = env.get(env.CACHE_DIR)
     if explicit:
         return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = env.get(env.XDG_CACHE_HOME) or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "preheat")
 
 
@@ -66,10 +69,13 @@ def source_name(uri: str) -> str:
     'SmolLM2-135M-Instruct.Q4_1'
     """
     path = uri.split("?", 1)[0].split("#", 1)[0]
-    if "://" in path:
+    name = peer_name(path)
+    if name is not None:  # preheat://NAME is all name
+        path = name
+    elif "://" in path:
         scheme, rest = path.split("://", 1)
-        # preheat://NAME and s3://bucket are all name; http(s)://host alone names no model
-        path = rest if scheme in ("preheat", "s3") else rest.partition("/")[2]
+        # s3://bucket is all name too; http(s)://host alone names no model
+        path = rest if scheme == "s3" else rest.partition("/")[2]
     last = path.rstrip("/").rsplit("/", 1)[-1]
     for suffix in NAME_SUFFIXES:
         if last.endswith(suffix) and len(last) > len(suffix):
@@ -93,10 +99,9 @@ class EntryMeta:
         named after its URI, else its key."""
         meta_path = os.path.join(os.fspath(path), META_NAME)
         try:
-            with open(meta_path, encoding="utf-8") as handle:
-                meta = json.load(handle)
+            meta = read_object(meta_path, max_bytes=META_BYTES)
             created = float(meta.get("created", os.stat(meta_path).st_mtime))
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError):  # ValueError: jsonsafe's JSONInputError too
             return None  # not a published entry (or being removed right now)
         key = str(meta.get("key", os.path.basename(os.path.normpath(path))))
         uri = str(meta.get("uri", ""))
@@ -206,10 +211,9 @@ class ModelCache:
         """Record ``name`` as the name of the published entry ``key`` (atomically: the entry stays published)."""
         meta_path = os.path.join(self.entry_dir(key), META_NAME)
         try:
-            with open(meta_path, encoding="utf-8") as handle:
-                meta = json.load(handle)
+            meta = read_object(meta_path, max_bytes=META_BYTES)
             durable.write_file(meta_path, json.dumps({**meta, "name": name}).encode())
-        except (OSError, ValueError, TypeError) as exc:  # TypeError: a record that is not a JSON object
+        except (OSError, ValueError) as exc:  # ValueError: jsonsafe's JSONInputError (not JSON, not an object)
             raise CacheError(f"cache entry {key} in {self.root} cannot be named {name!r}: {exc}") from None
 
     def lease(self, key: str) -> Lease:

@@ -29,7 +29,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from preheat.core import durable
+from preheat.core.errors import JSONInputError
+from preheat.core.jsonsafe import loads_bounded
 
+MAX_LINE_BYTES = 1 << 20  # a line is a pin (a size, an ETag, a date) or a range: under 1 KiB
 Pin = Mapping[str, object]
 Chunk = tuple[str, int, int]  # file, offset, length: bytes on disk
 
@@ -46,9 +49,9 @@ def parse(lines: Iterable[str]) -> JournalState:
     """The journal's content; lines that are not exactly a pin or a chunk are skipped (pure)."""
     state = JournalState()
     for line in lines:
-        try:
-            doc = json.loads(line)
-        except ValueError:
+        try:  # bounded: the cache directory may be shared, and a line is only a hint (a refetch at worst)
+            doc = loads_bounded(line, max_bytes=MAX_LINE_BYTES)
+        except JSONInputError:
             continue
         if not isinstance(doc, dict) or not isinstance(doc.get("file"), str):
             continue

@@ -42,6 +42,7 @@ from preheat.core import durable
 from preheat.core.errors import CacheError, CheckpointError, ConfigError, PreheatError, SourceChangedError
 from preheat.sources.base import Origin, Versioned
 from preheat.sources.open import open_origin
+from preheat.sources.peer_uri import SCHEME, is_peer_uri
 from preheat.store import journal, locks
 from preheat.store.cache import ModelCache
 from preheat.store.fetch import PieceFetch, PieceSource, Progress
@@ -132,9 +133,9 @@ def pull(
     >>> pull("https://models.internal/llama-3-8b").path  # doctest: +SKIP
     '/root/.cache/preheat/models/xxh3-128-4f1c...'
     """
-    if uri.startswith("preheat://"):
+    if is_peer_uri(uri):
         raise ConfigError(
-            f"{uri}: preheat:// names are pulled from peers: use preheat.peer.pull.pull_from_peers "
+            f"{uri}: {SCHEME} names are pulled from peers: use preheat.peer.pull.pull_from_peers "
             "(or 'preheat pull', which does)"
         )
     cache = cache or ModelCache()

@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
+from preheat.core import env
 from preheat.core.config import parse_size
-from preheat.core.errors import ConfigError
-from preheat.http.ranges import UnsatisfiableRangeError, content_range, parse_range
+from preheat.core.errors import ConfigError, ForbiddenPathError, UnsatisfiableRangeError
+from preheat.http.ranges import content_range, parse_range
 from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 
 log = logging.getLogger("preheat.fileserver")
@@ -124,10 +125,6 @@ class ServerStats:
             else:
                 self._stalls += 1
             return True
-
-
-class ForbiddenPathError(Exception):
-    """The request names a path outside the served root."""
 
 
 def resolve_path(root: str, request_target: str) -> str:
@@ -382,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
     parser.add_argument(
         "--token",
-        default=os.environ.get("PREHEAT_FILESERVER_TOKEN"),
+        default=env.get(env.FILESERVER_TOKEN),
         help="require 'Authorization: Bearer TOKEN' (default $PREHEAT_FILESERVER_TOKEN; clients: PREHEAT_HTTP_TOKEN)",
     )
     parser.add_argument("--throttle", help="cap each connection, e.g. 50MB (per second)")

@@ -36,7 +36,9 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from preheat.core.errors import CheckpointError, PreheatError, RequestError
+from preheat.core import env
+from preheat.core.errors import CheckpointError, ChildGoneError, JSONInputError, PreheatError, RequestError
+from preheat.core.jsonsafe import MAX_DEPTH, load_object
 from preheat.core.timeline import Timeline
 from preheat.text.tokenizer import TextTokenizer
 
@@ -49,11 +51,7 @@ _PR_SET_PDEATHSIG = 1
 
 def process_allowed() -> bool:
     """Whether the tokenizer may have a process of its own: ``PREHEAT_TOKENIZER_PROCESS`` is not 0."""
-    return os.environ.get("PREHEAT_TOKENIZER_PROCESS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-class ChildGoneError(Exception):
-    """The tokenizer process closed its end (it died, or was let go)."""
+    return env.get(env.TOKENIZER_PROCESS)
 
 
 def _send(sock: socket.socket, message: object) -> None:
@@ -72,9 +70,12 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv(sock: socket.socket) -> Any:  # Any: a JSON message of this module's own protocol
+def _recv(sock: socket.socket) -> dict[str, Any]:  # Any: a JSON message of this module's own protocol
+    """The next message; ``JSONInputError`` (a ``ValueError``) when the other end wrote anything but one object."""
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return json.loads(_recv_exact(sock, size))
+    # The frame's length already bounds the size; the depth is bounded because the tokenizer (its files, its code)
+    # may send anything: a request's body nests at most MAX_DEPTH deep, and a message wraps it a few levels more.
+    return load_object(_recv_exact(sock, size), max_bytes=size, max_depth=MAX_DEPTH + 8)
 
 
 class TokenizerProcess:
@@ -142,6 +143,8 @@ class TokenizerProcess:
             answer = _recv(self._sock)
         except OSError as exc:
             raise ChildGoneError(str(exc)) from None
+        except JSONInputError as exc:  # the channel is out of step: as good as gone
+            raise ChildGoneError(f"the tokenizer process's answer was refused ({exc})") from None
         if "error" in answer:
             raise _error(answer["error"])
         return answer["ok"]

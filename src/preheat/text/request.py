@@ -15,8 +15,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.core.errors import PreheatError
-from preheat.core.jsonsafe import MAX_DEPTH, JSONInputError, loads_bounded
+from preheat.core.errors import APIError, JSONInputError
+from preheat.core.jsonsafe import MAX_DEPTH, loads_bounded
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Bounds on what one request may ask for (docs/server.md). The body cap is shared by the server and the router.
@@ -27,26 +27,6 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 # Arrays and objects in one body (a chat of 30,000 messages): json.loads spends ~1 s and ~60 MB per million of them.
 MAX_CONTAINERS = 100_000
-
-
-class APIError(PreheatError):
-    """A request the server refuses, carrying the HTTP status and OpenAI's error fields."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, object]:
-        """``{"error": {"message", "type", "param", "code"}}``, the shape OpenAI clients parse."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -10,12 +10,12 @@ never became ready) is idle for its whole length. The pictures are drawn above t
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.core.errors import PlanError, SourceError
+from preheat.core import env
+from preheat.core.errors import JSONInputError, PlanError, SourceError
+from preheat.core.jsonsafe import loads_bounded, read_bounded
 from preheat.core.timeline import Stage
 
 TIMELINE_PATH = "/v1/preheat/timeline"
@@ -126,10 +126,11 @@ def fetch(source: str, *, api_key: str | None = None, timeout: float = 10.0) -> 
     if source.startswith(("http://", "https://")):
         from http.client import responses
 
-        from preheat.http.client import HTTPClientError, Timeouts, request
+        from preheat.core.errors import HTTPClientError
+        from preheat.http.client import Timeouts, request
 
         url = source if source.rstrip("/").endswith(TIMELINE_PATH) else source.rstrip("/") + TIMELINE_PATH
-        key = api_key or os.environ.get("PREHEAT_API_KEY")
+        key = api_key or env.get(env.API_KEY)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             answer = request(url, timeouts=Timeouts.within(timeout), headers=headers, max_body=MAX_TIMELINE_BYTES)
@@ -138,17 +139,16 @@ def fetch(source: str, *, api_key: str | None = None, timeout: float = 10.0) -> 
         if answer.status != 200:
             hint = " (pass --api-key or PREHEAT_API_KEY)" if answer.status == 401 else ""
             raise SourceError(f"{url}: HTTP {answer.status} {responses.get(answer.status, '')}{hint}")
-        try:
-            return json.loads(answer.body)
-        except ValueError as exc:
+        try:  # bounded: the URL may be any server, and json.loads raised RecursionError on 64 KiB of "["
+            return loads_bounded(answer.body, max_bytes=MAX_TIMELINE_BYTES)
+        except JSONInputError as exc:
             raise SourceError(f"{url}: cannot fetch the timeline ({exc})") from None
     try:
-        with open(source, encoding="utf-8") as handle:
-            return json.load(handle)
+        return read_bounded(source, max_bytes=MAX_TIMELINE_BYTES)
     except OSError as exc:
         raise SourceError(f"{source}: cannot read ({exc.strerror})") from None
-    except ValueError as exc:
-        raise PlanError(f"{source}: not JSON ({exc})") from None
+    except JSONInputError as exc:
+        raise PlanError(f"{source}: cannot read the timeline ({exc})") from None
 
 
 # -- text ----------------------------------------------------------------------------------------------------------

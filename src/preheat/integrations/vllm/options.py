@@ -9,10 +9,11 @@ Options come from ``--model-loader-extra-config '{...}'`` first, then ``PREHEAT_
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
+from preheat.core import env as envs
 from preheat.core.errors import ConfigError
 
 LOAD_FORMAT = "preheat"
@@ -21,17 +22,17 @@ LOAD_FORMAT = "preheat"
 SUPPORTED_VLLM = ("0.32", "0.33")
 MODES = ("auto", "mmap", "read", "direct")
 
-# Each option's variable. ``source`` has none: it names the weights of one model, which belongs beside MODEL.
-VARIABLES = {
-    "registry": "PREHEAT_REGISTRY",
-    "origin": "PREHEAT_ORIGIN",
-    "threads": "PREHEAT_THREADS",
-    "mode": "PREHEAT_LOAD_MODE",
-    "verify": "PREHEAT_VLLM_VERIFY",
-    "timeline": "PREHEAT_VLLM_TIMELINE",
-    "cache_dir": "PREHEAT_CACHE_DIR",
+# Each option's variable (core/env.py declares them; Any: variables of several value types). ``source`` has none:
+# it names the weights of one model, which belongs beside MODEL.
+VARIABLES: dict[str, envs.Variable[Any]] = {
+    "registry": envs.REGISTRY,
+    "origin": envs.ORIGIN,
+    "threads": envs.THREADS,
+    "mode": envs.LOAD_MODE,
+    "verify": envs.VLLM_VERIFY,
+    "timeline": envs.VLLM_TIMELINE,
+    "cache_dir": envs.CACHE_DIR,
 }
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,10 @@ ALLOWED = tuple(f.name for f in fields(LoadOptions))
 
 
 def parse_options(extra: object, env: Mapping[str, str] | None = None) -> LoadOptions:
-    """``extra`` (vLLM's ``model_loader_extra_config``: a JSON object, or None) over ``env`` (default
-    ``os.environ``). Raises ``ConfigError`` naming an unknown key and the allowed ones, or a value of the wrong type.
+    """``extra`` (vLLM's ``model_loader_extra_config``: a JSON object, or None) over ``env`` (default: this
+    process's environment). Raises ``ConfigError`` naming an unknown key and the allowed ones, a value of the wrong
+    type, or the variable whose value does not parse.
     """
-    env = os.environ if env is None else env
     if extra is None:
         extra = {}
     if not isinstance(extra, Mapping):
@@ -86,9 +87,8 @@ def parse_options(extra: object, env: Mapping[str, str] | None = None) -> LoadOp
             values[name] = _from_json(name, given)
             continue
         variable = VARIABLES.get(name)
-        raw = env.get(variable, "").strip() if variable else ""
-        if variable and raw:
-            values[name] = _from_env(name, variable, raw)
+        if variable is not None and envs.raw(variable, env) is not None:
+            values[name] = envs.get(variable, env)
     options = LoadOptions(**values)  # type: ignore[arg-type]  # keys are LoadOptions' fields, values checked above
     if options.mode not in MODES:
         raise ConfigError(f"mode {options.mode!r} for --load-format {LOAD_FORMAT}: choose one of {', '.join(MODES)}")
@@ -110,25 +110,6 @@ def _from_json(name: str, value: object) -> object:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{where}: a non-empty string, not {value!r}")
     return value.strip()
-
-
-def _from_env(name: str, variable: str, raw: str) -> object:
-    if name == "threads":
-        try:
-            threads = int(raw)
-        except ValueError:
-            threads = 0
-        if threads < 1:
-            raise ConfigError(f"{variable}={raw!r}: a whole number of threads of at least 1")
-        return threads
-    if name == "verify":
-        lowered = raw.lower()
-        if lowered == "auto":
-            return None
-        if lowered in _TRUE or lowered in _FALSE:
-            return lowered in _TRUE
-        raise ConfigError(f"{variable}={raw!r}: 1, 0 or auto")
-    return raw
 
 
 def check_vllm_version(version: str) -> None:

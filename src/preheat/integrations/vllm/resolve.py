@@ -8,21 +8,19 @@ MODEL before any loader runs, so MODEL stays a local directory (docs/integration
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from preheat.checkpoint.jsonfile import read_config
 from preheat.core.errors import CheckpointError, ConfigError
 from preheat.core.timeline import Timeline
 from preheat.integrations.vllm.options import LOAD_FORMAT, LoadOptions
 from preheat.sources.base import is_uri
+from preheat.sources.peer_uri import is_peer_uri
 
 if TYPE_CHECKING:
     from preheat.store.cache import Lease
-
-PEER_SCHEME = "preheat://"
-
 
 @dataclass
 class Resolved:
@@ -40,7 +38,7 @@ class Resolved:
 
 def is_remote(location: str) -> bool:
     """True for the locations that are pulled into the node cache first."""
-    return is_uri(location) or location.startswith(PEER_SCHEME)
+    return is_uri(location) or is_peer_uri(location)
 
 
 def weights_location(model: str, options: LoadOptions, model_weights: str = "") -> str:
@@ -77,7 +75,7 @@ def _pull(uri: str, options: LoadOptions, timeline: Timeline) -> Resolved:
     cache = ModelCache(options.cache_dir)
     with timeline.stage("fetch", uri=uri) as stage:
         try:
-            if uri.startswith(PEER_SCHEME):
+            if is_peer_uri(uri):
                 from preheat.peer.pull import PeerOptions, pull_from_peers
 
                 peer_options = PeerOptions.from_env(registry=options.registry, origin=options.origin)
@@ -103,11 +101,10 @@ def check_same_config(model: str, weights: str, source: str) -> None:
     mine, theirs = os.path.join(model, "config.json"), os.path.join(weights, "config.json")
     if not (os.path.isfile(mine) and os.path.isfile(theirs)):
         return
-    try:
-        with open(mine, encoding="utf-8") as a, open(theirs, encoding="utf-8") as b:
-            same = json.load(a) == json.load(b)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot compare {mine} with {theirs}: {exc}", path=mine) from None
+    try:  # read bounded: the weights' config.json came from wherever they were downloaded
+        same = read_config(model) == read_config(weights)
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot compare {mine} with {theirs}: {exc}", path=exc.path or mine) from None
     if not same:
         raise ConfigError(
             f"{mine} differs from the config.json of {source} ({theirs}): vLLM would build another model than the "

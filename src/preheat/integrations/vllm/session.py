@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from preheat.core import durable
 from preheat.core.timeline import Timeline
 from preheat.integrations.vllm.options import LoadOptions
 from preheat.integrations.vllm.resolve import resolve
@@ -140,7 +141,4 @@ def write_timeline(path: str, timeline: Timeline) -> None:
     """The timeline as ``preheat timeline`` reads it, written atomically (a reader never sees half a file)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    temp = f"{path}.{os.getpid()}.tmp"
-    with open(temp, "w", encoding="utf-8") as out:
-        json.dump(timeline.to_dict(), out, indent=2)
-    os.replace(temp, path)
+    durable.write_file(path, json.dumps(timeline.to_dict(), indent=2).encode())

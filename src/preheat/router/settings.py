@@ -1,0 +1,225 @@
+"""``RouterSettings``: the one source of truth for ``preheat router``: each field declares its flag and its
+``PREHEAT_ROUTER_*`` variable (``core.config.option``; ``preheat.cli.flags`` makes the flags from them). The flag
+wins, then the variable, then the default.
+
+Cheap to import (the replica specs, policies and Kubernetes URLs are parsed by modules imported when a check needs
+them): every ``preheat`` command line that builds the router's flags imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from preheat.core import env
+from preheat.core.config import option, resolve_settings, settings
+from preheat.core.errors import ConfigError
+
+POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
+FROM_REPLICAS = "@replicas"  # --model @replicas: the tokenizer is asked of the replicas at start
+SECONDS = (
+    "health_interval",
+    "health_timeout",
+    "kv_poll_interval",
+    "index_ttl",
+    "kv_snapshot_interval",
+    "upstream_timeout",
+    "activation_timeout",
+)
+
+
+def _replica_specs(text: str) -> tuple[str, ...]:
+    """``PREHEAT_ROUTER_REPLICAS``: comma-separated, an ``events=``/``replay=`` item belonging to the URL before it."""
+    from preheat.router.upstream import join_replica_specs
+
+    return join_replica_specs(text.split(","))
+
+
+@settings(prefix="PREHEAT_ROUTER_", command="router")
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything ``preheat router`` needs (docs/router.md has the table of flags and variables)."""
+
+    # Each ``URL[,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT]]`` (upstream.parse_replica_spec): with events=, an
+    # engine replica (vLLM, SGLang) whose ZMQ KV events feed policy kv.
+    replicas: tuple[str, ...] = field(
+        metadata=option(
+            "http://host:port; an engine replica may carry its KV events: URL,events=tcp://H:P,replay=tcp://H:P",
+            flag="--replica",
+            metavar="URL",
+            parse=_replica_specs,
+            value="URL,URL",
+        )
+    )
+    # k8s://NAMESPACE/SERVICE[?port=NAME]: the replicas are that Service's ready endpoints, followed as they change
+    # (k8s/discovery.py); beside any --replica given.
+    replicas_from: str | None = field(
+        default=None,
+        metadata=option(
+            "the ready pods behind a Kubernetes Service are the replicas, followed as they come and go "
+            "(its EndpointSlices; needs the k8s extra and list/watch on endpointslices)",
+            metavar="k8s://NAMESPACE/SERVICE[?port=NAME]",
+        ),
+    )
+    policy: str = field(default="round-robin", metadata=option("routing policy", choices=POLICIES))
+    # Tokenizer source for prefix and kv: a directory, or FROM_REPLICAS.
+    model: str | None = field(
+        default=None,
+        metadata=option(
+            f"the replicas' model directory, for its tokenizer; {FROM_REPLICAS}: ask the replicas for theirs",
+            metavar="MODEL",
+        ),
+    )
+    # prefix only: kv uses each replica's published chunk size. The replicas' --kv-chunk-tokens: one name for one
+    # chunk size (`up` gives the replicas the same value).
+    kv_chunk_tokens: int = field(
+        default=256, metadata=option("prefix: tokens per chunk key", metavar="C", renamed=("--chunk-tokens",))
+    )
+    guard_gap: int = field(default=2, metadata=option("in-flight gap that forces least-load"))
+    hot_in_flight: int = field(default=3, metadata=option("in flight that spreads a hot prefix"))
+    # Per replica: prefix's routed keys; kv's keys per tier.
+    index_keys: int = field(default=100_000, metadata=option("keys kept per replica (prefix), per tier (kv)"))
+    index_ttl: float = field(default=600.0, metadata=option("prefix: seconds a key is remembered"))
+    health_interval: float = field(default=1.0, metadata=option("seconds between health checks"))
+    health_timeout: float = field(default=2.0, metadata=option("seconds a health check may take"))
+    kv_poll_interval: float = field(default=0.25, metadata=option("kv: seconds between event polls"))
+    # kv: a replica with an L2 is asked for a full snapshot this often.
+    kv_snapshot_interval: float = field(default=60.0, metadata=option("kv: seconds between full snapshots of an L2"))
+    upstream_timeout: float = field(default=300.0, metadata=option("seconds to wait on a replica"))
+    host: str = field(default="127.0.0.1", metadata=option("address to bind"))
+    port: int = field(default=8080, metadata=option("port; 0 picks a free one"))
+    # What clients must send (Authorization: Bearer); None: the router is open.
+    api_key: str | None = field(
+        default=None,
+        metadata=option("require 'Authorization: Bearer KEY'", metavar="KEY", variable=env.ROUTER_API_KEY),
+    )
+    # What the router sends the replicas (their --api-key) in place of the client's Authorization, and on its
+    # KV-event polls; None: the client's passes through, and polls carry api_key (one key for the whole fleet).
+    replica_api_key: str | None = field(
+        default=None,
+        metadata=option(
+            "the replicas' --api-key, sent to them in place of the client's (prefer the variable: a command line "
+            "is visible to all)",
+            metavar="KEY",
+        ),
+    )
+    # Cold capacity (docs/router.md, *Standby and sleeping replicas*): standby replicas the router may activate with
+    # standby_model (served as served_model_name), sleeping replicas it may wake (wake), when no replica is in
+    # rotation or every one has saturation requests in flight; a cold start may take activation_timeout seconds.
+    standby: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "a `preheat serve --standby` replica the router may activate when it needs capacity (repeat it)",
+            metavar="URL",
+        ),
+    )
+    standby_model: str | None = field(
+        default=None,
+        metadata=option(
+            "what a standby is told to load: a directory or URI its --allow-model allows",
+            metavar="MODEL",
+            default_text="--model DIR",
+        ),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=option(
+            "the name an activated standby serves the model under",
+            metavar="NAME",
+            default_text="MODEL's last path part",
+        ),
+    )
+    saturation: int = field(
+        default=3,
+        metadata=option(
+            "a replica with N or more requests in flight through the router is saturated; all saturated: bring up "
+            "a standby or sleeping replica",
+            metavar="N",
+        ),
+    )
+    activation_timeout: float = field(
+        default=300.0,
+        metadata=option(
+            "seconds an activation or a wake may take; a request with no replica waits as long", metavar="S"
+        ),
+    )
+    wake: bool = field(
+        default=True,
+        metadata=option(
+            "never wake a sleeping replica (PREHEAT_ROUTER_WAKE=0)",
+            flag="--no-wake",
+            default_text="wake one when capacity is needed",
+        ),
+    )
+    # Live weight updates (docs/refit.md): send requests only to the replicas on the newest weights version their
+    # /health reports (replicas started with --follow), so no client sees an older version once one has the new.
+    newest_version: bool = field(
+        default=False,
+        metadata=option("route only to replicas on the newest weights version (--follow replicas; docs/refit.md)"),
+    )
+
+    @classmethod
+    def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> RouterSettings:
+        """Settings from ``flags`` (None = not given), else ``PREHEAT_ROUTER_<NAME>`` in ``env`` (default: this
+        process's environment), else the default; then ``check()``.
+
+        >>> RouterSettings.resolve({"replicas": None}, {"PREHEAT_ROUTER_REPLICAS": "http://a:1,http://b:2"}).replicas
+        ('http://a:1', 'http://b:2')
+        """
+        values = resolve_settings(cls, flags, env)
+        if not values.get("replicas") and not values.get("standby") and not values.get("replicas_from"):
+            raise ConfigError(
+                "no replicas: pass --replica URL (repeat it) or set PREHEAT_ROUTER_REPLICAS=URL,URL "
+                "(or give standby replicas: --standby URL --standby-model MODEL, "
+                "or a Kubernetes Service: --replicas-from k8s://NAMESPACE/SERVICE)"
+            )
+        values.setdefault("replicas", ())
+        resolved = cls(**values)  # type: ignore[arg-type]  # each value was parsed to its field's type above
+        resolved.check()
+        return resolved
+
+    def check(self) -> None:
+        from preheat.k8s.slices import parse_k8s_url
+        from preheat.router.upstream import parse_replica_spec, parse_url
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+        if self.policy in ("prefix", "kv") and not self.model:
+            raise ConfigError(
+                f"--policy {self.policy} tokenizes prompts: pass --model DIR (the replicas' model), "
+                f"or --model {FROM_REPLICAS} to ask the replicas for their tokenizer"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: must be 0-65535 (0 picks a free port)")
+        for number in ("kv_chunk_tokens", "index_keys", "guard_gap", "hot_in_flight", "saturation"):
+            if int(getattr(self, number)) < 1:
+                raise ConfigError(f"--{number.replace('_', '-')} must be at least 1")
+        for seconds in SECONDS:
+            if float(getattr(self, seconds)) <= 0:
+                raise ConfigError(f"--{seconds.replace('_', '-')} must be positive")
+        for secret in ("api_key", "replica_api_key"):
+            value = getattr(self, secret)
+            if value is not None and not value.strip():
+                raise ConfigError(f"--{secret.replace('_', '-')} is empty: give a key, or leave the flag out")
+        urls = [parse_replica_spec(spec).url for spec in self.replicas] + [parse_url(u).url for u in self.standby]
+        if len(set(urls)) != len(urls):
+            raise ConfigError("the same replica is given twice")
+        if self.replicas_from is not None:
+            parse_k8s_url(self.replicas_from)
+            if self.model == FROM_REPLICAS and not self.replicas:
+                raise ConfigError(
+                    f"--model {FROM_REPLICAS} asks the --replica URLs for their tokenizer at start, and "
+                    "--replicas-from finds its replicas later: pass --model DIR (the model's directory)"
+                )
+        if self.standby and not self.activation_model:
+            raise ConfigError(
+                "--standby replicas need the model to activate them with: pass --standby-model MODEL (a directory or "
+                "URI each standby's --allow-model allows), or --model DIR"
+            )
+
+    @property
+    def activation_model(self) -> str | None:
+        """What a standby is told to load: ``standby_model``, else ``model`` when it is a directory."""
+        if self.standby_model:
+            return self.standby_model
+        return self.model if self.model and self.model != FROM_REPLICAS else None
