@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a lent device machine (see README "GPU results"). Runs in under 8 minutes:
-#   1. the GPU tests (tests/unit/test_gpu.py; tests/integration/test_gpu_nixl.py, which skips unless a nixl wheel is carried in .whl/)
+#   1. the GPU tests (tests/unit/io/test_gpu.py; tests/integration/peer/test_gpu_nixl.py, which skips unless a nixl wheel is carried in .whl/)
 #      plus the loader suite on that machine;
 #   2. the loader benchmark on CUDA: preheat read/direct/gds vs safetensors load_file(device="cuda"), with plain
 #      pinned host-to-device bandwidth measured in the same run;
@@ -20,8 +20,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/unit/test_gpu.py tests/integration/test_gpu_nixl.py tests/unit/test_load.py \
-  tests/unit/test_tensor_parallel.py tests/integration/test_load_verify.py 2>&1 | tee "$out/tests.txt"
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/unit/io/test_gpu.py tests/integration/peer/test_gpu_nixl.py tests/unit/loader/test_load.py \
+  tests/unit/checkpoint/test_tensor_parallel.py tests/integration/loader/test_load_verify.py 2>&1 | tee "$out/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 timeout 280 python3 bench/load.py --device cuda --size "${PREHEAT_DEVICE_BENCH_SIZE:-4GB}" --repeat 3 \

@@ -1,5 +1,5 @@
 """Finding, in source code, the places that test a string literal themselves: the checks that a concern (a URL
-scheme, ...) is spelled in one module only (tests/unit/test_kv_backends.py, tests/unit/test_peer_uri.py)."""
+scheme, ...) is spelled in one module only (tests/unit/kv/test_kv_backends.py, tests/unit/sources/test_peer_uri.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# The names are ``dtypes``'s, one for one (tests/integration/test_dtypes.py checks names and sizes agree).
+# The names are ``dtypes``'s, one for one (tests/integration/checkpoint/test_dtypes.py checks names and sizes agree).
 _TO_TORCH: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,

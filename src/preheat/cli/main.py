@@ -29,7 +29,7 @@ docs: README.md (quick start), docs/loader.md (how loading works), docs/architec
 
 # The modules that add commands, in the order ``preheat --help`` lists them, and the commands each adds. A command
 # line naming one of these builds only that module's parsers: a replica's start (``preheat serve``) then imports and
-# builds its own flags, not the other commands' (~10 ms of a cold start). tests/integration/test_cli.py checks
+# builds its own flags, not the other commands' (~10 ms of a cold start). tests/integration/cli/test_cli.py checks
 # the table.
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "store": ("pull", "cache"),

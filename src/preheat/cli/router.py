@@ -86,7 +86,7 @@ examples:
 
 
 # What `up` passes to its router and, each as `preheat serve` parses it, to every replica (the flags are generated
-# from the same settings, so they are spelt and parsed alike: tests/integration/test_cli.py compares them).
+# from the same settings, so they are spelt and parsed alike: tests/integration/cli/test_cli.py compares them).
 UP_ROUTER = ("policy", "kv_chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
              "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout", "saturation",
              "activation_timeout", "wake", "newest_version")  # fmt: skip

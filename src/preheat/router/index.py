@@ -200,7 +200,7 @@ class KVUpdate:
 def parse_update(payload: object, where: str) -> KVUpdate:
     """Validate a KV-events answer from the replica at ``where``; ``RouterError`` naming the bad field.
 
-    Whatever a replica sends is either this or that error (tests/integration/test_fuzz_kv_events.py): keys are
+    Whatever a replica sends is either this or that error (tests/integration/router/test_fuzz_kv_events.py): keys are
     strings, sequence numbers and loads non-negative integers, ``chunk_tokens`` positive and the fingerprint 32 hex
     digits, since the router computes every request's chunk keys from those two and a bad one would fail requests,
     not this answer.

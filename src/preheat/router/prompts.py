@@ -89,7 +89,7 @@ class PromptReader:
 
 
 # The files GET /v1/preheat/tokenizer serves (preheat.server.app.TOKENIZER_FILES: the router may not import the
-# server, tests/integration/test_router_engine_events.py checks the two agree).
+# server, tests/integration/router/test_router_engine_events.py checks the two agree).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 

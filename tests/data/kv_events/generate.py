@@ -10,7 +10,7 @@ for everything from seq 0, and the multipart messages it answers (``[topic, seq,
 PUB socket sent) are written as a msgpack array of ``[topic, seq, payload]`` binaries. ``legacy`` encodes the same
 batches with msgspec structs shaped as vLLM <= 0.10 declared them (``array_like=True``: tagged arrays), since no
 engine venv here has such a release. tests/engines/test_kv_event_fixtures.py regenerates each file in its engine's
-venv and compares bytes; tests/integration/test_router_engine_events.py decodes them without any engine.
+venv and compares bytes; tests/integration/router/test_router_engine_events.py decodes them without any engine.
 
 The story the batches tell (block size 32; tokens in PROMPT, OTHER):
   0  BlockStored  b1, b2 (PROMPT[0:64], no parent)              GPU

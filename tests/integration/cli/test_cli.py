@@ -13,7 +13,7 @@ import pytest
 
 from conftest import WrittenCheckpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def preheat(*args: str) -> subprocess.CompletedProcess[str]:

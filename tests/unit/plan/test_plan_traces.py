@@ -21,7 +21,7 @@ from preheat.plan.traces import (
     with_tokens,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "traces"
 
 
 def _jsonl(path: Path, lines: list[object]) -> Path:

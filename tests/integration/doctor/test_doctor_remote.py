@@ -24,7 +24,7 @@ from preheat.testing.fileserver import FileServer
 from redisserver import RedisServer
 from serving import Client
 
-SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "doctor.schema.json").read_text(encoding="utf-8"))
+SCHEMA = json.loads((Path(__file__).parents[3] / "docs" / "doctor.schema.json").read_text(encoding="utf-8"))
 
 
 def by_id(report: Report) -> dict[str, Finding]:

@@ -23,7 +23,7 @@ from preheat.doctor.findings import rank
 from preheat.doctor.node import bracketed, classify_fs
 from preheat.doctor.run import RESERVE_S, Budget, checks_for, run_check, run_checks
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 SCHEMA = json.loads((DOCS / "doctor.schema.json").read_text(encoding="utf-8"))
 
 
@@ -315,7 +315,7 @@ def test_on_cuda_the_gpu_is_described_and_host_to_device_bandwidth_measured(tmp_
 def test_without_cuda_the_gpu_checks_say_so_as_info() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: tests/unit/test_gpu.py covers it")
+        pytest.skip("this machine has CUDA: tests/unit/io/test_gpu.py covers it")
     report = run_doctor(DoctorOptions(io=True))
     gpu = [f for f in report.findings if f.area == "gpu"]
     assert {f.id for f in gpu} >= {"gpu.none", "gpu.h2d", "gpu.gds", "gpu.nixl"}

@@ -76,7 +76,7 @@ def test_the_first_converting_load_keeps_a_copy_that_later_loads_map(tiny_bf16: 
 def test_converted_weights_share_one_mapping(tiny_bf16: Path) -> None:
     engine, _ = load(tiny_bf16, None)
     storages = {t.untyped_storage().data_ptr() for t in model_tensors(engine)}
-    assert len(storages) == 1  # freed together: a sleep gives them back whole (tests/integration/test_sleep.py)
+    assert len(storages) == 1  # freed together: a sleep gives them back whole (tests/integration/server/test_sleep.py)
 
 
 def test_a_copy_that_does_not_match_the_checkpoint_is_not_used(tiny_bf16: Path, tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ IDENTITY = "test-model"
 
 
 def available(name: str) -> bool:
-    return (Path(__file__).parents[1] / "data" / "kv_events" / f"{name}.frames").exists()
+    return (Path(__file__).parents[2] / "data" / "kv_events" / f"{name}.frames").exists()
 
 
 FIXTURES = [pytest.param(n, marks=pytest.mark.skipif(not available(n), reason=f"no fixture {n}")) for n in ENGINES]

@@ -12,7 +12,7 @@ from preheat.core.timeline import Timeline
 from preheat.plan.coldstart import PHASES, ColdStart
 from preheat.timeline.report import Waterfall
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "traces"
 
 
 def _timeline(*stages: tuple[str, float, float], platform: bool = False) -> dict[str, object]:

@@ -25,7 +25,7 @@ from redisserver import RedisServer
 
 # A child imports this folder's test modules and the helpers one folder up (tests/).
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.pathsep.join((HERE, os.path.dirname(HERE)))
+TESTS = os.pathsep.join((HERE, os.path.dirname(os.path.dirname(HERE))))
 
 
 def is_up(tier: RedisTier) -> bool:

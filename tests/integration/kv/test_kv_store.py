@@ -30,7 +30,7 @@ from redisserver import RedisServer
 
 # A child imports this folder's test modules and the helpers one folder up (tests/).
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.pathsep.join((HERE, os.path.dirname(HERE)))
+TESTS = os.pathsep.join((HERE, os.path.dirname(os.path.dirname(HERE))))
 NS = Namespace(model="org/model@0123abcd", engine="test-engine", layout={"chunk_tokens": 256, "dtype": "bfloat16"})
 OTHER = Namespace(model="org/other-model@0123abcd", engine="test-engine", layout=dict(NS.layout))
 # Keys as engines write them: LMCache's "fmt@model@world@worker@hash@dtype", SGLang's hex page hashes, vLLM's ints.

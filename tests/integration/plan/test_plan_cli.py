@@ -9,7 +9,7 @@ import pytest
 
 from preheat.cli.main import main
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "traces"
 TIMELINE = str(EXAMPLES / "coldstart-8b.json")
 
 

@@ -2,7 +2,7 @@
 
 These run on CPU (and without nixl, the usual case): the peer server must not offer NIXL, its ``/peer/v1/nixl`` route
 answers 404 (behind the token like every route), and a puller that would load onto CUDA still pulls over TCP.
-The NIXL transfers themselves are in tests/integration/test_gpu_nixl.py (a GPU and nixl needed).
+The NIXL transfers themselves are in tests/integration/peer/test_gpu_nixl.py (a GPU and nixl needed).
 """
 
 from __future__ import annotations
