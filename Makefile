@@ -33,7 +33,7 @@ demo: $(STAMP)
 ## TEST_WORKERS pytest workers, one file per worker at a time; the 20 slowest tests are printed at the end
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --durations-min=1
@@ -65,7 +65,7 @@ bench-engines: engine-venvs
 	.venv-engines/sglang/bin/python bench/kvstore.py --engine sglang --json .bench/kvstore-sglang.json
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench scripts
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

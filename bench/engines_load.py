@@ -37,16 +37,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the vLLM launcher the engine tests use
-
-from engines.vllmserver import cpu_env, free_port, serve_command  # after the path above
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.core.config import parse_size
 from preheat.core.procs import end
 from preheat.store.cache import ModelCache
 from preheat.store.pull import pull
 from preheat.testing.fileserver import FileServer
+from preheat.testing.ports import free_port
 from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
+from preheat.testing.vllmserver import cpu_env, serve_command  # the vLLM launcher the engine tests use
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")

@@ -39,14 +39,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the vLLM launcher the engine tests use
+from preheat.core.procs import Child
+from preheat.http.client import Timeouts, get
+from preheat.http.server import sigterm_interrupts
+from preheat.testing.smollm2 import SmolLM2, cache_root  # the converted copy the test suite keeps
+from preheat.testing.vllmserver import VLLMServer  # the vLLM launcher the engine tests use
 
-from engines.vllmserver import VLLMServer  # noqa: E402 - after the path above
-from preheat.core.procs import Child  # noqa: E402
-from preheat.http.client import Timeouts, get  # noqa: E402
-from preheat.http.server import sigterm_interrupts  # noqa: E402
-from smollm2 import SmolLM2, cache_root  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PROSE = (
     "harbour ledger schooner brig cargo salt rope lamp oil timber wool cod tide pier dock captain crew manifest "

@@ -23,9 +23,7 @@ from preheat.engine import Engine
 from preheat.engine.sampling import SamplingParams
 from preheat.kv.build import build_tiers
 from preheat.kv.settings import KVSettings
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from ttft import QUESTIONS, prefix_text
+from ttft import QUESTIONS, prefix_text  # bench/ is on sys.path: Python puts a script's folder first
 
 
 def first_logits(engine: Engine, ids: list[int]) -> torch.Tensor:

@@ -64,8 +64,7 @@ from typing import Any, TypeVar
 import torch
 import xxhash
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 
 T = TypeVar("T")
 MODEL = "bench/model"

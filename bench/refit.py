@@ -1,21 +1,27 @@
 """Live weight updates (docs/refit.md) against restarting replicas, in ONE run.
 
     python bench/refit.py [--models smollm2,synthetic] [--size 256MB] [--rounds 3] [--fraction 0.1]
-                          [--load-s 12] [--publish-every 3] [--json out.json]
+                          [--load-s 12] [--publish-every 3] [--signing on|off|both] [--refit-only] [--json out.json]
 
 For each model: 3 `preheat serve MODEL --follow` replicas and a trainer in this process (`preheat.refit.Publisher`)
-that publishes versions from memory, each changing a seeded random `--fraction` of the tensors.
+that publishes versions from memory, each changing a seeded random `--fraction` of the tensors. With `--signing on`
+(the default) the trainer signs every version with a fresh key (`preheat artifacts keygen`'s) and the replicas
+trust only it (`--refit-trust-key`), as a fleet runs; `off` publishes unsigned to replicas without a key; `both`
+measures the refit rounds both ways, each on a fleet of its own (signed first), and prints the ratio, with what
+signing and verifying one manifest costs in this process.
 
 - refit: seconds from `publish(N)` being called (its snapshot and digests included) to every replica answering a
   completion with `X-Preheat-Version: N` (replicas find versions by polling, every 0.5 s); bytes each replica pulled
   against the model's bytes, and the share the trainer served (the rest came from replicas that already had N).
 - restart: the same version written as a checkpoint (safetensors + preheat.json: `write`), then every replica
-  stopped and a new `preheat serve` started on it, all at once (`restart`: until all three answer).
+  stopped and a new `preheat serve` started on it, all at once (`restart`: until all three answer); skipped with
+  `--refit-only`, as is the load phase, and in the unsigned half of `--signing both`.
 - under load: one client per replica sending streamed completions back to back; TTFT p50/p99 and failures, first
   with no publishing, then while a version is published every `--publish-every` seconds.
 
-SmolLM2 comes from the test suite's converted copy (tests/smollm2.py, ~/.cache/preheat-tests); the synthetic model is
-a random float32 Llama of `--size` (256 MB by default: on a 2-core machine 1 GB replicas x 3 take minutes to start).
+SmolLM2 comes from the test suite's converted copy (``preheat.testing.smollm2``, ~/.cache/preheat-tests); the
+synthetic model is a random float32 Llama of `--size` (256 MB by default: on a 2-core machine 1 GB replicas x 3 take
+minutes to start).
 """
 
 from __future__ import annotations
@@ -25,23 +31,23 @@ import json
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test suite's SmolLM2 copy
-
+from preheat.artifacts.signing import SigningKey, TrustedKeys, generate
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.core.config import parse_size
 from preheat.core.errors import PreheatError
 from preheat.http.client import Timeouts, request
+from preheat.refit.protocol import VersionManifest
 from preheat.refit.publisher import Publisher
+from preheat.refit.trust import check_signature, sign
 from preheat.router.cluster import ServerProcess
 from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
 
@@ -55,6 +61,7 @@ HTTP = Timeouts(connect=2.0, read=120.0)
 class Result:
     model: str
     model_bytes: int
+    signed: bool = True
     refit_s: list[float] = field(default_factory=list)
     publish_s: list[float] = field(default_factory=list)  # publish(): snapshot and digests of the whole state dict
     pull_s: list[float] = field(default_factory=list)  # the slowest replica's pull
@@ -68,6 +75,34 @@ class Result:
     failed: int = 0
     requests: int = 0
     published_under_load: int = 0
+    sign_s: list[float] = field(default_factory=list)  # signing one version's manifest, in this process
+    verify_s: list[float] = field(default_factory=list)  # a replica's check of it: parse + signature
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The trainer's key and the replicas' trust in it (``--signing``)."""
+
+    signer: SigningKey
+    public_file: str
+
+    @classmethod
+    def make(cls, work: Path) -> Keys:
+        private, public, _ = generate(str(work / "trainer.key"))
+        return cls(SigningKey.read(private), public)
+
+
+def signing_cost(manifest: VersionManifest, keys: Keys) -> tuple[float, float]:
+    """Seconds to sign ``manifest`` and to check it as a replica does (parse the wire form, verify the signature):
+    the work signing adds to a version, beside its pull."""
+    began = time.perf_counter()
+    signed = sign(replace(manifest, signature=None), keys.signer)
+    signed_s = time.perf_counter() - began
+    wire = signed.to_json()
+    began = time.perf_counter()
+    check_signature(VersionManifest.from_json(wire, where="bench"), TrustedKeys(frozenset({keys.signer.public})),
+                    where="bench")  # fmt: skip
+    return signed_s, time.perf_counter() - began
 
 
 def synthetic(root: Path, size: int) -> Path:
@@ -84,10 +119,9 @@ def synthetic(root: Path, size: int) -> Path:
 
 
 def smollm2() -> Path:
-    from smollm2 import SmolLM2, cache_root  # type: ignore[import-not-found, unused-ignore]  # tests/, put on sys.path above
+    from preheat.testing.smollm2 import SmolLM2, cache_root
 
-    path: Path = SmolLM2(cache_root()).path("keep")
-    return path
+    return SmolLM2(cache_root()).path("keep")
 
 
 def version_of(url: str) -> int | None:
@@ -121,9 +155,11 @@ def refit_status(url: str) -> dict[str, object]:
 
 
 class Trainer:
-    def __init__(self, weights: dict[str, torch.Tensor], registry: str, fraction: float) -> None:
+    def __init__(
+        self, weights: dict[str, torch.Tensor], registry: str, fraction: float, signer: SigningKey | None
+    ) -> None:
         self.weights, self.fraction = dict(weights), fraction
-        self.publisher = Publisher(NAME, registry=registry, keep=3)
+        self.publisher = Publisher(NAME, registry=registry, keep=3, signing_key=signer)
         self.rng = random.Random(0)
         self.generator = torch.Generator().manual_seed(0)
 
@@ -187,15 +223,18 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "n": float(len(ordered))}  # fmt: skip
 
 
-def bench_model(label: str, model: Path, args: argparse.Namespace, work: Path) -> Result:
+def bench_model(
+    label: str, model: Path, args: argparse.Namespace, work: Path, *, keys: Keys | None, refit_only: bool
+) -> Result:
     registry = f"file://{work / 'registry'}"
     weights = {}
     for file in sorted(model.glob("*.safetensors")):
         weights.update(load_file(str(file)))
     model_bytes = sum(t.nbytes for t in weights.values())
-    result = Result(label, model_bytes)
-    trainer = Trainer(weights, registry, args.fraction)
-    flags = ("--served-model-name", NAME, "--follow", "--registry", registry, "--max-model-len", "512")
+    result = Result(label, model_bytes, signed=keys is not None)
+    trainer = Trainer(weights, registry, args.fraction, keys.signer if keys is not None else None)
+    trust = ("--refit-trust-key", keys.public_file) if keys is not None else ()
+    flags = ("--served-model-name", NAME, "--follow", "--registry", registry, "--max-model-len", "512", *trust)
     replicas = [ServerProcess(str(model), *flags) for _ in range(REPLICAS)]
     try:
         for replica in replicas:
@@ -206,10 +245,14 @@ def bench_model(label: str, model: Path, args: argparse.Namespace, work: Path) -
             changed = trainer.step()
             version += 1
             began = time.monotonic()
-            trainer.publisher.publish(trainer.weights, version)
+            manifest = trainer.publisher.publish(trainer.weights, version)
             result.publish_s.append(time.monotonic() - began)
             wait_all(urls, version)
             result.refit_s.append(time.monotonic() - began)
+            if keys is not None:
+                signed_s, verify_s = signing_cost(manifest, keys)
+                result.sign_s.append(signed_s)
+                result.verify_s.append(verify_s)
             result.changed_fraction.append(changed / model_bytes)
             lasts = [refit_status(u)["last"] for u in urls]
             pulled = [int(last["nbytes"]) for last in lasts if isinstance(last, dict)]
@@ -224,6 +267,8 @@ def bench_model(label: str, model: Path, args: argparse.Namespace, work: Path) -
                   f"{result.publish_s[-1]:.2f} s, slowest pull {result.pull_s[-1]:.2f} s) "
                   f"(changed {changed / model_bytes:.1%} of bytes, pulled {result.pulled_fraction[-1]:.1%} per "
                   f"replica, trainer served {result.trainer_share[-1]:.0%})", flush=True)  # fmt: skip
+        if refit_only:
+            return result
         idle, failed_idle = ttft_load(urls, args.load_s)
         stop = threading.Event()
 
@@ -268,22 +313,46 @@ def bench_model(label: str, model: Path, args: argparse.Namespace, work: Path) -
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| model | size | refit: publish -> 3 replicas on N (median) | restart: write + 3 replicas ready | "
-            "speed-up | changed bytes | pulled per replica (/ changed) | trainer served | "
-            "TTFT p99 idle -> publishing | failed |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| model | signed | size | refit: publish -> 3 replicas on N (median) | "
+            "restart: write + 3 replicas ready | speed-up | changed bytes | pulled per replica (/ changed) | "
+            "trainer served | TTFT p99 idle -> publishing | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         refit = statistics.median(r.refit_s)
         restart = r.write_s + r.restart_s
+        restarted = f"{r.write_s:.2f} + {r.restart_s:.2f} s | {restart / refit:.1f}x" if restart else "- | -"
         rows.append(
-            f"| {r.model} | {r.model_bytes / 1e6:.0f} MB | {refit:.2f} s | {r.write_s:.2f} + {r.restart_s:.2f} s | "
-            f"{restart / refit:.1f}x | {statistics.mean(r.changed_fraction):.1%} | "
+            f"| {r.model} | {'yes' if r.signed else 'no'} | {r.model_bytes / 1e6:.0f} MB | {refit:.2f} s | "
+            f"{restarted} | {statistics.mean(r.changed_fraction):.1%} | "
             f"{statistics.mean(r.pulled_fraction):.1%} "
             f"({statistics.mean(p / c for p, c in zip(r.pulled_fraction, r.changed_fraction, strict=True)):.2f}) | "
             f"{statistics.mean(r.trainer_share):.0%} | "
-            f"{r.ttft_idle.get('p99', 0) * 1000:.0f} -> {r.ttft_publishing.get('p99', 0) * 1000:.0f} ms | "
-            f"{r.failed}/{r.requests} |"
+            + (
+                f"{r.ttft_idle.get('p99', 0) * 1000:.0f} -> {r.ttft_publishing.get('p99', 0) * 1000:.0f} ms | "
+                f"{r.failed}/{r.requests} |"
+                if r.requests
+                else "- | - |"
+            )  # no load phase (--refit-only)
         )
     return "\n".join(rows)
+
+
+def signing_overhead(results: list[Result]) -> str:
+    """Per model measured both ways: the median publish -> all replicas signed / unsigned, and what signing and one
+    replica's check of a manifest cost in this process against the signed median."""
+    lines = []
+    for signed in (r for r in results if r.signed):
+        plain = next((r for r in results if not r.signed and r.model == signed.model), None)
+        on = statistics.median(signed.refit_s)
+        cost = statistics.median(signed.sign_s) + statistics.median(signed.verify_s)
+        line = (f"{signed.model}: sign {statistics.median(signed.sign_s) * 1e3:.2f} ms + verify "
+                f"{statistics.median(signed.verify_s) * 1e3:.2f} ms per version = {cost / on:.3%} of publish -> all "
+                f"({on:.2f} s)")  # fmt: skip
+        if plain is not None:
+            off = statistics.median(plain.refit_s)
+            line += f"; signed {on:.2f} s vs unsigned {off:.2f} s (medians): {on / off:.3f}x"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -294,17 +363,30 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.1, help="share of tensors each version changes")
     parser.add_argument("--load-s", type=float, default=12.0, help="seconds of steady load per phase")
     parser.add_argument("--publish-every", type=float, default=3.0)
+    parser.add_argument(
+        "--signing",
+        choices=("on", "off", "both"),
+        default="on",
+        help="sign versions (replicas trust only the key), not, or measure both (default: on)",
+    )
+    parser.add_argument("--refit-only", action="store_true", help="only the refit rounds: no load, no restart")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = []
+    began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="preheat-refit-bench-") as tmp:
         work = Path(tmp)
+        keys = Keys.make(work)
         for label in args.models.split(","):
             model = smollm2() if label == "smollm2" else synthetic(work / "synthetic-model", parse_size(args.size))
-            sub = work / label
-            sub.mkdir()
-            results.append(bench_model(label, model, args, sub))
+            for signed in {"on": [True], "off": [False], "both": [True, False]}[args.signing]:
+                sub = work / f"{label}-{'signed' if signed else 'unsigned'}"
+                sub.mkdir()
+                results.append(bench_model(label, model, args, sub, keys=keys if signed else None,
+                                           refit_only=args.refit_only or not signed))  # fmt: skip
     print(table(results))
+    print(signing_overhead(results))
+    print(f"bench/refit.py took {time.monotonic() - began:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
 

@@ -1,97 +1,27 @@
-"""Tiny real checkpoints for the loader tests, written with preheat's own writer (and read back by the reference one).
+"""The fixtures every folder of the suite shares: tiny real checkpoints (tests/checkpoints.py), the servable tiny
+model, SmolLM2 (``preheat.testing.smollm2``) and real Redis servers (``preheat.testing.redisserver``).
 
 Fixtures named ``*_checkpoint`` are shared by a whole session and must not be modified; ``fresh_checkpoint`` is a
 private copy per test, for tests that truncate or rewrite files.
+
+A fixture used by the tests of one folder only lives in that folder's conftest.py (tests/integration/conftest.py,
+tests/integration/peer/conftest.py, ...); helpers that are not fixtures live in modules at tests/ top level, imported by
+bare name. Nothing imports a conftest.py: pytest loads each under the one name ``conftest``.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
+from checkpoints import WIDE, WrittenCheckpoint, write
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
-from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
-from redisserver import RedisServer
-from smollm2 import SmolLM2, cache_root
-
-# Odd vocabulary: not divisible by 2 or 4, so vocab-parallel tensors are cut in uneven, ceil-sized blocks.
-TINY = LlamaShape(
-    vocab_size=251,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-# Big enough that a TP rank's slices leave whole pages of the file unread (o_proj rows are 2 KiB, down_proj 4 KiB).
-WIDE = LlamaShape(
-    vocab_size=251,
-    hidden_size=1024,
-    intermediate_size=2048,
-    num_hidden_layers=1,
-    num_attention_heads=8,
-    num_key_value_heads=1,
-)
-
-
-@dataclass(frozen=True)
-class WrittenCheckpoint:
-    """A checkpoint on disk and the tensors that were written into it."""
-
-    root: Path
-    tensors: dict[str, torch.Tensor]
-
-    @property
-    def single_file(self) -> Path:
-        return self.root / "model.safetensors"
-
-    @property
-    def data_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-def write(root: Path, shape: LlamaShape = TINY, *, shards: int = 1, seed: int = 0) -> WrittenCheckpoint:
-    return WrittenCheckpoint(root, write_llama_checkpoint(root, shape, shards=shards, seed=seed))
-
-
-def write_raw(
-    path: Path, header: Mapping[str, object], data: bytes = b"", *, declared_length: int | None = None
-) -> Path:
-    """Write a safetensors file byte by byte, so tests can build the malformed ones the writer refuses to produce."""
-    raw = json.dumps(header).encode()
-    length = len(raw) if declared_length is None else declared_length
-    path.write_bytes(struct.pack("<Q", length) + raw + data)
-    return path
-
-
-def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Equal dtype, shape and bit pattern (works for float8 and bool, and treats NaNs as the bits they are)."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    return bool(torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)))
-
-
-def assert_same_tensors(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert same_bytes(got[name], tensor), name
-
-
-def page_bound(runs: list[tuple[int, int]], page: int) -> int:
-    """Bytes in the distinct pages that hold ``(offset, length)`` runs: the most a reader of those runs should fetch."""
-    pages: set[int] = set()
-    for offset, length in runs:
-        if length:
-            pages.update(range(offset // page, math.ceil((offset + length) / page)))
-    return len(pages) * page
+from preheat.testing.redisserver import RedisServer
+from preheat.testing.smollm2 import SmolLM2, cache_root
+from preheat.testing.synthetic import make_tiny_servable_model
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +58,8 @@ def fresh_checkpoint(tmp_path: Path) -> WrittenCheckpoint:
 
 @pytest.fixture(scope="session")
 def smollm2() -> SmolLM2:
-    """SmolLM2-135M-Instruct converted per dtype (``smollm2.path("int8")``), cached across runs (tests/smollm2.py)."""
+    """SmolLM2-135M-Instruct converted per dtype (``smollm2.path("int8")``), cached across runs
+    (``preheat.testing.smollm2``)."""
     return SmolLM2(cache_root())
 
 

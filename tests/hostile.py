@@ -1,67 +1,14 @@
-"""Fuzzing helpers: shared Hypothesis strategies for JSON-shaped input, and a real HTTP server that answers whatever
-a test scripts (a lying origin, a replica that sends garbage), so the client side of each parser meets it over a
-socket.
-
-Budgets: every property test here runs ``FUZZ`` (300 examples, no deadline), which keeps each file to seconds on two
-cores; a hang is caught by the suite's per-test timeout, never by a timing assert. ``PREHEAT_FUZZ_EXAMPLES=20000``
-fuzzes longer by hand.
+"""A real HTTP server that answers whatever a test scripts (a lying origin, a replica that sends garbage), so the
+client side of each parser meets it over a socket; the Hypothesis strategies that feed such tests are in
+tests/strategies.py.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-
-FUZZ = settings(
-    max_examples=int(os.environ.get("PREHEAT_FUZZ_EXAMPLES", "300")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-
-# Characters that matter to JSON parsers and to our scanners: brackets, quotes, escapes, digits, and non-ASCII.
-TRICKY = st.sampled_from([*'[]{}",:\\/ \n\t0123456789-+.eEabnrtfu', "\u00e9", "\u2028", "\U0001f600", "\x00"])
-tricky_text = st.text(TRICKY, max_size=40)
-scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | tricky_text
-
-
-def json_values(max_leaves: int = 30) -> st.SearchStrategy[Any]:  # Any: any JSON value
-    """Any JSON value (no NaN/Infinity), nested a few levels, with strings full of brackets and escapes."""
-    return st.recursive(
-        scalars,
-        lambda inner: st.lists(inner, max_size=5) | st.dictionaries(tricky_text, inner, max_size=5),
-        max_leaves=max_leaves,
-    )
-
-
-def huge_ints() -> st.SearchStrategy[int]:
-    """Integers a hostile sender may write: negative, 2**63 and past it, hundreds of digits."""
-    return st.sampled_from([-1, 2**63 - 1, 2**63, 2**64, 10**100, -(10**100)]) | st.integers()
-
-
-def containers(value: object) -> int:
-    """How many arrays and objects ``value`` holds, itself included."""
-    if isinstance(value, list):
-        return 1 + sum(containers(v) for v in value)
-    if isinstance(value, dict):
-        return 1 + sum(containers(v) for v in value.values())
-    return 0
-
-
-def depth(value: object) -> int:
-    """How deeply ``value`` nests arrays and objects (a scalar: 0, ``[]``: 1)."""
-    if isinstance(value, list):
-        return 1 + max((depth(v) for v in value), default=0)
-    if isinstance(value, dict):
-        return 1 + max((depth(v) for v in value.values()), default=0)
-    return 0
-
 
 # An answer: status, headers, and the body as pieces (each piece is written and flushed; chunked when no length).
 Answer = tuple[int, dict[str, str], Iterable[bytes]]

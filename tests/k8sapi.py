@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from redisserver import self_signed_certificate
+from preheat.testing.certs import self_signed_certificate
 
 DATA = Path(__file__).parent / "data" / "k8s"
 TOKEN = "fake-service-account-token"

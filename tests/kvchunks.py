@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from preheat.kv import chunkfile
 from preheat.kv.chunk import StoredChunk, expect_for, store_form, stored_dtype
 from preheat.kv.keys import chunk_keys, fingerprint
 from preheat.kv.spec import KVLayout
+from tmpfs import mounted_tmpfs
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
 CHUNK_TOKENS = 32
@@ -59,15 +57,7 @@ class Clock:
         self.now += seconds
 
 
-@contextlib.contextmanager
-def tiny_tmpfs(mount: Path, size: str) -> Iterator[Path]:
+def tiny_tmpfs(mount: Path, size: str) -> contextlib.AbstractContextManager[Path]:
     """A real tmpfs of ``size`` (``64k``) mounted at ``mount``, a disk that is full after a few writes, unmounted
     afterwards; skips the test where it cannot be mounted (it needs root)."""
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
-                      check=False).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    return mounted_tmpfs(mount, f"size={size}")

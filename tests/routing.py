@@ -1,15 +1,22 @@
 """Helpers for the router tests: real replicas (``preheat serve`` subprocesses), an in-process router in front of
-them, and a TCP proxy that makes a replica slow on demand. Nothing of the router is mocked."""
+them, a whole ``preheat up`` fleet, and a TCP proxy that makes a replica slow on demand. Nothing of the router is
+mocked."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from netfaults import LoopbackProxy
 from preheat.router.app import RouterService
@@ -18,6 +25,35 @@ from preheat.router.settings import RouterSettings
 from serving import Client
 
 NAME = "tiny"
+
+
+def start_up(
+    model: Path, *extra: str, lines: list[str] | None = None, stderr: Path | None = None
+) -> tuple[subprocess.Popen[str], str, list[int], list[str]]:
+    """Run ``preheat up`` until it prints ``ready``; returns it, the router's URL, every child's pid and the
+    replicas' URLs (standby replicas' included, after the serving ones). ``lines``: gets what it printed on stdout
+    up to ``ready``; ``stderr``: a file for its stderr (its warnings and the children's log; a file, not a pipe,
+    so that nothing blocks once the test stops reading)."""
+    command = [sys.executable, "-m", "preheat", "up", str(model), "--replicas", "2", "--port", "0",
+               "--served-model-name", NAME, "--max-model-len", "256", *extra]  # fmt: skip
+    with contextlib.ExitStack() as files:
+        errors = files.enter_context(stderr.open("w")) if stderr is not None else subprocess.DEVNULL
+        up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+    pids: list[int] = []
+    router = ""
+    replicas: list[str] = []
+    assert up.stdout is not None
+    for line in up.stdout:
+        if lines is not None:
+            lines.append(line.rstrip("\n"))
+        if found := re.match(r"(replica \d+|standby \d+|router): (\S+) \(pid (\d+)\)", line):
+            pids.append(int(found.group(3)))
+            router = found.group(2) if found.group(1) == "router" else router
+            replicas += [found.group(2)] if found.group(1) != "router" else []
+        if line.startswith("ready: "):
+            return up, router, pids, replicas
+    up.wait()
+    pytest.fail(f"preheat up exited with {up.returncode} before it was ready")
 
 
 def start_replicas(model: str, count: int, *extra: str) -> list[ServerProcess]:

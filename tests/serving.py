@@ -1,4 +1,5 @@
-"""HTTP helpers for the server tests: a tiny client over ``preheat.http.client``, and a gate that holds connections.
+"""HTTP helpers for the server tests: a tiny client over ``preheat.http.client``, the long prompts and greedy
+completions of the KV tests, and a gate that holds connections.
 
 The tests speak plain HTTP to a real ``preheat serve`` subprocess, exactly as an OpenAI client would; nothing of the
 server is imported or mocked. Failures are ``preheat.http``'s errors (``HTTPClientError``), as for every other
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import random
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -111,6 +113,24 @@ class Client:
             if line.startswith(series + " "):
                 return float(line.split()[-1])
         return 0.0
+
+
+# Prompts longer than a KV chunk (256 tokens), as the KV tests send them: each seed its own, the same every run.
+WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"]
+
+
+def long_prompt(seed: int = 0, words: int = 300) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def complete(client: Client, prompt: str) -> tuple[str, int, int]:
+    """(text, prompt tokens, cached tokens) of a greedy completion."""
+    reply = client.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert reply.status == 200, reply.body
+    body = reply.json()
+    usage = body["usage"]
+    return body["choices"][0]["text"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
 
 
 class Gate(LoopbackProxy):

@@ -17,7 +17,7 @@ import pytest
 from engines.enginekit import needs_lmcache
 from engines.lmcachekit import KV_SHAPE, Side, key, side
 from kvchunks import tiny_tmpfs
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 
 pytestmark = needs_lmcache
 TESTS = os.path.dirname(os.path.dirname(__file__))

@@ -17,7 +17,7 @@ import pytest
 from engines.enginekit import needs_sglang
 from engines.sglangkit import PAGE_BYTES, backend, dummy_page, key, page
 from kvchunks import tiny_tmpfs
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 
 pytestmark = needs_sglang
 TESTS = os.path.dirname(os.path.dirname(__file__))

@@ -9,83 +9,26 @@ vLLM, real FileServer, real seed peer, real ``vllm serve``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from engines.enginekit import needs_vllm_cpu
-from engines.vllmserver import cpu_env, free_port, serve_command
+from engines.vllmkit import PROMPTS, drop_pages, run_engine, side_files, stages, write_vllm_tiny
 from peers import SeedPeer
-from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.core.errors import HTTPClientError
 from preheat.core.procs import end, pdeathsig
 from preheat.http.client import Timeouts, get
 from preheat.testing.fileserver import FileServer
-from preheat.testing.synthetic import LlamaShape, make_tiny_servable_model, write_llama_checkpoint
-from smollm2 import SmolLM2
+from preheat.testing.ports import free_port
+from preheat.testing.smollm2 import SmolLM2
+from preheat.testing.vllmserver import VENV_BIN, cpu_env, serve_command
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(900)]
-
-DRIVER = Path(__file__).with_name("vllm_driver.py")
-PROMPTS = ["The capital of France is", "Cold starts are measured", "Hello, world!"]
-VENV_BIN = Path(sys.executable).parent
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def write_vllm_tiny(root: Path, *, hidden: int = 256, intermediate: int = 512, layers: int = 2) -> Path:
-    """A servable random Llama vLLM's CPU attention accepts (head_dim 64), float32, with a ``preheat.json``."""
-    make_tiny_servable_model(root)
-    config = json.loads((root / "config.json").read_text())
-    shape = LlamaShape(config["vocab_size"], hidden, intermediate, layers, hidden // 64, 2)
-    write_llama_checkpoint(root, shape, dtype=torch.float32)  # rewrites config.json for the new shape
-    new = {**config, **shape.config(), "torch_dtype": "float32"}
-    (root / "config.json").write_text(json.dumps(new, indent=2))
-    (root / MANIFEST_NAME).write_bytes(build_manifest(str(root)).to_json())
-    return root
-
-
-def side_files(src: Path, dst: Path) -> Path:
-    """What vLLM reads before any loader runs (config.json, tokenizer), without the weights."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in SIDE_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
-    return dst
-
-
-def run_engine(
-    model: Path | str,
-    load_format: str,
-    *,
-    extra: Mapping[str, object] | None = None,
-    tp: int = 1,
-    env: dict[str, str] | None = None,
-) -> dict[str, Any]:  # Any: the driver's JSON
-    """Start vLLM on ``model`` in a child process, generate greedily from ``PROMPTS``; the driver's RESULT."""
-    job = {"model": str(model), "load_format": load_format, "extra": extra, "prompts": PROMPTS, "tp": tp}
-    child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=child_env,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"the engine died (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    result["log"] = proc.stderr
-    return result
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -104,10 +47,6 @@ def tiny_reference(tiny: Path) -> list[list[int]]:
 @pytest.fixture
 def timeline_file(tmp_path: Path) -> Path:
     return tmp_path / "timeline.json"
-
-
-def stages(path: Path) -> dict[str, dict[str, Any]]:  # Any: JSON as the timeline file holds it
-    return {s["name"]: s for s in json.loads(path.read_text())["stages"]}
 
 
 def test_local_checkpoint_serves_the_same_tokens_as_safetensors(
@@ -245,16 +184,6 @@ def test_vllm_serve_answers_a_completion_with_the_safetensors_tokens(
     assert recorded["weight_handoff"]["start"] > 0  # on the clock of PREHEAT_T0, set before `vllm serve` started
 
 
-def drop_pages(path: Path) -> None:
-    """Evict ``path`` from the page cache (works without root for pages nobody maps), so reads hit the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def rank_page_bound(path: Path, rank: int, world_size: int) -> int:
     """Bytes of the distinct pages holding rank ``rank``'s slices as preheat's TP plan cuts them (vLLM's Llama
     layers cut the same rows and columns), plus the header: the most a rank-local load may read from disk."""
@@ -270,19 +199,13 @@ def rank_page_bound(path: Path, rank: int, world_size: int) -> int:
     return len(pages) * PAGE
 
 
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """150 MB of float32 with 8 KiB rows: o_proj/down_proj columns split on whole pages' worth of bytes per rank."""
-    return write_vllm_tiny(tmp_path_factory.mktemp("vllm-wide"), hidden=2048, intermediate=4096, layers=1)
-
-
-def test_tensor_parallel_ranks_read_only_their_own_pages_from_a_cold_cache(wide: Path, tmp_path: Path) -> None:
+def test_tensor_parallel_ranks_read_only_their_own_pages_from_a_cold_cache(wide_model: Path, tmp_path: Path) -> None:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node here: vLLM's automatic binding refuses 2 workers
-    reference = run_engine(wide, "safetensors", tp=2, env=env)
-    weights = wide / "model.safetensors"
+    reference = run_engine(wide_model, "safetensors", tp=2, env=env)
+    weights = wide_model / "model.safetensors"
     drop_pages(weights)
     timeline = tmp_path / "tp.json"
-    ours = run_engine(wide, "preheat", tp=2, env=env, extra={"timeline": str(timeline)})
+    ours = run_engine(wide_model, "preheat", tp=2, env=env, extra={"timeline": str(timeline)})
     assert "tokens" in reference, reference.get("error")
     assert ours.get("tokens") == reference["tokens"], ours.get("error")
     size = weights.stat().st_size

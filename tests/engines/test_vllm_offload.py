@@ -17,7 +17,7 @@ import pytest
 
 from engines.enginekit import needs_vllm_033
 from kvchunks import tiny_tmpfs
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 
 pytestmark = needs_vllm_033
 CHUNK = 16 << 10  # bytes of one primary-tier chunk (one 16-token block of a tiny model)

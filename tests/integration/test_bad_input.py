@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import preheat
-from conftest import WrittenCheckpoint, write, write_raw
+from checkpoints import WrittenCheckpoint, write, write_raw
 from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.writer import save_file
 from preheat.core.errors import CheckpointError, SourceError

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from preheat.cli.demo import KV_DIR, QUESTION, ROUTER_PORT, SERVE_PORT, SERVED_NAME, next_steps
-from smollm2 import cache_root, gguf_path
+from preheat.testing.smollm2 import cache_root, gguf_path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -1,11 +1,20 @@
-"""Ed25519 keys for compiled artifacts: who may vouch for code that another replica will run.
+"""Ed25519 keys: who may vouch for code another replica will run, and for weights it will serve.
 
-A compiled-artifact blob is code (generated Python, shared objects, pickled graphs), so a replica installs one from
-elsewhere only when a key its operator trusts signed it. Keys are ordinary PEM files, readable by OpenSSL:
+The one home of signing in preheat: sign bytes with a private key (``SigningKey.sign``), check bytes against the keys
+an operator trusts (``TrustedKeys.verifies``). Two callers, each with its own context string in what it signs, so a
+signature made for one can never pass for the other:
+
+- compiled artifacts (``preheat.artifacts.blobs``): a blob is code (generated Python, shared objects, pickled
+  graphs), so a replica installs one from elsewhere only when a key its operator trusts signed it (``--trust-key``);
+- weights versions (``preheat.refit.trust``): a trainer signs each version's manifest (``Publisher(signing_key=)``,
+  ``preheat refit publish --signing-key``), and ``--follow`` replicas apply only versions a ``--refit-trust-key``
+  signed.
+
+Keys are ordinary PEM files, readable by OpenSSL:
 
 - private key: PKCS#8 ``-----BEGIN PRIVATE KEY-----``, written 0600 by ``preheat artifacts keygen OUT``;
 - public key: SubjectPublicKeyInfo ``-----BEGIN PUBLIC KEY-----``, written beside it as ``OUT.pub``, and what
-  ``--trust-key`` (``PREHEAT_TRUST_KEY``) names.
+  ``--trust-key`` (``PREHEAT_TRUST_KEY``) and ``--refit-trust-key`` (``PREHEAT_REFIT_TRUST_KEY``) name.
 
 Public keys are parsed here without ``cryptography`` (an Ed25519 SubjectPublicKeyInfo is a fixed 44-byte DER), so
 ``preheat serve`` checks ``--trust-key`` before it binds without importing a crypto library; ``cryptography`` is
@@ -103,6 +112,10 @@ class TrustedKeys:
 
     def describe(self) -> str:
         return ", ".join(sorted(fingerprint(k) for k in self.keys)) or "none"
+
+    def verifies(self, signer: bytes, signature: bytes, message: bytes) -> bool:
+        """Whether ``signer`` is one of these keys and ``signature`` is its signature of ``message``."""
+        return signer in self.keys and verify_signature(signer, signature, message)
 
 
 def verify_signature(public: bytes, signature: bytes, message: bytes) -> bool:

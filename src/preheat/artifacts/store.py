@@ -24,6 +24,7 @@ from preheat.artifacts.signing import TrustedKeys, trust_key_files
 from preheat.core import durable
 from preheat.core.errors import AnswerTooLargeError, HTTPClientError, PeerError, RegistryError, ResponseTimeoutError
 from preheat.http.client import Redirects, Timeouts, get
+from preheat.http.tls import fleet_url
 from preheat.peer.registry import open_registry
 from preheat.peer.server import ARTIFACTS_ROUTE
 from preheat.store.cache import ModelCache
@@ -170,7 +171,7 @@ def fetch(
 ) -> bytes | None:
     """The blob for ``key`` from the peer at ``address`` (unverified: pass it to ``verify``), or None when it has
     none, cannot be reached, sends more than ``max_bytes``, or takes longer than ``deadline_s`` in all."""
-    url = f"http://{address}{ARTIFACTS_ROUTE}{key.hex}"
+    url = f"{fleet_url(address)}{ARTIFACTS_ROUTE}{key.hex}"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         answer = get(

@@ -14,7 +14,7 @@ from preheat.checkpoint.header import CheckpointFile, read_header
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
 from preheat.checkpoint.safetensors import PREFIX_BYTES, TensorEntry, header_length, parse_header
 from preheat.core.errors import CheckpointError, ConfigError
-from preheat.core.jsonsafe import loads_bounded
+from preheat.core.jsonsafe import loads_bounded, read_bounded, read_head
 from preheat.io.reads import read_at_least
 from preheat.sources.base import READ_BYTES_LIMIT, Origin, Source, check_name, is_uri
 from preheat.sources.open import open_origin
@@ -80,7 +80,7 @@ def resolve_files(source: str, *, rank: int = 0, world_size: int = 1) -> list[st
 
 def _files_from_index(root: str, index: str) -> list[str]:
     try:
-        weight_map = _weight_map(_read_small(index))
+        weight_map = _weight_map(read_bounded(index, max_bytes=READ_BYTES_LIMIT))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: not a valid safetensors index ({exc})", path=index) from None
     files: dict[str, None] = {}  # ordered and deduplicated in one pass (an index names a shard once per tensor)
@@ -94,15 +94,8 @@ def _files_from_index(root: str, index: str) -> list[str]:
     return list(files)
 
 
-def _read_small(path: str) -> bytes:
-    """A local JSON file (index, manifest), read no further than the size a document may have."""
-    with open(path, "rb") as handle:
-        return handle.read(READ_BYTES_LIMIT + 1)  # one byte more, so that loads_bounded sees it is too large
-
-
-def _weight_map(data: bytes) -> dict[str, object]:
-    """The ``weight_map`` of index bytes (``ValueError``/``KeyError``/``TypeError`` if there is none)."""
-    doc = loads_bounded(data, max_bytes=READ_BYTES_LIMIT)
+def _weight_map(doc: object) -> dict[str, object]:
+    """The ``weight_map`` of a parsed index (``KeyError``/``TypeError`` if there is none)."""
     weight_map = doc["weight_map"] if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise TypeError("weight_map is not an object")
@@ -146,7 +139,7 @@ def read_manifest(root: str) -> Manifest | None:
     if not os.path.isfile(path):
         return None
     try:
-        data = _read_small(path)
+        data = read_head(path, READ_BYTES_LIMIT)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc.strerror}", path=path) from None
     return Manifest.from_json(data, where=path)
@@ -189,7 +182,7 @@ def _check_unique(files: tuple[CheckpointFile, ...]) -> None:
 
 def _check_index_names(index: str, root: str, seen: dict[str, str]) -> None:
     try:  # read again: a checkpoint with a manifest never went through _files_from_index
-        weight_map = _weight_map(_read_small(index))
+        weight_map = _weight_map(read_bounded(index, max_bytes=READ_BYTES_LIMIT))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: not a valid safetensors index ({exc})", path=index) from None
     for name, shard in weight_map.items():
@@ -219,7 +212,8 @@ def resolve_remote_names(origin: Origin, *, rank: int = 0, world_size: int = 1) 
     try:
         if origin.exists(INDEX_NAME):
             names: dict[str, None] = {}  # ordered and deduplicated in one pass
-            for shard in _weight_map(origin.read_bytes(INDEX_NAME)).values():
+            index = loads_bounded(origin.read_bytes(INDEX_NAME), max_bytes=READ_BYTES_LIMIT)
+            for shard in _weight_map(index).values():
                 if not isinstance(shard, str):
                     raise TypeError(f"shard name {shard!r} is not a string")
                 names[check_name(shard)] = None

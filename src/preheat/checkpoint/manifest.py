@@ -429,9 +429,17 @@ class _Parser:
         if not isinstance(value, str):
             raise self.fail(f"a name in {what} is not a string: {value!r}")
         try:
-            return check_name(value)
+            check_name(value)
         except ConfigError as exc:
             raise self.fail(str(exc)) from None
+        # Reserved: a pull keeps its journal (".journal") and temporary files under such names beside the files, so
+        # such a checkpoint could never be pulled whole; and no preheat server sends a dot-file.
+        if any(part.startswith(".") for part in value.split("/")):
+            raise self.fail(
+                f"file {value!r} in {what}: names starting with '.' (files or directories) are reserved for preheat's "
+                "own files such as '.journal': rename it, or leave it out of the checkpoint"
+            )
+        return value
 
     def digest(self, value: object, what: str) -> str:
         if not isinstance(value, str) or not _DIGEST.match(value):

@@ -12,12 +12,13 @@ import json
 import os
 import sys
 import textwrap
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from preheat.artifacts.blobs import Verified
     from preheat.artifacts.store import ArtifactStore
     from preheat.artifacts.vllm import VllmCacheKey
+    from preheat.cli.common import Commands
 
 ARTIFACTS_HELP = """\
 Compiled artifacts (`preheat serve --compile`) are code: generated Python, shared objects and pickled graphs that
@@ -54,7 +55,7 @@ docs: docs/peer.md (compiled artifacts), docs/integrations.md (vLLM), docs/secur
 """
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``artifacts keygen|sign|verify|pack|push|pull`` to the ``preheat`` command."""
     artifacts = commands.add_parser(
         "artifacts",

@@ -10,9 +10,29 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from preheat.core.progress import ProgressBars
+
+
+class Commands(Protocol):
+    """What a command module's ``register`` is given: ``preheat``'s subparsers action (argparse's class for it,
+    ``_SubParsersAction``, is private), as much of it as the commands use."""
+
+    def add_parser(
+        self,
+        name: str,
+        *,
+        help: str = ...,
+        description: str | None = ...,
+        formatter_class: type[argparse.HelpFormatter] = ...,
+    ) -> argparse.ArgumentParser: ...
+
+
+class Arguments(Protocol):
+    """What takes flags: a parser or one of its argument groups (argparse's ``_ArgumentGroup`` is private)."""
+
+    def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action: ...  # Any: argparse's keywords
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -70,8 +90,8 @@ def visible_flags(parser: argparse.ArgumentParser) -> list[str]:
 class _Renamed(argparse.Action):
     """A flag's old spelling: parsed as the flag under its new name, with a note on stderr saying that name."""
 
-    def __init__(  # Any: argparse's own signature
-        self, *args: Any, note: str, inner: argparse.Action, into: str | None, **kwargs: Any
+    def __init__(
+        self, *args: Any, note: str, inner: argparse.Action, into: str | None, **kwargs: Any  # Any: argparse's own
     ) -> None:
         super().__init__(*args, **kwargs)
         self.note, self.inner, self.into = note, inner, into
@@ -90,9 +110,7 @@ class _Renamed(argparse.Action):
             self.inner(parser, namespace, values, self.inner.option_strings[0])
 
 
-def renamed(
-    parser: argparse.ArgumentParser | Any, old: str, action: argparse.Action, *, dest: str | None = None
-) -> None:  # Any: an argument group
+def renamed(parser: Arguments, old: str, action: argparse.Action, *, dest: str | None = None) -> None:
     """Keep ``old``, a flag's former spelling, working for scripts written before the rename: hidden from ``--help``
     and from "did you mean", parsed exactly as ``action`` (the flag under its new name, or the positional argument an
     option became: then into ``dest``, since a positional's absence would overwrite the value), with a note on stderr.

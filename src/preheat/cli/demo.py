@@ -216,7 +216,8 @@ def stream_chat(
 def run_demo(*, question: str, max_tokens: int = 48, gpu_cost_per_hour: float = 32.0) -> int:
     """The whole demo; returns the exit code."""
     from preheat.router.cluster import ServerProcess
-    from preheat.timeline import report as timeline_report
+    from preheat.timeline.fetch import fetch
+    from preheat.timeline.waterfall import Waterfall, render_text
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -236,8 +237,8 @@ def run_demo(*, question: str, max_tokens: int = 48, gpu_cost_per_hour: float = 
         print("\n", flush=True)
         if not answer.strip():
             raise ProcessError(f"preheat serve at {server.url} answered nothing to {question!r}")
-        waterfall = timeline_report.Waterfall.from_dict(timeline_report.fetch(server.url), where=server.url)
-        say(timeline_report.render_text(waterfall, gpu_cost_per_hour=gpu_cost_per_hour))
+        waterfall = Waterfall.from_dict(fetch(server.url), where=server.url)
+        say(render_text(waterfall, gpu_cost_per_hour=gpu_cost_per_hour))
         say(
             f"\ntime to first token: {ttft:.3f} s for this request (client side); "
             f"{usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} generated tokens"

@@ -8,9 +8,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from preheat.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from preheat.cli.common import Commands
 
 RENDER_HELP = """\
 Turn deployment values into a Kustomize overlay of the manifests shipped with preheat (their kustomize/base), checked
@@ -36,7 +39,7 @@ examples:
 """
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``deploy`` (verb: ``render``) to the ``preheat`` command."""
     deploy = commands.add_parser(
         "deploy",

@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from preheat.core import env
+
+if TYPE_CHECKING:  # imported when a command runs: `preheat --help` stays fast
+    from preheat.cli.common import Commands
+    from preheat.doctor.check import DoctorOptions
+    from preheat.doctor.findings import DoctorDocument, FindingRecord
 
 DOCTOR_HELP = """\
 Check whether this node is set up to load a model fast and, given a replica URL or a timeline, which stage of its
@@ -26,7 +31,7 @@ examples:
 """
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``doctor`` to the ``preheat`` command."""
     doctor = commands.add_parser(
         "doctor",
@@ -79,7 +84,7 @@ def _budget(text: str) -> float:
     return seconds
 
 
-def _options(args: argparse.Namespace) -> Any:  # Any: DoctorOptions, imported late to keep `preheat --help` fast
+def _options(args: argparse.Namespace) -> DoctorOptions:
     from preheat.doctor import DoctorOptions
 
     target: str | None = args.target
@@ -115,7 +120,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 PROBLEMS_SHOWN = 6  # the costliest problems in full; a node with more is told to run -v (the default stays short)
 
 
-def summary_lines(document: dict[str, Any], cost_per_hour: float, width: int) -> list[tuple[str, str]]:
+def summary_lines(document: DoctorDocument, cost_per_hour: float, width: int) -> list[tuple[str, str]]:
     """The default report as ``(severity or "", line)`` pairs within ``width`` columns: a verdict, each problem (fail,
     warn) with its cost and fix, one line per area with its counts, and where the rest is. Pure: tested at 80.
 
@@ -131,7 +136,7 @@ def summary_lines(document: dict[str, Any], cost_per_hour: float, width: int) ->
     """
     import textwrap
 
-    findings: list[dict[str, Any]] = document["findings"]  # ranked: costliest first
+    findings = document["findings"]  # ranked: costliest first
     counts = _counts(findings)
     plural = "check" if len(findings) == 1 else "checks"
     lines = [("", f"preheat doctor: {document['status']}, {len(findings)} {plural} in {document['elapsed_s']:.1f} s "
@@ -157,7 +162,7 @@ def summary_lines(document: dict[str, Any], cost_per_hour: float, width: int) ->
         lines.append(("", f"{indent}... and {len(problems) - PROBLEMS_SHOWN} more problems: preheat doctor -v"))
     if problems:
         lines.append(("", ""))
-    areas: dict[str, list[dict[str, Any]]] = {}
+    areas: dict[str, list[FindingRecord]] = {}
     for finding in findings:
         areas.setdefault(finding["area"], []).append(finding)
     for area, found in areas.items():
@@ -170,7 +175,7 @@ def summary_lines(document: dict[str, Any], cost_per_hour: float, width: int) ->
     return lines
 
 
-def _counts(findings: list[dict[str, Any]], infos: list[str] | None = None) -> str:
+def _counts(findings: list[FindingRecord], infos: list[str] | None = None) -> str:
     """``1 warn, 2 info (gds, nixl), 6 ok``: how many findings of each severity, the worst first (with ``infos``
     named)."""
     order = ("fail", "warn", "info", "ok")
@@ -179,7 +184,7 @@ def _counts(findings: list[dict[str, Any]], infos: list[str] | None = None) -> s
     return ", ".join(f"{n} {severity}" + (named if severity == "info" else "") for severity, n in tally.items() if n)
 
 
-def _print_summary(document: dict[str, Any], cost_per_hour: float) -> None:
+def _print_summary(document: DoctorDocument, cost_per_hour: float) -> None:
     from rich.console import Console
     from rich.text import Text
 
@@ -196,7 +201,7 @@ def _print_summary(document: dict[str, Any], cost_per_hour: float) -> None:
 _STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan", "ok": "green"}
 
 
-def _print_table(document: dict[str, Any], cost_per_hour: float) -> None:
+def _print_table(document: DoctorDocument, cost_per_hour: float) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from preheat.cli.common import renamed
+from preheat.cli.common import Arguments, renamed
 from preheat.core.config import Setting, settings_of
 
 if TYPE_CHECKING:
@@ -34,10 +34,10 @@ def add_settings_flags(
     if only is not None:
         by_name = {s.name: s for s in chosen}
         chosen = tuple(by_name[name] for name in only)
-    groups: dict[str, Any] = {}  # Any: as ``where`` below
+    groups: dict[str, Arguments] = {}
     for setting in chosen:
         title = setting.option.group
-        where: Any  # Any: the parser or one of its argument groups (argparse's _ArgumentGroup is private)
+        where: Arguments  # the parser or one of its argument groups
         if title is None or only is not None:
             where = parser
         elif title in groups:
@@ -56,7 +56,7 @@ def _spelling(setting: Setting) -> tuple[str, ...]:
 
 def _how(setting: Setting) -> dict[str, Any]:  # Any: add_argument's keyword values
     """What argparse needs beside the spelling: the action, type, metavar and choices."""
-    how: dict[str, Any] = {"default": None}  # None: not given (the variable, then the field's default apply)
+    how: dict[str, Any] = {"default": None}  # Any: add_argument's values; None: not given (variable, default apply)
     if setting.flag == "":
         return {**how, "nargs": "?"}
     how["dest"] = setting.name

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
-from preheat.cli.common import renamed
+from preheat.cli.common import Commands, renamed
 from preheat.core.config import format_bytes, parse_size
 from preheat.core.errors import ConfigError
 
@@ -32,7 +31,7 @@ examples:
 """
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``kv`` (``ls``, ``warm``) to the ``preheat`` command."""
     kv = commands.add_parser("kv", help="list the shared KV store's namespaces, warm a node from it",
                              description=KV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

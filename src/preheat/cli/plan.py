@@ -7,10 +7,16 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from preheat.cli.common import renamed
+from preheat.cli.common import Commands, renamed
 from preheat.core.errors import ConfigError
+
+if TYPE_CHECKING:  # imported when a command runs: `preheat --help` stays fast
+    from rich.console import Console
+
+    from preheat.plan.simulate import PolicyRecord
+    from preheat.plan.traces import Problems, TraceArrays
 
 ANALYZE_HELP = """\
 Is a KV cache tier worth it for this workload? Replays TRACE through the same chunk keys the cache and router use
@@ -65,7 +71,7 @@ examples:
 """
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``analyze`` and ``simulate`` to the ``preheat`` command."""
     analyze = commands.add_parser(
         "analyze",
@@ -239,7 +245,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _problems(problems: Any) -> dict[str, object]:  # Any: preheat.plan.traces.Problems, imported lazily
+def _problems(problems: Problems) -> dict[str, object]:
     return {
         "skipped_lines": len(problems.skipped),
         "first_skipped": [{"line": line, "error": message} for line, message in problems.skipped[:20]],
@@ -247,7 +253,7 @@ def _problems(problems: Any) -> dict[str, object]:  # Any: preheat.plan.traces.P
     }
 
 
-def _console() -> Any:  # Any: rich.console.Console, imported lazily
+def _console() -> Console:
     from rich.console import Console
 
     # A pipe or a log gets 120 columns (rich's 80 would fold the tables); a terminal its own width.
@@ -258,7 +264,7 @@ def _pct(value: object) -> str:
     return f"{float(value):.1%}" if isinstance(value, (int, float)) else "-"
 
 
-def _print_analyze(doc: dict[str, Any]) -> None:  # Any: the JSON document
+def _print_analyze(doc: dict[str, Any]) -> None:  # Any: AnalyzeReport.to_dict(), nested, its tiers keyed at run time
     from rich.table import Table
 
     console = _console()
@@ -308,7 +314,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from preheat.plan import simulate as sim
     from preheat.plan.coldstart import ColdStart
     from preheat.plan.traces import Problems, read_arrays
-    from preheat.timeline import report as timeline_report
+    from preheat.timeline.fetch import fetch
 
     for name in ("gpu_cost_per_hour", "provision_s", "image_s", "download_s", "idle_timeout", "quantized_load_factor"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
@@ -322,7 +328,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         for text in (args.policy or list(sim.PRESETS))
     ]
     cold = ColdStart.from_timeline(
-        timeline_report.fetch(args.cold_start),
+        fetch(args.cold_start),
         where=args.cold_start,
         provision_s=args.provision_s,
         image_s=args.image_s,
@@ -352,7 +358,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     docs = [r.to_dict() for r in results]
     from preheat.plan.plots import frontier, plot_frontier
 
-    points = [(str(d["policy"]), float(d["cost"]), float(d["ttft_p99_s"])) for d in docs]  # type: ignore[arg-type]
+    points = [(str(d["policy"]), float(d["cost"]), float(d["ttft_p99_s"])) for d in docs]
     best = set(frontier(points))
     if args.plot:
         print(f"wrote {plot_frontier(points, args.plot)}", file=sys.stderr)
@@ -378,7 +384,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _emit_values(args: argparse.Namespace, docs: list[dict[str, Any]]) -> None:  # Any: --json records
+def _emit_values(args: argparse.Namespace, docs: list[PolicyRecord]) -> None:
     """Write the recommended policy as deployment values, with why in comments (docs/kubernetes.md)."""
     try:
         import yaml
@@ -404,8 +410,8 @@ def _emit_values(args: argparse.Namespace, docs: list[dict[str, Any]]) -> None: 
 
 
 def _print_simulate(
-    args: argparse.Namespace, trace: Any, phases: dict[str, float], docs: list[dict[str, Any]], best: set[int]
-) -> None:  # Any: TraceArrays and JSON documents, imported lazily
+    args: argparse.Namespace, trace: TraceArrays, phases: dict[str, float], docs: list[PolicyRecord], best: set[int]
+) -> None:
     from rich.table import Table
 
     console = _console()
@@ -436,7 +442,7 @@ def _print_simulate(
     console.print(table)
 
 
-def _starts(doc: dict[str, Any]) -> str:  # Any: one policy's --json record
+def _starts(doc: PolicyRecord) -> str:
     """The start column: new node, then the warm pool node's and the standby's when the policy has them."""
     start, settings = doc["cold_start_s"], doc["settings"]
     parts = [f"{start['new_node']:.0f}"]

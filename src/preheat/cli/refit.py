@@ -11,9 +11,8 @@ import json
 import os
 import sys
 import threading
-from typing import Any
 
-from preheat.cli.common import renamed
+from preheat.cli.common import Commands, renamed
 from preheat.core import env
 
 REFIT_HELP = """\
@@ -30,8 +29,12 @@ PUBLISH_HELP = """\
 Publish the checkpoint DIR (its *.safetensors files) as the next version of NAME and serve it until Ctrl-C:
 replicas following NAME pull what changed. The tensors are read into memory once; nothing else is written.
 
+Sign it with --signing-key (a key from `preheat artifacts keygen`): replicas started with --refit-trust-key apply
+only versions signed by a key they trust, and --follow beyond loopback requires one.
+
 examples:
-  preheat refit publish ./ckpt-step-4000 --name smollm2 --registry redis://reg:6379 --version 4000
+  preheat refit publish ./ckpt-step-4000 --name smollm2 --registry redis://reg:6379 --version 4000 \
+      --signing-key trainer.key
   preheat refit publish ./ckpt --name smollm2 --registry file:///shared/registry --version 7 --dtype bf16
 """
 
@@ -39,7 +42,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 HEALTH_BYTES = 1024 * 1024  # a replica's /health is a few kB
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``refit`` (``publish``, ``status``) to the ``preheat`` command."""
     raw = argparse.RawDescriptionHelpFormatter
     refit = commands.add_parser(
@@ -77,6 +80,10 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         "--peer-token", default=None, metavar="TOKEN", help="token pullers must send (prefer PREHEAT_PEER_TOKEN)"
     )
     renamed(publish, "--token", token)
+    publish.add_argument(
+        "--signing-key", default=None, metavar="FILE",
+        help="sign the version with this Ed25519 private key (`preheat artifacts keygen`); replicas trust its .pub",
+    )  # fmt: skip
     publish.set_defaults(func=_cmd_publish)
     status = verbs.add_parser("status", help="the version a --follow replica serves, and its last pull")
     status.add_argument("url", help="the replica: http://host:port")
@@ -90,6 +97,9 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     files = sorted(f for f in os.listdir(args.dir) if f.endswith(".safetensors")) if os.path.isdir(args.dir) else []
     if not files:  # before torch is imported: a wrong path fails in milliseconds
         raise CheckpointError(f"{args.dir}: no *.safetensors files to publish", path=args.dir)
+    from preheat.artifacts.signing import SigningKey, fingerprint
+
+    signer = SigningKey.read(args.signing_key) if args.signing_key else None  # a bad key fails before the weights load
     import torch
     from safetensors.torch import load_file
 
@@ -100,11 +110,15 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         weights.update(load_file(os.path.join(args.dir, name)))
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     token = args.peer_token or env.get(env.PEER_TOKEN)
-    with Publisher(args.name, registry=args.registry, host=args.host, port=args.port, token=token) as publisher:
+    with Publisher(
+        args.name, registry=args.registry, host=args.host, port=args.port, token=token, signing_key=signer
+    ) as publisher:
         manifest = publisher.publish(weights, args.refit_version, dtype=dtype)
+        signed = f"signed by {fingerprint(signer.public)}" if signer is not None else "unsigned"
         print(
             f"preheat refit: serving version {manifest.version} of {args.name} on {publisher.url} "
-            f"({len(manifest.tensors)} tensors, {manifest.total_bytes} bytes); Ctrl-C to stop",
+            f"({len(manifest.tensors)} tensors, {manifest.total_bytes} bytes; epoch {manifest.epoch}, {signed}); "
+            "Ctrl-C to stop",
             flush=True,
         )
         try:
@@ -131,13 +145,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(refit, indent=2))
         return 0
-    print(f"{refit.get('name')}: version {refit.get('version') or 0}, newest seen {refit.get('newest')}, "
-          f"{refit.get('behind')} behind")  # fmt: skip
+    print(f"{refit.get('name')}: version {refit.get('version') or 0} (epoch {refit.get('epoch')}), newest seen "
+          f"{refit.get('newest')}, {refit.get('behind')} behind, "
+          f"{'signed versions only' if refit.get('signed') else 'unsigned, from this machine only'}")  # fmt: skip
     last = refit.get("last")
     if isinstance(last, dict):
         print(f"last pull: {last.get('tensors')} tensors, {last.get('nbytes')} of {last.get('model_bytes')} bytes in "
               f"{last.get('pull_s', 0):.2f} s from {', '.join(last.get('sources') or {}) or 'nobody'}")  # fmt: skip
+    lies = refit.get("lies")
+    if isinstance(lies, dict) and lies:
+        print("holders that lied (manifest or bytes that did not verify): "
+              + ", ".join(f"{holder} ({count})" for holder, count in sorted(lies.items())))  # fmt: skip
     if refit.get("error"):
-        print(f"version {refit.get('failed')} failed: {refit.get('error')}", file=sys.stderr)
+        failed = refit.get("failed")
+        print(f"version {failed} failed: " if failed is not None else "", refit.get("error"), sep="", file=sys.stderr)
         return 1
     return 0

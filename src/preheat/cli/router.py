@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported when a command runs: `preheat --help` stays fast
+    from preheat.cli.common import Commands
+    from preheat.dashboard.refresh import Refreshing
+    from preheat.doctor.findings import DoctorDocument
 
 ROUTER_HELP = """\
 An OpenAI-compatible reverse proxy in front of `preheat serve`, vLLM or SGLang replicas: clients change only the URL.
@@ -46,10 +52,13 @@ cold capacity (standby and sleeping replicas):
   A replica enters rotation only when its own /health answers 200. Metrics: preheat_router_activations_total,
   preheat_router_wakes_total, preheat_router_activation_seconds, preheat_router_wake_seconds.
 
-routes: everything the replicas serve, plus the router's own GET /health and GET /metrics.
+routes: everything the replicas serve but their control routes (load, sleep, wake, refit: 404 here), plus the
+router's own GET /health and GET /metrics.
 authentication: with --api-key, every route but /health and /metrics needs 'Authorization: Bearer KEY', checked
-before the prompt is read; --replica-api-key is what the router sends the replicas instead of the client's key
-(without it the client's passes through). Prefer the variables to the flags: a command line is visible to all.
+before the prompt is read; bound beyond loopback, the router refuses to start without one. --replica-api-key is
+what the router sends the replicas instead of the client's key (without it the client's passes through);
+--replica-admin-key is what it sends only on its own activations and wakes. Prefer the variables to the flags: a
+command line is visible to all.
 environment: every flag has a PREHEAT_ROUTER_* variable (PREHEAT_ROUTER_REPLICAS=URL,URL; the flag wins).
 
 kubernetes: --replicas-from k8s://NAMESPACE/SERVICE watches the Service's EndpointSlices: a pod whose endpoint turns
@@ -93,7 +102,7 @@ UP_ROUTER = ("policy", "kv_chunk_tokens", "guard_gap", "hot_in_flight", "index_k
 UP_REPLICA = ("kv_l1", "kv_l2", "max_model_len", "served_model_name", "device", "dtype", "max_queue")
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``router`` and ``up`` to the ``preheat`` command."""
     from preheat.cli.flags import add_settings_flags
     from preheat.router.settings import RouterSettings
@@ -151,7 +160,8 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         "--api-key",
         default=None,
         metavar="KEY",
-        help="one key for the router and every replica (default: PREHEAT_ROUTER_API_KEY; none: all open on 127.0.0.1)",
+        help="one key for the router and every replica; their control routes then get an admin key of their own "
+        "(PREHEAT_ADMIN_KEY, else a random one) (default: PREHEAT_ROUTER_API_KEY; none: all open on 127.0.0.1)",
     )
     up.set_defaults(func=_cmd_up)
 
@@ -186,7 +196,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return run(flags, findings=_doctor_findings(args.model))
 
 
-def _doctor_findings(model: str | None) -> Any:  # Any: a Refreshing[dict], imported here to keep --help fast
+def _doctor_findings(model: str | None) -> Refreshing[DoctorDocument]:
     """The doctor's findings for the router's dashboard, refreshed in the background at most once a minute: only
     the cheap checks (no read or bandwidth probes, no CUDA: the router is a CPU front end), within 5 seconds."""
     from preheat.dashboard.refresh import Refreshing
@@ -237,6 +247,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
     key = args.api_key or env.get(env.ROUTER_API_KEY)
     extra = {env.API_KEY.name: key, env.ROUTER_API_KEY.name: key} if key else {}
+    # The replicas' control routes take a key of their own, never the clients' (docs/security.md): the caller's
+    # PREHEAT_ADMIN_KEY, else (with a client key) a random one that only the router knows, for its activations.
+    admin = env.get(env.ADMIN_KEY) or (secrets.token_urlsafe(24) if key else None)
+    if admin:
+        extra |= {env.ADMIN_KEY.name: admin, "PREHEAT_ROUTER_REPLICA_ADMIN_KEY": admin}
     if args.kv_l2 is not None:
         extra["PREHEAT_KV_L2"] = str(args.kv_l2)
     # A copy of this process's environment, the children's to change.

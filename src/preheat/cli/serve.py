@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when a command runs, never on serve's start-up path
+    from preheat.cli.common import Commands
+    from preheat.dashboard.refresh import Refreshing
+    from preheat.doctor.findings import DoctorDocument
 
 SERVE_HELP = """\
 Serve MODEL with an OpenAI-compatible API, recording every stage of the cold start.
@@ -24,6 +29,7 @@ endpoints:
   GET  /v1/kv/events   what the KV tiers hold and what changed, for the router (docs/kv-events.md)
   POST /v1/preheat/load {"model": URI}   a --standby replica serves that model (`preheat activate`)
   POST /v1/preheat/sleep {"level": 1|2}, /v1/preheat/wake   release the weights and KV cache, and restore them
+       (control routes: --admin-key, JSON bodies only, never from a web page; without a key, from this host only)
 
 environment: each flag's variable is shown beside it, [PREHEAT_...]; the flag wins. Also read:
 @VARIABLES@
@@ -52,6 +58,8 @@ Tell a running `preheat serve` what to do with its model (docs/server.md, *Stand
 
 MODEL must match the replica's --allow-model patterns. Waits for the outcome unless --no-wait. Exit code 0 when
 the replica did it, 1 otherwise (the replica's answer is printed; a failed activation leaves it on standby).
+Sends the replica's admin key (PREHEAT_ADMIN_KEY, or --admin-key), never its API key; a replica without one answers
+control requests from its own host only.
 """
 
 TIMELINE_HELP = """\
@@ -76,7 +84,7 @@ No network needed.
 """
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``serve``, ``timeline`` and ``demo`` to the ``preheat`` command."""
     from preheat.cli.flags import add_settings_flags
     from preheat.core import env
@@ -107,7 +115,9 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
         "--served-model-name", default=None, metavar="NAME", help="name in 'model' (default: as preheat serve names it)"
     )
     activate.add_argument("--no-wait", action="store_true", help="return once accepted (202), not when ready")
-    activate.add_argument("--api-key", default=None, metavar="KEY", help="the replica's key (default: PREHEAT_API_KEY)")
+    activate.add_argument(
+        "--admin-key", default=None, metavar="KEY", help="the replica's --admin-key (default: PREHEAT_ADMIN_KEY)"
+    )
     activate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (600)")
     activate.set_defaults(func=_cmd_activate)
 
@@ -153,14 +163,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run(flags, findings=_doctor_findings(getattr(args, "model", None), getattr(args, "cache_dir", None)))
 
 
-def _doctor_findings(model: object, cache_dir: str | None = None) -> Any:  # Any: a Refreshing[dict] (lazy imports)
+def _doctor_findings(model: object, cache_dir: str | None = None) -> Refreshing[DoctorDocument]:
     """The doctor's findings of this node for the replica's ``/dashboard``: run when a page first asks (never on the
     cold-start path), then at most once a minute; the cheap checks only (no read or bandwidth probes), within 5 s."""
     import os
 
     from preheat.dashboard.refresh import Refreshing
 
-    def produce() -> dict[str, Any]:  # Any: the doctor's JSON document
+    def produce() -> DoctorDocument:
         from preheat.doctor import DoctorOptions, run_doctor
         from preheat.store.cache import resolve_model
 
@@ -187,7 +197,7 @@ def _cmd_activate(args: argparse.Namespace) -> int:
             body["served_model_name"] = args.served_model_name
     else:
         raise ConfigError("say what to do: a MODEL to load, --sleep 1|2 or --wake")
-    key = args.api_key or env.get(env.API_KEY)
+    key = args.admin_key or env.get(env.ADMIN_KEY)  # control routes take the admin key, never the API key
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     url = args.url.rstrip("/") + path
     try:
@@ -201,10 +211,10 @@ def _cmd_activate(args: argparse.Namespace) -> int:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from preheat.timeline import report
+    from preheat.timeline.fetch import fetch
+    from preheat.timeline.waterfall import Waterfall, render_text
 
-    data = report.fetch(args.source, api_key=args.api_key)
-    waterfall = report.Waterfall.from_dict(data, where=args.source)
+    waterfall = Waterfall.from_dict(fetch(args.source, api_key=args.api_key), where=args.source)
     if args.plot:
         from preheat.timeline.plot import plot
 
@@ -213,7 +223,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(waterfall.to_dict(args.gpu_cost_per_hour), indent=2))
     else:
-        print(report.render_text(waterfall, gpu_cost_per_hour=args.gpu_cost_per_hour))
+        print(render_text(waterfall, gpu_cost_per_hour=args.gpu_cost_per_hour))
     return 0
 
 

@@ -8,10 +8,14 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from preheat.core.config import format_bytes, parse_size
 from preheat.core.errors import CacheError
+
+if TYPE_CHECKING:  # imported when a command runs
+    from preheat.cli.common import Commands
+    from preheat.store import ModelCache
 
 PULL_HELP = """\
 Download a checkpoint into the node-local cache, in parallel, resumably, verified, published atomically.
@@ -38,7 +42,7 @@ examples:
 """
 
 
-def register(commands: Any) -> None:  # Any: argparse's subparsers action has no public type
+def register(commands: Commands) -> None:
     """Add ``pull`` and ``cache`` to the ``preheat`` command."""
     pull = commands.add_parser(
         "pull",
@@ -89,7 +93,12 @@ def register(commands: Any) -> None:  # Any: argparse's subparsers action has no
     warm.add_argument("uri", help="http(s)://..., s3://bucket/prefix or a local directory")
     _common(warm)
     warm.set_defaults(func=_cmd_pull, warm=True)
-    cache.set_defaults(func=lambda args: (cache.print_help(), 2)[1])
+
+    def usage(args: argparse.Namespace) -> int:  # `preheat cache` without a verb
+        cache.print_help()
+        return 2
+
+    cache.set_defaults(func=usage)
 
 
 def _cache_dir(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +116,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _cache(args: argparse.Namespace) -> Any:
+def _cache(args: argparse.Namespace) -> ModelCache:
     from preheat.store import ModelCache
 
     return ModelCache(args.cache_dir)

@@ -23,7 +23,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from preheat.core import env
 from preheat.core.sizes import format_bytes, parse_size
@@ -70,7 +70,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     group: str | None = None
     default_text: str | None = None
-    variable: env.Variable[Any] | None = None  # Any: a shared variable of the field's type
+    variable: env.Variable[object] | None = None  # a shared variable of the field's type
     parse: Callable[[str], object] | None = None
     value: str | None = None
     renamed: tuple[str, ...] = ()
@@ -84,7 +84,7 @@ def option(
     choices: tuple[str, ...] | None = None,
     group: str | None = None,
     default_text: str | None = None,
-    variable: env.Variable[Any] | None = None,  # Any: as in Option
+    variable: env.Variable[object] | None = None,  # as in Option
     parse: Callable[[str], object] | None = None,
     value: str | None = None,
     renamed: tuple[str, ...] = (),
@@ -102,7 +102,7 @@ class Setting:
     kind: str
     default: object  # dataclasses.MISSING: the field is required
     option: Option
-    variable: env.Variable[Any]  # Any: the field's type
+    variable: env.Variable[object]  # of the field's type
 
     @property
     def flag(self) -> str:

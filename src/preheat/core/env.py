@@ -30,12 +30,15 @@ import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from preheat.core.errors import ConfigError
 from preheat.core.sizes import parse_size
 
 T = TypeVar("T")
+# A Variable only gives its value out (parse's result, the default): a Variable[int] is a Variable[object], so
+# variables of every value type share one table without Any.
+T_co = TypeVar("T_co", covariant=True)
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 # The modules whose settings dataclasses declare a variable per field (imported only to list every variable).
@@ -46,25 +49,26 @@ _COMMAND_NAMES = {
     "vllm": "vllm --load-format preheat",
     "peer": "python -m preheat.peer",
     "fileserver": "python -m preheat.testing.fileserver",
+    "testing": "preheat.testing.smollm2 (tests, benchmarks)",
 }
 
 
 @dataclass(frozen=True)
-class Variable(Generic[T]):
+class Variable(Generic[T_co]):
     """One environment variable: ``parse`` turns its stripped, non-empty text into a value (raising ``ValueError``
     that says what to write); unset or blank, it is ``default``. ``value`` and ``default_text`` are how the docs show
     what to write and the default; ``commands`` what reads it; ``origin`` the module that declared it."""
 
     name: str
-    parse: Callable[[str], T]
-    default: T
+    parse: Callable[[str], T_co]
+    default: T_co
     help: str
     value: str
     commands: tuple[str, ...]
     default_text: str = ""
     origin: str = __name__
 
-    def read(self, environ: Mapping[str, str] | None = None) -> T:
+    def read(self, environ: Mapping[str, str] | None = None) -> T_co:
         """This variable's value in ``environ`` (default: this process's environment)."""
         text = raw(self, environ)
         if text is None:
@@ -76,8 +80,8 @@ class Variable(Generic[T]):
             raise ConfigError(f"{self.name}={given!r}: {exc}") from None
 
 
-# Every declared variable by name. Any: variables of every value type live side by side.
-_DECLARED: dict[str, Variable[Any]] = {}
+# Every declared variable by name, of every value type.
+_DECLARED: dict[str, Variable[object]] = {}
 
 
 def declare(variable: Variable[T]) -> Variable[T]:
@@ -98,7 +102,7 @@ def get(variable: Variable[T], environ: Mapping[str, str] | None = None) -> T:
     return variable.read(environ)
 
 
-def raw(variable: Variable[Any], environ: Mapping[str, str] | None = None) -> str | None:
+def raw(variable: Variable[object], environ: Mapping[str, str] | None = None) -> str | None:
     """``variable``'s text, stripped; None when it is unset or blank (then a setting's flag or default applies)."""
     text = (os.environ if environ is None else environ).get(variable.name, "").strip()
     return text or None
@@ -110,12 +114,12 @@ def snapshot() -> dict[str, str]:
     return dict(os.environ)
 
 
-def set_default(variable: Variable[Any], value: str) -> None:
+def set_default(variable: Variable[object], value: str) -> None:
     """Set ``variable`` for the libraries of this process that read it later, unless the operator set it."""
     os.environ.setdefault(variable.name, value)
 
 
-def put(variable: Variable[Any], value: str) -> None:
+def put(variable: Variable[object], value: str) -> None:
     """Set ``variable`` for the libraries of this process that read it later (and for the children it starts)."""
     os.environ[variable.name] = value
 
@@ -257,8 +261,13 @@ HTTP_RETRIES: Variable[int | None] = _declared(
     value="N", commands=("load", "pull", "serve", "vllm"), default_text="4",
 )  # fmt: skip
 HTTP_TOKEN = _text(
-    "PREHEAT_HTTP_TOKEN", "bearer token sent to an http(s):// origin (to its host only, never to a redirect's)",
-    value="TOKEN", commands=("load", "pull", "serve", "vllm"),
+    "PREHEAT_HTTP_TOKEN", "bearer token sent to the http(s):// origins PREHEAT_HTTP_TOKEN_HOSTS names (never to a "
+    "redirect's, never over plain http beyond loopback)", value="TOKEN", commands=("load", "pull", "serve", "vllm"),
+)  # fmt: skip
+HTTP_TOKEN_HOSTS: Variable[tuple[str, ...]] = _declared(
+    "PREHEAT_HTTP_TOKEN_HOSTS", parse_names, (), "the origins PREHEAT_HTTP_TOKEN is for: HOST (any port) or "
+    "HOST:PORT; required with the token", value="HOST[:PORT],...", commands=("load", "pull", "serve", "vllm"),
+    default_text="none",
 )  # fmt: skip
 REGISTRY = _text(
     "PREHEAT_REGISTRY", "the peer registry (`--registry` wins)", value="redis://HOST:PORT[/DB] or file:///DIR",
@@ -295,10 +304,29 @@ TRUST_KEY: Variable[tuple[str, ...]] = _declared(
     "public keys whose signatures make peers' compiled artifacts installable (`--trust-key` wins)",
     value="FILE,...", commands=("serve", "artifacts", "peer"), default_text="none: only this node's own",
 )  # fmt: skip
+SSL_CERTFILE = _text(
+    "PREHEAT_SSL_CERTFILE", "PEM certificate chain: every listener of the process serves https with it (API, peer, "
+    "refit), and it is offered to fleet listeners that require a client certificate (`--ssl-certfile` wins)",
+    value="FILE", commands=("serve", "peer"), default_text="none: plain http",
+)  # fmt: skip
+SSL_KEYFILE = _text(
+    "PREHEAT_SSL_KEYFILE", "the private key of PREHEAT_SSL_CERTFILE (`--ssl-keyfile` wins)", value="FILE",
+    commands=("serve", "peer"), default_text="in the certificate file",
+)  # fmt: skip
+SSL_CA_CERTS = _text(
+    "PREHEAT_SSL_CA_CERTS", "the fleet's CA (PEM): trusted for https to peers and refit holders beside the system's "
+    "CAs, and the peer and refit listeners require client certificates signed by it (mutual TLS; `--ssl-ca-certs` "
+    "wins)", value="FILE", commands=("serve", "peer"), default_text="none: no client certificates asked",
+)  # fmt: skip
 API_KEY = _text(
-    "PREHEAT_API_KEY", "the replica's bearer key: `preheat serve` requires it on /v1/*, the clients send it "
-    "(`--api-key` wins)", value="KEY", commands=("serve", "activate", "timeline", "doctor", "up"),
+    "PREHEAT_API_KEY", "the replica's bearer key: `preheat serve` requires it on /v1/* but the control routes, the "
+    "clients send it (`--api-key` wins)", value="KEY", commands=("serve", "timeline", "doctor", "up"),
     default_text="none: open",
+)  # fmt: skip
+ADMIN_KEY = _text(
+    "PREHEAT_ADMIN_KEY", "the replica's admin key: `preheat serve` requires it on the control routes (load, sleep, "
+    "wake, refit), `preheat activate` sends it (`--admin-key` wins)", value="KEY", commands=("serve", "activate", "up"),
+    default_text="none: control from this host to a loopback-bound replica only, none with an API key",
 )  # fmt: skip
 ROUTER_API_KEY = _text(
     "PREHEAT_ROUTER_API_KEY", "the router's bearer key: clients must send it (`preheat up`: the key of the router "
@@ -307,6 +335,10 @@ ROUTER_API_KEY = _text(
 FILESERVER_TOKEN = _text(
     "PREHEAT_FILESERVER_TOKEN", "bearer token the test file server requires (its clients send PREHEAT_HTTP_TOKEN)",
     value="TOKEN", commands=("fileserver",), default_text="none: open",
+)  # fmt: skip
+TEST_CACHE = _text(
+    "PREHEAT_TEST_CACHE", "where the test suite and the benchmarks keep SmolLM2 converted per dtype, across runs",
+    value="DIR", commands=("testing",), default_text="~/.cache/preheat-tests",
 )  # fmt: skip
 T0: Variable[float | None] = _declared(
     "PREHEAT_T0", _epoch, None, "when the platform started the replica (e.g. pod creation): the timeline's origin",
@@ -377,7 +409,7 @@ KUBERNETES_SERVICE_HOST = _text(
 # -- the table of every variable ------------------------------------------------------------------------------------
 
 
-def every_variable() -> list[Variable[Any]]:
+def every_variable() -> list[Variable[object]]:
     """Every variable preheat reads: those declared here and the settings dataclasses' (preheat's first)."""
     for module in SETTINGS_MODULES:
         importlib.import_module(module)  # their settings dataclasses declare a variable per field on import
@@ -386,7 +418,7 @@ def every_variable() -> list[Variable[Any]]:
     return sorted(found, key=lambda v: (not v.name.startswith("PREHEAT_"), v.name))
 
 
-def command_names(variable: Variable[Any]) -> str:
+def command_names(variable: Variable[object]) -> str:
     return ", ".join(_COMMAND_NAMES.get(c, f"preheat {c}") for c in variable.commands)
 
 

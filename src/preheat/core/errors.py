@@ -240,7 +240,12 @@ class ColdStartError(RouterError):
 
 
 class EngineEventError(RouterError):
-    """A frame or payload that is not an engine KV-event batch (the message says what and where)."""
+    """A frame or payload that is not an engine KV-event batch (the message says what and where). ``oversized``:
+    refused for a size past its bound (a payload, a block hash), which the router counts apart."""
+
+    def __init__(self, message: str, *, oversized: bool = False) -> None:
+        super().__init__(message)
+        self.oversized = oversized
 
 
 class GoneError(PreheatError):

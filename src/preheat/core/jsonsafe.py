@@ -126,7 +126,7 @@ def read_bounded(
     """The JSON document in the file ``path``, read no further than one byte past ``max_bytes`` (so a larger file
     is refused unread); ``OSError`` as ``open`` raises it, ``JSONInputError`` for the document."""
     return loads_bounded(
-        _head(path, max_bytes), max_bytes=max_bytes, max_depth=max_depth, allow_constants=allow_constants
+        read_head(path, max_bytes), max_bytes=max_bytes, max_depth=max_depth, allow_constants=allow_constants
     )
 
 
@@ -134,10 +134,12 @@ def read_object(
     path: str | os.PathLike[str], *, max_bytes: int, max_depth: int = MAX_DEPTH
 ) -> dict[str, Any]:  # Any: JSON values, whose shape the caller checks
     """``read_bounded`` for a file that must hold a JSON object (``load_object``'s rule)."""
-    return load_object(_head(path, max_bytes), max_bytes=max_bytes, max_depth=max_depth)
+    return load_object(read_head(path, max_bytes), max_bytes=max_bytes, max_depth=max_depth)
 
 
-def _head(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+def read_head(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The first ``max_bytes + 1`` bytes of the file ``path``, for a parser bounded at ``max_bytes`` (``loads_bounded``,
+    ``Manifest.from_json``): a larger file is refused without being read further. ``OSError`` as ``open`` raises it."""
     with open(path, "rb") as handle:
         return handle.read(max_bytes + 1)  # one byte more: enough to see the file is too large, no more
 

@@ -21,11 +21,35 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 from preheat.core import env
 
 FORMAT_VERSION = 1
+
+
+class _StageRecordRequired(TypedDict):
+    name: str
+    start: float
+    end: float | None  # None: the stage is still running
+    detail: dict[str, Any]  # Any: JSON values chosen by whoever records the stage
+
+
+class StageRecord(_StageRecordRequired, total=False):
+    """A stage's JSON record, as ``Stage.to_dict`` writes it (``bytes`` only when set)."""
+
+    bytes: int
+
+
+class TimelineDocument(TypedDict):
+    """The JSON served at ``/v1/preheat/timeline`` and saved by ``preheat timeline``, as ``Timeline.to_dict``
+    writes it (a replica's, read back from outside, is checked value by value where it is used)."""
+
+    version: int
+    origin: float
+    origin_source: str
+    total: float
+    stages: list[StageRecord]
 
 
 def process_start_time() -> float:
@@ -56,9 +80,9 @@ class Stage:
     nbytes: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)  # Any: JSON values chosen by whoever records the stage
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> StageRecord:
         """The JSON record: ``name, start, end, detail`` and ``bytes`` when set, in this order (the wire format)."""
-        record: dict[str, Any] = {"name": self.name, "start": self.start, "end": self.end, "detail": self.detail}
+        record: StageRecord = {"name": self.name, "start": self.start, "end": self.end, "detail": self.detail}
         if self.nbytes is not None:
             record["bytes"] = self.nbytes
         return record
@@ -102,7 +126,7 @@ class Timeline:
         """Seconds since the origin."""
         return time.time() - self.origin
 
-    def add(self, name: str, start: float, end: float, *, nbytes: int | None = None, **detail: Any) -> None:
+    def add(self, name: str, start: float, end: float, *, nbytes: int | None = None, **detail: object) -> None:
         """Record a stage that was timed elsewhere (``start``/``end`` relative to the origin)."""
         record = Stage(name, start, end, nbytes, dict(detail))
         with self._lock:
@@ -110,7 +134,7 @@ class Timeline:
             self._stages.sort(key=lambda s: s.start)
 
     @contextmanager
-    def stage(self, name: str, **detail: Any) -> Iterator[Stage]:
+    def stage(self, name: str, **detail: object) -> Iterator[Stage]:
         """Time the block as stage ``name``; set ``stage.nbytes`` or ``stage.detail[...]`` inside it."""
         record = Stage(name, self.now(), None, None, dict(detail))
         with self._lock:
@@ -120,10 +144,10 @@ class Timeline:
         finally:
             record.end = self.now()
 
-    def mark(self, name: str, **detail: Any) -> None:
+    def mark(self, name: str, *, nbytes: int | None = None, **detail: object) -> None:
         """An instant (``start == end``), e.g. ``ready`` or the first request's first token."""
         at = self.now()
-        self.add(name, at, at, **detail)
+        self.add(name, at, at, nbytes=nbytes, **detail)
 
     def rebase(self, origin: float, source: str) -> None:
         """Move the origin to ``origin`` (epoch seconds) once the platform's clock is learnt late (a pod's creation,
@@ -146,7 +170,7 @@ class Timeline:
         with self._lock:
             return [replace(s, detail=dict(s.detail)) for s in self._stages]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> TimelineDocument:
         """The JSON served at ``/v1/preheat/timeline``."""
         stages = self.stages()
         ends = [s.end for s in stages if s.end is not None]

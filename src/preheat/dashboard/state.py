@@ -10,13 +10,77 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from preheat.dashboard.prom import Metrics, by_label, total
 
 SCHEMA = "preheat.dashboard/1"
 RATE_WINDOW = 2.0  # seconds between the two scrapes a tokens/s is measured over (shorter: too noisy to read)
 MAX_STAGES = 64  # a waterfall's bars: a timeline is a few dozen stages; more would be unreadable anyway
+
+
+# The state document's parts, as docs/dashboard.md lists them (the page's app.js reads these keys).
+class Bar(TypedDict):
+    name: str
+    start: float
+    end: float | None  # None: the stage is still running
+
+
+class Waterfall(TypedDict):
+    total: float
+    origin: float | None
+    stages: list[Bar]
+
+
+KvTiers = dict[str, dict[str, float | None]]  # tier -> hits, misses, hit_rate, up (kv_tiers)
+
+
+class ReplicaEntry(TypedDict):
+    url: str
+    healthy: bool
+    phase: str
+    standby: bool
+    in_flight: int
+    finished: int
+    queue: int | None
+    running: int | None
+    tokens_per_s: float | None
+    generated_tokens: int | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    cached_share: float | None
+    kv: KvTiers
+    waterfall: Waterfall | None
+    error: str | None
+
+
+class TierState(TypedDict):
+    tier: str
+    replicas: int
+    down: int
+    text: str
+
+
+class DecisionRow(TypedDict):
+    policy: str
+    reason: str
+    count: int
+
+
+class StateDocument(TypedDict):
+    """The whole ``preheat.dashboard/1`` document (``document``), served at ``/dashboard/api/state``."""
+
+    schema: str
+    kind: str
+    time: float
+    status: str
+    tiers: list[TierState]
+    policy: str | None
+    replicas: list[ReplicaEntry]
+    decisions: list[DecisionRow]
+    findings: dict[str, object] | None  # the doctor's preheat.doctor/1 document, passed through
+    findings_error: str | None
+    doctor: bool
 
 
 @dataclass(frozen=True)
@@ -54,24 +118,28 @@ class TokenRate:
         return self.rate
 
 
-def kv_tiers(metrics: Metrics) -> dict[str, dict[str, float | None]]:
+def kv_tiers(metrics: Metrics) -> KvTiers:
     """Per KV tier: hits, misses, hit rate (None before the first lookup) and up (1/0)."""
     hits = by_label(metrics, "preheat_kv_hits_total", "tier")
     misses = by_label(metrics, "preheat_kv_misses_total", "tier")
     up = by_label(metrics, "preheat_kv_tier_up", "tier")
-    tiers: dict[str, dict[str, float | None]] = {}
+    tiers: KvTiers = {}
     for tier in sorted(set(hits) | set(misses) | set(up)):
         h, m = hits.get(tier, 0.0), misses.get(tier, 0.0)
         tiers[tier] = {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else None, "up": up.get(tier)}
     return tiers
 
 
-def waterfall(timeline: Mapping[str, Any] | None) -> dict[str, Any] | None:  # Any: the timeline's JSON document
-    """The bars of a cold start: ``{"total", "origin", "stages": [{"name", "start", "end"}]}`` (end None: running)."""
-    if not timeline or not isinstance(timeline.get("stages"), list):
+def waterfall(timeline: Mapping[str, object] | None) -> Waterfall | None:
+    """The bars of a cold start: ``{"total", "origin", "stages": [{"name", "start", "end"}]}`` (end None: running).
+
+    ``timeline`` is a replica's ``/v1/preheat/timeline`` JSON as it came (a ``TimelineDocument`` when the replica is
+    preheat's, anything from a stranger): each value is checked here, where it enters the dashboard."""
+    listed = timeline.get("stages") if timeline else None
+    if timeline is None or not isinstance(listed, list):
         return None
-    stages: list[dict[str, Any]] = []
-    for stage in timeline["stages"][:MAX_STAGES]:
+    stages: list[Bar] = []
+    for stage in listed[:MAX_STAGES]:
         start = _seconds(stage.get("start")) if isinstance(stage, dict) else None
         if start is None:
             continue
@@ -98,10 +166,10 @@ def _seconds(value: object) -> float | None:
 def replica_entry(
     row: ReplicaRow,
     metrics: Metrics | None,
-    timeline: Mapping[str, Any] | None,  # Any: the timeline's JSON document
+    timeline: Mapping[str, object] | None,  # the replica's timeline JSON, checked by waterfall()
     tokens_per_s: float | None,
     error: str | None = None,
-) -> dict[str, Any]:  # Any: a JSON object
+) -> ReplicaEntry:
     """One replica's entry of the state document."""
     scraped = metrics or {}
     prompt = total(scraped, "preheat_prompt_tokens_total")
@@ -132,7 +200,7 @@ def replica_entry(
 IDLE_PHASES = ("standby", "sleeping")  # out of rotation by design (scaled to zero, waiting to be activated)
 
 
-def tier_states(replicas: Sequence[Mapping[str, Any]], *, fleet: bool = True) -> list[dict[str, Any]]:  # Any: JSON
+def tier_states(replicas: Sequence[ReplicaEntry], *, fleet: bool = True) -> list[TierState]:
     """Each KV tier of the replicas in rotation, as the header says it: ``{"tier": "l2", "replicas": 2, "down": 2,
     "text": "L2 down on 2/2 replicas"}`` (``L2 up`` when it is up on all; ``L2 down`` on a replica's own page,
     ``fleet`` False). A replica out of rotation is left out: the header counts it already, and what its tiers said
@@ -152,7 +220,7 @@ def tier_states(replicas: Sequence[Mapping[str, Any]], *, fleet: bool = True) ->
             seen = counts.setdefault(tier, [0, 0])
             seen[0] += 1
             seen[1] += up == 0
-    states = []
+    states: list[TierState] = []
     for tier, (reporting, down) in counts.items():
         name = tier.upper()
         text = f"{name} up" if not down else f"{name} down on {down}/{reporting} replicas" if fleet else f"{name} down"
@@ -160,7 +228,7 @@ def tier_states(replicas: Sequence[Mapping[str, Any]], *, fleet: bool = True) ->
     return states
 
 
-def overall(status: str, replicas: Sequence[Mapping[str, Any]], tiers: Sequence[Mapping[str, Any]]) -> str:
+def overall(status: str, replicas: Sequence[ReplicaEntry], tiers: Sequence[TierState]) -> str:
     """The header's word: ``ok`` only when every replica meant to serve is in rotation and every KV tier is up on
     each; ``degraded`` when it serves but not whole (a replica out, an L2 down: requests recompute); otherwise the
     ``status`` given (``cold``, ``no_replica``, a replica's phase)."""
@@ -170,9 +238,9 @@ def overall(status: str, replicas: Sequence[Mapping[str, Any]], tiers: Sequence[
     return "degraded" if out or any(t["down"] for t in tiers) else "ok"
 
 
-def decisions(samples: Sequence[tuple[Mapping[str, str], float]]) -> list[dict[str, Any]]:  # Any: JSON objects
+def decisions(samples: Sequence[tuple[Mapping[str, str], float]]) -> list[DecisionRow]:
     """The router's ``preheat_router_decisions_total`` as rows ``{"policy", "reason", "count"}``, most first."""
-    rows = [
+    rows: list[DecisionRow] = [
         {"policy": labels["policy"], "reason": labels.get("reason", "?"), "count": int(value)}
         for labels, value in samples
         if "policy" in labels and value > 0  # a counter with no decision yet has one unlabelled 0
@@ -182,16 +250,16 @@ def decisions(samples: Sequence[tuple[Mapping[str, str], float]]) -> list[dict[s
 
 def document(
     kind: str,
-    replicas: list[dict[str, Any]],  # Any: replica_entry's JSON objects
+    replicas: list[ReplicaEntry],
     *,
     now: float,
     status: str,
     policy: str | None = None,
-    decision_rows: list[dict[str, Any]] | None = None,  # Any: decisions()' rows
-    findings: Mapping[str, Any] | None = None,  # Any: the doctor's JSON (preheat.doctor/1)
+    decision_rows: list[DecisionRow] | None = None,
+    findings: Mapping[str, object] | None = None,  # the doctor's JSON (preheat.doctor/1), passed through
     findings_error: str | None = None,
     doctor: bool = False,
-) -> dict[str, Any]:  # Any: a JSON object
+) -> StateDocument:
     """The whole state document: ``kind`` is ``router`` (a fleet) or ``replica`` (one ``preheat serve``);
     ``doctor``: whether findings are provided here (None findings then mean the first run is under way).
     ``status`` is what serves (the router's ``/health`` word, or the replica's phase); the document's says

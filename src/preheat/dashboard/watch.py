@@ -11,18 +11,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from preheat.core.errors import HTTPClientError, JSONInputError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.prom import Metrics, parse, total
-from preheat.dashboard.state import ReplicaRow, TokenRate, decisions, document, replica_entry
+from preheat.dashboard.state import ReplicaRow, StateDocument, TokenRate, decisions, document, replica_entry
 from preheat.http.client import Timeouts, request
 
 MAX_METRICS = 4 * 1024 * 1024  # a replica's /metrics is tens of KiB
 MAX_TIMELINE = 1024 * 1024  # a timeline is a few KiB
 TIMELINE_EVERY = 10.0  # seconds between fetches of a replica's finished cold start
-Findings = Callable[[], Mapping[str, Any] | None]  # Any: the doctor's JSON document (preheat.doctor/1)
+# The doctor's JSON document (preheat.doctor/1), passed through as it is (the dashboard cannot import the doctor).
+Findings = Callable[[], Mapping[str, object] | None]
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Scrape:
     scrape failed (None when it did not)."""
 
     metrics: Metrics | None = None
-    timeline: dict[str, Any] | None = None  # Any: the timeline's JSON document
+    timeline: dict[str, object] | None = None  # the replica's timeline JSON, checked where it is read
     timeline_at: float | None = None  # when the timeline was fetched (monotonic)
     error: str | None = None
 
@@ -67,7 +67,7 @@ class FleetWatcher:
         policy: str,
         decision_samples: Sequence[tuple[Mapping[str, str], float]],
         findings: Findings | None = None,
-    ) -> dict[str, Any]:  # Any: a JSON object
+    ) -> StateDocument:
         with self._lock:
             now = time.monotonic()
             if self._scraped_at is None or now - self._scraped_at >= self.max_age:
@@ -145,9 +145,9 @@ class ReplicaDashboard:
         self,
         row: ReplicaRow,
         metrics_text: str,
-        timeline: Mapping[str, Any],  # Any: the timeline's JSON document
+        timeline: Mapping[str, object],  # its own Timeline.to_dict()
         findings: Findings | None = None,
-    ) -> dict[str, Any]:  # Any: a JSON object
+    ) -> StateDocument:
         metrics = parse(metrics_text)
         with self._lock:
             rate = self._rate.observe(time.monotonic(), total(metrics, "preheat_generated_tokens_total"))
@@ -166,7 +166,7 @@ class ReplicaDashboard:
         )
 
 
-def read_findings(findings: Findings | None) -> tuple[Mapping[str, Any] | None, str | None]:  # Any: doctor JSON
+def read_findings(findings: Findings | None) -> tuple[Mapping[str, object] | None, str | None]:
     """The provider's findings (None while the first run is under way) and why its last run failed."""
     if findings is None:
         return None, None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from preheat.core.errors import PlanError
 from preheat.doctor.findings import Finding
 from preheat.plan.coldstart import critical_seconds
-from preheat.timeline.report import Row, Waterfall
+from preheat.timeline.waterfall import Row, Waterfall
 
 GROUP_OF = {
     "platform": "image",

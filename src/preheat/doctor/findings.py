@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 SCHEMA = "preheat.doctor/1"
 
@@ -22,6 +22,28 @@ Status = Literal["ok", "warn", "fail"]
 AREAS: tuple[str, ...] = ("node", "gpu", "origin", "peers", "replica", "timeline", "kv")
 SEVERITIES: tuple[str, ...] = ("ok", "info", "warn", "fail")
 _RANK = {"fail": 3, "warn": 2, "info": 1, "ok": 0}
+
+
+class FindingRecord(TypedDict):
+    """One finding in the ``preheat.doctor/1`` document, as ``Finding.to_json`` writes it."""
+
+    id: str
+    area: Area
+    severity: Severity
+    title: str
+    seconds: float | None
+    evidence: dict[str, Any]  # Any: JSON values chosen by each check
+    fix: str | None
+
+
+class DoctorDocument(TypedDict):
+    """The ``preheat.doctor/1`` document (docs/doctor.schema.json), as ``Report.to_json`` writes it."""
+
+    schema: str
+    status: Status
+    exit_code: int
+    elapsed_s: float
+    findings: list[FindingRecord]
 
 
 @dataclass(frozen=True)
@@ -41,7 +63,7 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)  # Any: JSON values chosen by each check
     fix: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> FindingRecord:
         return {
             "id": self.id,
             "area": self.area,
@@ -87,7 +109,7 @@ class Report:
     def exit_code(self) -> int:
         return EXIT_CODES[self.status]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> DoctorDocument:
         """The stable ``preheat.doctor/1`` document (docs/doctor.schema.json)."""
         return {
             "schema": SCHEMA,

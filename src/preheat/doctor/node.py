@@ -264,9 +264,9 @@ def cgroup_cpus() -> float | None:
 
 
 def check_threads(options: DoctorOptions, bound_s: float) -> list[Finding]:
-    from preheat.io.tuning import tune
+    from preheat.io.tuning import cpu_cores, tune
 
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    affinity = cpu_cores()
     quota = cgroup_cpus()
     usable = min(float(affinity), quota) if quota else float(affinity)
     where = options.model if options.model and os.path.exists(options.model) else existing_parent(cache_dir(options))

@@ -163,8 +163,8 @@ class LlamaModel:
         self.embed = bind.get("model.embed_tokens.weight", (c.vocab_size, h))
         self.layers: list[_Layer] = []
         for specs in layers:
-            # Any: a required field gets get()'s Tensor, an optional one optional()'s Tensor | None, as _Layer says.
-            bound: dict[str, Any] = {
+            # A required field gets get()'s Tensor, an optional one optional()'s Tensor | None, as _Layer says.
+            bound: dict[str, Any] = {  # Any: Tensor or Tensor | None by field, which one dict type cannot say
                 field: (bind.optional if optional else bind.get)(name, shape)
                 for field, (name, shape, optional) in specs.items()
             }

@@ -22,6 +22,9 @@ a body over the caller's limit                         ``AnswerTooLargeError`` (
 a redirect refused (too many, not http(s))             ``RedirectError``
 =====================================================  ==============================================================
 
+TLS: an https connection verifies the server with ``preheat.http.tls.client_context()``: the system's CAs, and the
+fleet's CA with the fleet's certificate offered when the process has one (``preheat.http.tls.use_fleet``).
+
 Credentials (``Redirects``, ``without_credentials``): ``Authorization``, ``Cookie`` and ``Proxy-Authorization`` go
 to the origin they were given for (scheme, host, port: ``origin``) and are dropped for good at the first redirect
 elsewhere.
@@ -50,6 +53,7 @@ from preheat.core.errors import (
     ResponseTimeoutError,
 )
 from preheat.http.ranges import parse_length
+from preheat.http.tls import client_context
 
 if TYPE_CHECKING:
     import ssl
@@ -246,11 +250,7 @@ def read_whole(answer: http.client.HTTPResponse, url: str, timeouts: Timeouts, m
 def _opened(url: str, timeouts: Timeouts) -> tuple[http.client.HTTPConnection, str]:
     """A connection of its own for ``url``, open, and the path to ask for."""
     where, path = target_of(url)
-    tls = None
-    if where.scheme == "https":
-        import ssl
-
-        tls = ssl.create_default_context()
+    tls = client_context() if where.scheme == "https" else None
     assert where.port is not None  # target_of refuses a URL without one
     return connect(where.host, where.port, timeouts, url, tls), path
 

@@ -39,6 +39,7 @@ from preheat.http.client import (
     target_of,
 )
 from preheat.http.ranges import parse_length
+from preheat.http.tls import client_context
 
 if TYPE_CHECKING:
     import ssl
@@ -51,8 +52,9 @@ STALE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, http.cli
 
 class Pool:
     """Kept-alive connections by origin, under one ``Timeouts``; thread-safe. HTTPS connections verify certificates
-    with ``tls()``'s context (default: ``ssl.create_default_context()``, made per connection so that
-    ``SSL_CERT_FILE`` is read when the connection is opened). Idle connections close when the pool is collected."""
+    with ``tls()``'s context (default: ``preheat.http.tls.client_context()``: the fleet's, else the standard
+    library's made per connection so that ``SSL_CERT_FILE`` is read when the connection is opened). Idle
+    connections close when the pool is collected."""
 
     def __init__(
         self, timeouts: Timeouts, *, idle: int = IDLE_PER_ORIGIN, tls: Callable[[], ssl.SSLContext] | None = None
@@ -102,12 +104,7 @@ class Pool:
             raise HTTPClientError(where.url + target, "give an http(s)://host[:port] URL with a port from 0 to 65535")
         tls = None
         if where.scheme == "https":
-            if self._tls is None:
-                import ssl
-
-                tls = ssl.create_default_context()
-            else:
-                tls = self._tls()
+            tls = client_context() if self._tls is None else self._tls()
         return connect(where.host, where.port, self.timeouts, where.url + target, tls)
 
     def release(self, where: Origin, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> None:

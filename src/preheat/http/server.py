@@ -1,6 +1,13 @@
 """The server base every preheat server stands on (``preheat serve``, the router, the peer server, ``FileServer``):
 keep-alive HTTP/1.1 handlers that the server can cut off at shutdown, bearer tokens compared in constant time,
-request bodies read within a limit under a strict ``Content-Length``, plain answers, and SIGTERM as Ctrl-C.
+request bodies read within a limit under a strict ``Content-Length``, plain answers, SIGTERM as Ctrl-C, and TLS:
+a server given an ``ssl.SSLContext`` (``tls``; ``preheat.http.tls`` makes them) wraps each accepted connection in
+it, the handshake left to the handler thread's first read so that a slow or silent client never holds up accept().
+
+Bounded: at most ``max_connections`` connections hold a handler thread (one more is answered 503 and closed by the
+accepting thread, without a thread of its own), and a request's line and headers must arrive within
+``header_timeout`` seconds of its first byte, so clients that open connections and send half a request cannot pile
+up threads. The wait for a keep-alive connection's next request stays the handler's idle ``timeout``.
 
 The standard library's ``ThreadingHTTPServer`` does the rest; this only adds the few lines every server needs the same
 way, so a fix to one (a header, a race at shutdown, Nagle) is a fix to all.
@@ -10,11 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import io
 import logging
 import signal
 import socket
+import ssl
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +36,13 @@ from preheat.http.ranges import parse_length
 log = logging.getLogger("preheat.http")
 _Runner = TypeVar("_Runner", bound="BackgroundServer")
 BearerCheck = Literal["ok", "missing", "wrong"]
+MAX_CONNECTIONS = 512  # handler threads per server (``preheat serve`` and the router: --max-connections)
+HEADER_TIMEOUT = 10.0  # seconds from a request's first byte to its last header line (--header-timeout)
+# What a connection over the cap gets, from the accepting thread: short enough for any socket buffer.
+_FULL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 54\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many open connections to this server; retry later\n"
+)
 
 
 class TrackedServer(ThreadingHTTPServer):
@@ -35,6 +52,11 @@ class TrackedServer(ThreadingHTTPServer):
     daemon_threads = True  # a hung client must not keep the process alive at shutdown
     block_on_close = False
     request_queue_size = 128  # accept backlog: bursts of clients arrive together at a fresh replica or peer
+    # Class defaults; ``preheat serve`` and the router set them from their settings on the instance before serving.
+    max_connections = MAX_CONNECTIONS
+    header_timeout = HEADER_TIMEOUT
+
+    tls: ssl.SSLContext | None = None  # set before serving: https on this listener
 
     def __init__(self, address: tuple[str, int], handler: type[TrackedHandler]) -> None:
         if ":" in address[0]:
@@ -42,6 +64,58 @@ class TrackedServer(ThreadingHTTPServer):
         super().__init__(address, handler)
         self.active: set[socket.socket] = set()
         self.active_lock = threading.Lock()
+        # Connections holding a handler thread, counted by the accepting thread (``active`` is filled by the
+        # handler threads themselves, too late to refuse a burst).
+        self.open_connections = 0
+        self.refused_connections = 0  # answered 503 for being over ``max_connections``, since the start
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        with self.active_lock:
+            full = self.open_connections >= self.max_connections
+            if full:
+                self.refused_connections += 1
+                refused = self.refused_connections
+            else:
+                self.open_connections += 1
+        if full:
+            if refused == 1 or refused % 1000 == 0:  # once, then now and then: a flood must not flood the log too
+                log.warning("%d connection(s) refused over the cap of %d (--max-connections)", refused,
+                            self.max_connections)  # fmt: skip
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts its thread
+        except BaseException:
+            self._release()  # no thread started (e.g. the process is out of threads)
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self.active_lock:
+            self.open_connections -= 1
+
+    def _refuse(self, request: socket.socket) -> None:
+        """Answer 503 and close, on the accepting thread: never wait on this client (a non-blocking send of a few
+        bytes; over TLS, which would need a handshake, only the close), and drain what it sent already so that the
+        close does not reset the answer away."""
+        if self.tls is None:
+            with contextlib.suppress(OSError):
+                request.setblocking(False)
+                request.send(_FULL)
+                request.recv(65536)
+        self.shutdown_request(request)
+
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
+        sock, address = super().get_request()
+        if self.tls is None:
+            return sock, address
+        # The handshake happens on the handler thread's first read (under its timeout), never in accept()'s thread.
+        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
     def handle_error(self, request: object, client_address: object) -> None:
         # A reader abandoning a stream, a killed pull, a client giving up on a slow answer: all routine.
@@ -57,7 +131,9 @@ class TrackedServer(ThreadingHTTPServer):
             active = list(self.active)
         for sock in active:
             with contextlib.suppress(OSError):  # already closed by its handler
-                sock.shutdown(socket.SHUT_RDWR)
+                # The plain socket's shutdown, also for TLS: SSLSocket.shutdown drops its TLS state under the
+                # handler thread's feet (a ValueError there, not the end of a connection).
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def write_body(
@@ -107,8 +183,9 @@ class BackgroundServer:
     thread_name = "preheat-http"
     poll_interval = 0.05  # serve_forever checks for shutdown between polls: short keeps stop() prompt
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, tls: ssl.SSLContext | None = None) -> None:
         self.host, self._port = host, port
+        self.tls = tls  # https with this server-side context
         self._server: TrackedServer | None = None
         self._bound: int | None = None
         self._thread: threading.Thread | None = None
@@ -130,6 +207,7 @@ class BackgroundServer:
         if self._server is not None:
             return self
         server = self.make_server()
+        server.tls = self.tls
         self._server, self._bound = server, int(server.server_address[1])
         self._thread = threading.Thread(
             target=server.serve_forever, args=(self.poll_interval,), name=self.thread_name, daemon=True
@@ -168,8 +246,35 @@ class TrackedHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        # The same buffered reader the base makes (socket.makefile), over a raw reader that keeps the header
+        # deadline (``handle_one_request``).
+        self.rfile.close()
+        self._clock = _HeaderClock(self.connection, self.timeout)
+        self.rfile = self._reader = io.BufferedReader(self._clock, io.DEFAULT_BUFFER_SIZE)
         with self.server.active_lock:
             self.server.active.add(self.connection)
+
+    def handle_one_request(self) -> None:
+        # Waiting for the request's first byte is idling (``timeout``); from it on, the request line and headers
+        # must all arrive within the server's ``header_timeout``, however slowly they trickle in.
+        try:
+            if not self._reader.peek(1):
+                self.close_connection = True  # the client closed its keep-alive connection
+                return
+        except OSError:  # TimeoutError too: idle for ``timeout``; ssl.SSLError: a failed handshake
+            self.close_connection = True
+            return
+        self._clock.deadline = time.monotonic() + self.server.header_timeout
+        try:
+            super().handle_one_request()
+        finally:
+            self._clock.stop()
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()
+        finally:
+            self._clock.stop()  # the headers are in: the body and the answer have the idle ``timeout`` again
 
     def finish(self) -> None:
         with self.server.active_lock:
@@ -235,6 +340,38 @@ class TrackedHandler(BaseHTTPRequestHandler):
         if length is None:
             return BodyRefusal(411, "a Content-Length header is required", "length_required")
         return BodyRefusal(413, f"request body over {limit} bytes", "too_large")
+
+
+class _HeaderClock(io.RawIOBase):
+    """A socket's raw reader (what ``socket.makefile`` gives, for reading) that, while ``deadline`` is set, lets each
+    ``recv`` wait only until the deadline and raises ``TimeoutError`` past it: a total bound, where a socket timeout
+    bounds each wait alone and a client sending a byte every few seconds would never meet it."""
+
+    def __init__(self, sock: socket.socket, idle: float | None) -> None:
+        super().__init__()
+        self.sock, self.idle = sock, idle
+        self.deadline: float | None = None
+        self._changed = False  # the socket's timeout is not ``idle`` now
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request's line and headers did not arrive in time (--header-timeout)")
+            self.sock.settimeout(left if self.idle is None else min(left, self.idle))
+            self._changed = True
+        return self.sock.recv_into(buffer)
+
+    def stop(self) -> None:
+        """The deadline is over: waits are the idle timeout again."""
+        self.deadline = None
+        if self._changed:
+            self._changed = False
+            with contextlib.suppress(OSError):  # cut at shutdown meanwhile
+                self.sock.settimeout(self.idle)
 
 
 @contextlib.contextmanager

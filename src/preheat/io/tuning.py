@@ -59,6 +59,14 @@ class IOTuning:
     reason: str
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on: its CPU affinity, which a container's cpuset narrows (``os.cpu_count()``
+    counts the machine's), or every core where the platform has no affinity call (macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def is_network_fs(fstype: str) -> bool:
     return fstype in NETWORK_FILESYSTEMS or fstype.startswith("fuse.")
 

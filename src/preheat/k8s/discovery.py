@@ -9,8 +9,9 @@ that doubles from ``MIN_BACKOFF`` up to ``MAX_BACKOFF``, so the routers of a fle
 API server at once), reset once a list succeeds. Meanwhile the router keeps the replicas it had: an unreachable API
 server changes nothing.
 
-``on_change(urls)`` hears the whole set of ready replicas each time it changes (k8s_slices.py turns slices into
-URLs; this module is only the I/O around it).
+``on_change(urls)`` hears the whole set of ready replicas each time it changes (k8s/slices.py turns slices into
+URLs under the router's ``SliceRules``: the controller's slices only, IP literals only, capped; this module is only
+the I/O around it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from preheat.core.backoff import Backoff
 from preheat.core.errors import GoneError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.k8s.client import api_client, api_status, kubernetes_module
-from preheat.k8s.slices import ServiceRef, SliceSet, resource_version
+from preheat.k8s.slices import ServiceRef, SliceRules, SliceSet, resource_version
 
 log = logging.getLogger("preheat.router")
 WATCH_SECONDS = 240  # the server ends each watch after this long (jittered by it); we resume from the last version
@@ -48,13 +49,14 @@ class EndpointSliceWatcher:
         on_change: Callable[[frozenset[str]], None],
         *,
         env: Mapping[str, str] | None = None,
+        rules: SliceRules | None = None,
         watch_seconds: int = WATCH_SECONDS,
         min_backoff: float = MIN_BACKOFF,
         max_backoff: float = MAX_BACKOFF,
     ) -> None:
         self.ref, self.on_change, self.env = ref, on_change, env
         self.watch_seconds, self.min_backoff, self.max_backoff = watch_seconds, min_backoff, max_backoff
-        self.slices = SliceSet(ref.port)
+        self.slices = SliceSet(ref.port, rules if rules is not None else SliceRules())
         self.synced = threading.Event()  # set once the first list was applied
         self.lists = 0  # lists done so far (the first, then one per 410 or reconnect): for /metrics and tests
         self.last_error: str | None = None
@@ -174,7 +176,7 @@ class EndpointSliceWatcher:
         self.last_error = None
         return carried or time.monotonic() - started >= 1.0
 
-    def _event(self, event: Mapping[str, Any]) -> None:  # Any: the client's event dict
+    def _event(self, event: Mapping[str, object]) -> None:  # the watch's event dict: checked here
         kind, obj = event.get("type"), event.get("raw_object")
         if not isinstance(kind, str) or not isinstance(obj, dict):
             return

@@ -75,11 +75,11 @@ def _get(obj: object, *path: str) -> object:
     return obj
 
 
-def _objects(value: object) -> list[Mapping[str, Any]]:  # Any: JSON
+def _objects(value: object) -> list[Mapping[str, object]]:
     return [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else []
 
 
-def _event_time(event: Mapping[str, Any], last: bool = False) -> float | None:  # Any: JSON
+def _event_time(event: Mapping[str, object], last: bool = False) -> float | None:
     """An event's time: ``eventTime`` (microseconds) when set, else its first (or ``last``) occurrence's."""
     precise = parse_time(event.get("eventTime"))
     if precise is not None:
@@ -88,7 +88,7 @@ def _event_time(event: Mapping[str, Any], last: bool = False) -> float | None:  
     return (latest or first) if last else (first or latest)
 
 
-def container_name(pod: Mapping[str, Any], wanted: str | None = None) -> str | None:  # Any: JSON
+def container_name(pod: Mapping[str, object], wanted: str | None = None) -> str | None:
     """``wanted`` when the pod has that container, else its first container's name (preheat's, by convention)."""
     names = [c.get("name") for c in _objects(_get(pod, "spec", "containers"))]
     if wanted in names:
@@ -97,8 +97,8 @@ def container_name(pod: Mapping[str, Any], wanted: str | None = None) -> str | N
 
 
 def pod_start(
-    pod: Mapping[str, Any],  # Any: JSON
-    events: Sequence[Mapping[str, Any]] | None,
+    pod: Mapping[str, object],  # the API server's JSON, read path by path (_get) and checked as it is read
+    events: Sequence[Mapping[str, object]] | None,
     *,
     container: str | None = None,
     events_why: str | None = None,
@@ -128,10 +128,10 @@ def pod_start(
     scheduled_event = next((e for e in events or () if e.get("reason") == "Scheduled"), None)
     if scheduled_event is not None and parse_time(scheduled_event.get("eventTime")) is not None:
         scheduled = parse_time(scheduled_event.get("eventTime"))  # microseconds, where the condition has seconds
-    known: list[tuple[str, float | None, dict[str, Any]]] = [("created", created, {})]
+    known: list[tuple[str, float | None, dict[str, object]]] = [("created", created, {})]
     known.append(("scheduled", scheduled, {"node": node} if isinstance(node, str) else {}))
     pulling, pulled = mine.get("Pulling"), mine.get("Pulled")
-    pull_detail: dict[str, Any] = {}
+    pull_detail: dict[str, object] = {}
     if pulled is not None:
         message = str(pulled.get("message") or "")
         pull_detail["cache"] = "present" if "already present" in message else "miss"
@@ -151,10 +151,12 @@ def pod_start(
     return PodStart(created, *_stages(known, why), pod=name)
 
 
-def _container_events(events: Sequence[Mapping[str, Any]], container: str | None) -> dict[str, Mapping[str, Any]]:
+def _container_events(
+    events: Sequence[Mapping[str, object]], container: str | None
+) -> dict[str, Mapping[str, object]]:
     """This container's kubelet events by reason (the last of each)."""
     field_path = f"spec.containers{{{container}}}"
-    out: dict[str, Mapping[str, Any]] = {}
+    out: dict[str, Mapping[str, object]] = {}
     for event in sorted(events, key=lambda e: _event_time(e) or 0.0):
         if _get(event, "involvedObject", "fieldPath") == field_path:
             out[str(event.get("reason"))] = event
@@ -171,7 +173,7 @@ SPANS = (
 
 
 def _stages(
-    boundaries: list[tuple[str, float | None, dict[str, Any]]], why: str | None
+    boundaries: list[tuple[str, float | None, dict[str, object]]], why: str | None
 ) -> tuple[tuple[PodStage, ...], tuple[str, ...], str | None]:
     """Stages between known boundaries; runs of unknown ones between two known boundaries become ``platform``."""
     at = {name: when for name, when, _ in boundaries}

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol
 
 from preheat.core import env as envs
 from preheat.core.errors import ConfigError
@@ -35,6 +35,14 @@ SETTLED = ("ready", "standby", "failed")  # marks after which the replica's star
 ORIGIN_SOURCE = "pod creation"
 
 
+class _Response(Protocol):
+    """urllib3's response, as the client returns it with ``_preload_content=False``."""
+
+    data: bytes
+
+    def release_conn(self) -> None: ...
+
+
 def read_pod_start(namespace: str, name: str, env: Mapping[str, str] | None = None) -> PodStart:
     """Read the pod and its events and return its start; never raises (what failed is in ``why``)."""
     where = f"pod {namespace}/{name}"
@@ -47,7 +55,7 @@ def read_pod_start(namespace: str, name: str, env: Mapping[str, str] | None = No
     except Exception as exc:  # any failure of the client or the network: the stages are unknown, the start goes on
         why = _why(exc, f"get {where}", "get on pods")
         return PodStart(None, unknown=POD_STAGES, why=why, pod=f"{namespace}/{name}")
-    events: list[dict[str, Any]] | None = None  # Any: JSON
+    events: list[dict[str, object]] | None = None
     events_why = None
     try:
         answer = _json(
@@ -66,7 +74,7 @@ def read_pod_start(namespace: str, name: str, env: Mapping[str, str] | None = No
     return pod_start(pod, events, container=chosen, events_why=events_why)
 
 
-def _json(response: Any) -> dict[str, Any]:  # Any: urllib3's response; JSON
+def _json(response: _Response) -> dict[str, object]:
     try:
         # Bounded as any answer from the network; a refusal (a ValueError) leaves the stages unknown, as any failure.
         return load_object(response.data, max_bytes=MAX_ANSWER_BYTES)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import TypedDict
 
 from preheat.k8s.values import Values
 
@@ -19,6 +20,39 @@ _REDIS_MEMORY_ARG = 6  # index of --maxmemory's value in components/redis-l2/red
 _INIT = "/spec/template/spec/initContainers"
 TRUST_DIR = "/etc/preheat/trust"  # where compile.trustKeysSecret's files are mounted
 _UNITS = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
+
+
+# The overlay's parts: JSON patch operations (RFC 6902: add and replace carry a value, copy a "from", a keyword in
+# Python, hence the second spelling) and Kustomize's patches of one target.
+class PatchOp(TypedDict):
+    op: str
+    path: str
+    value: object
+
+
+CopyOp = TypedDict("CopyOp", {"op": str, "from": str, "path": str})
+
+
+class Target(TypedDict):
+    kind: str
+    name: str
+
+
+class Patch(TypedDict):
+    target: Target
+    patch: str  # the operations as JSON text, one per line; empty: nothing to patch
+
+
+class Kustomization(TypedDict):
+    """The generated ``kustomization.yaml`` (key order as written)."""
+
+    apiVersion: str
+    kind: str
+    namespace: str
+    resources: list[str]
+    components: list[str]
+    images: list[dict[str, str]]
+    patches: list[Patch]
 
 
 def components(values: Values) -> list[str]:
@@ -41,7 +75,7 @@ def served_name(values: Values) -> str:
     return str(name) if name else values["model"]["uri"].rstrip("/").rsplit("/", 1)[-1]
 
 
-def kustomization(values: Values, kustomize_dir: str) -> dict[str, Any]:  # Any: a YAML document
+def kustomization(values: Values, kustomize_dir: str) -> Kustomization:
     """The overlay for ``values`` (already validated); ``kustomize_dir`` is manifests/kustomize relative to the overlay.
 
     >>> v = {"namespace": "llm", "image": {"repository": "r/preheat", "tag": "1"}, "model": {"uri": "s3://m/x"},
@@ -75,17 +109,17 @@ def kustomization(values: Values, kustomize_dir: str) -> dict[str, Any]:  # Any:
     }
 
 
-def _patch(kind: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:  # Any: JSON patch values
+def _patch(kind: str, name: str, ops: Sequence[PatchOp | CopyOp]) -> Patch:
     # A JSON patch is YAML too; one operation per line keeps the generated file readable and diffable.
     text = "[\n" + ",\n".join(json.dumps(op) for op in ops) + "\n]" if ops else ""
     return {"target": {"kind": kind, "name": name}, "patch": text}
 
 
-def _replace(path: str, value: object) -> dict[str, Any]:  # Any: JSON patch values
+def _replace(path: str, value: object) -> PatchOp:
     return {"op": "replace", "path": path, "value": value}
 
 
-def _fleet_config(values: Values) -> list[dict[str, Any]]:  # Any: JSON patch values
+def _fleet_config(values: Values) -> list[PatchOp]:
     data = {
         "model": values["model"]["uri"],
         "served-model-name": served_name(values),
@@ -103,7 +137,7 @@ def _fleet_config(values: Values) -> list[dict[str, Any]]:  # Any: JSON patch va
     return ops
 
 
-def _resources(values: Values, cuda: bool) -> dict[str, Any]:  # Any: a resources block
+def _resources(values: Values, cuda: bool) -> dict[str, dict[str, str]]:  # requests and limits
     want = values["resources"]["replica"]
     limits: dict[str, str] = {"memory": want["memory"]}
     if cuda:
@@ -111,12 +145,12 @@ def _resources(values: Values, cuda: bool) -> dict[str, Any]:  # Any: a resource
     return {"requests": {"cpu": want["cpu"], "memory": want["memory"]}, "limits": limits}
 
 
-def _replica(values: Values, cuda: bool) -> list[dict[str, Any]]:  # Any: JSON patch values
+def _replica(values: Values, cuda: bool) -> list[PatchOp]:
     # No /spec/replicas: the autoscaler owns the count, and an apply must not reset it.
     return [_replace("/spec/template/spec/containers/0/resources", _resources(values, cuda))]
 
 
-def _warm_pool(values: Values, cuda: bool) -> list[dict[str, Any]]:  # Any: JSON patch values
+def _warm_pool(values: Values, cuda: bool) -> list[PatchOp]:
     # A placeholder asks for exactly a replica's room, so the node it keeps up fits the replica that preempts it.
     return [
         _replace("/spec/replicas", values.get("warmPool", {}).get("size", 0)),
@@ -124,14 +158,15 @@ def _warm_pool(values: Values, cuda: bool) -> list[dict[str, Any]]:  # Any: JSON
     ]
 
 
-def _compile(values: Values) -> list[dict[str, Any]]:  # Any: JSON patch values
+def _compile(values: Values) -> list[PatchOp]:
     """``compile.enabled``: ``PREHEAT_COMPILE=1``; with ``trustKeys``, their Secret mounted read-only (group-readable
     only) and ``PREHEAT_TRUST_KEY`` naming the files: compiled artifacts are code (docs/security.md)."""
     settings = values.get("compile", {})
     if not settings.get("enabled"):
         return []
     container = "/spec/template/spec/containers/0"
-    ops = [{"op": "add", "path": f"{container}/env/-", "value": {"name": "PREHEAT_COMPILE", "value": "1"}}]
+    compiled = {"name": "PREHEAT_COMPILE", "value": "1"}
+    ops: list[PatchOp] = [{"op": "add", "path": f"{container}/env/-", "value": compiled}]
     keys = settings.get("trustKeys", [])
     if keys:
         files = ",".join(f"{TRUST_DIR}/{key}" for key in keys)
@@ -148,7 +183,7 @@ def _compile(values: Values) -> list[dict[str, Any]]:  # Any: JSON patch values
     return ops
 
 
-def _autoscaler(values: Values) -> list[dict[str, Any]]:  # Any: patches
+def _autoscaler(values: Values) -> list[Patch]:
     replicas, delay = values["replicas"], values.get("scaleDownDelaySeconds", 300)
     target = str(values.get("targetInFlightPerReplica", 11))
     if values["autoscaler"] == "hpa":
@@ -172,9 +207,9 @@ def _autoscaler(values: Values) -> list[dict[str, Any]]:  # Any: patches
     return [_patch("ScaledObject", "preheat-replica", ops)]
 
 
-def _node_cache(values: Values) -> list[dict[str, Any]]:  # Any: patches
+def _node_cache(values: Values) -> list[Patch]:
     """One more init container per extra model: a copy of the first, warming another URI."""
-    ops: list[dict[str, Any]] = []
+    ops: list[PatchOp | CopyOp] = []
     for i, uri in enumerate(values["model"].get("extraCached", []), start=1):
         ops += [
             {"op": "copy", "from": f"{_INIT}/0", "path": f"{_INIT}/-"},
@@ -184,7 +219,7 @@ def _node_cache(values: Values) -> list[dict[str, Any]]:  # Any: patches
     return [_patch("DaemonSet", "preheat-node-cache", ops)]
 
 
-def _l2(values: Values) -> list[dict[str, Any]]:  # Any: patches
+def _l2(values: Values) -> list[Patch]:
     l2 = values["l2"]
     size = l2.get("size")
     if l2["backend"] == "redis" and size:

@@ -20,7 +20,7 @@ PROFILES: dict[str, Values] = {
 }
 
 
-def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> Values:
+def merge(base: Mapping[str, object], override: Mapping[str, object]) -> Values:
     """``override`` over ``base``: mappings merge key by key, anything else (lists too) is replaced.
 
     >>> merge({"replicas": {"min": 1, "max": 8}}, {"replicas": {"min": 0}})
@@ -35,7 +35,7 @@ def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> Values:
     return out
 
 
-def combine(defaults: Mapping[str, Any], layers: Iterable[tuple[str, Any]], profiles: Iterable[str]) -> Values:
+def combine(defaults: Mapping[str, object], layers: Iterable[tuple[str, object]], profiles: Iterable[str]) -> Values:
     """Defaults, then each ``(where, document)`` layer in order, then each profile; ``where`` names a bad layer."""
     values: Values = copy.deepcopy(dict(defaults))
     for where, document in layers:
@@ -51,7 +51,7 @@ def combine(defaults: Mapping[str, Any], layers: Iterable[tuple[str, Any]], prof
     return values
 
 
-def validate(values: Mapping[str, Any], schema: Mapping[str, Any], where: str = "values") -> None:
+def validate(values: Mapping[str, object], schema: Mapping[str, object], where: str = "values") -> None:
     """Raise ``ConfigError`` naming every key that breaks the schema (or a rule the schema cannot say)."""
     from jsonschema import Draft202012Validator
 

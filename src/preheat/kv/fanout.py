@@ -19,12 +19,23 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
+from preheat.core.errors import ConfigError
+from preheat.io.tuning import cpu_cores
+
 A = TypeVar("A")
 R = TypeVar("R")
 
 MIN_BYTES = 2 << 20  # a batch smaller than this is not worth waking another thread for
-DEFAULT_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-# (the cores this process may run on, as a container's limit says; at most 4: the engine's own threads want cores)
+DEFAULT_THREADS = min(4, cpu_cores())  # at most 4: the engine's own threads want cores too
+
+
+def check_threads(threads: int) -> int:
+    """``threads`` when it is a usable ``io_threads`` setting; ``ConfigError`` naming that key when it is below 1.
+    The one check: ``FanOut`` makes it for every store (``open_store``, ``BlobStore``), an engine's store settings
+    when they are read (``integrations/store_settings.py``)."""
+    if threads < 1:
+        raise ConfigError(f"io_threads must be at least 1, not {threads}")
+    return threads
 
 
 class FanOut:
@@ -35,9 +46,7 @@ class FanOut:
     lets them go."""
 
     def __init__(self, threads: int = DEFAULT_THREADS, *, min_bytes: int = MIN_BYTES) -> None:
-        if threads < 1:
-            raise ValueError(f"io threads must be at least 1, not {threads}")
-        self.threads = threads
+        self.threads = check_threads(threads)
         self.min_bytes = min_bytes
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()

@@ -324,13 +324,11 @@ def open_store(
     quota of an ``fs://`` directory across every process and namespace sharing it (``8GiB``; LRU by last use);
     ``ttl_s``: Redis expiry after the last read; ``secret_file``: the fleet secret (docs/kv-cache.md), values are
     then signed and only signed ones are read; ``io_threads``: how many threads an ``fs://`` batch is read or
-    written on (``kv/fanout.py``). A bad URL or secret raises ``ConfigError``; an unreachable store does not: it
-    comes back down (every call a miss) and is retried.
+    written on (``kv/fanout.py``). A bad URL, secret or ``io_threads`` raises ``ConfigError``; an unreachable store
+    does not: it comes back down (every call a miss) and is retried.
     """
     mac_key = mac.derive_key(mac.read_secret_file(secret_file)) if secret_file is not None else None
     expect = chunkfile.BlobExpect(namespace.id, max_value_bytes, mac_key=mac_key)
-    if io_threads < 1:
-        raise ConfigError(f"io_threads must be at least 1, not {io_threads}")
     return BlobStore(open_storage(url, expect, max_bytes=max_bytes, ttl_s=ttl_s), namespace, io_threads=io_threads)
 
 

@@ -3,11 +3,13 @@
 ``lookup`` walks a prompt's chunk keys in order, L1 first then L2, and stops at the first chunk found nowhere: K/V
 of a chunk are only valid after every chunk before it. L2 hits are promoted to L1. ``store`` puts a new chunk in L1
 at once (one host copy, quantized if ``kv_dtype`` says so) and queues it for L2 on a background thread; when that
-queue is full the chunk is dropped for L2 (counted), so a slow or dead L2 never delays a request.
+queue is full the chunk is dropped for L2 (counted), so a slow or dead L2 never delays a request. ``close`` gives
+what is queued a deadline to reach L2 and drops (and counts) the rest, so a hung L2 never holds up a shutdown either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -23,6 +25,7 @@ from preheat.kv.tier import Tier
 log = logging.getLogger("preheat.kv")
 
 DEFAULT_QUEUE = 64  # chunks waiting for L2 (for SmolLM2 in float32, 64 x 12 MB)
+CLOSE_DEADLINE_S = 5.0  # what a shutdown waits for queued chunks to reach L2 (Kubernetes' grace period is 30 s)
 
 
 class TieredKV:
@@ -51,7 +54,8 @@ class TieredKV:
         self.keyed = keyed  # L2 chunks are signed and checked with the fleet's MAC key (--kv-secret-file)
         self.events = events
         self.costs = Costs()
-        self.dropped = 0  # chunks not written to L2 because its queue was full
+        self.dropped = 0  # chunks not written to L2: its queue was full, or still queued at close's deadline
+        self._closing = False
         self._queue: queue.Queue[tuple[str, StoredChunk] | None] = queue.Queue(maxsize=queue_size)
         self._writer: threading.Thread | None = None
         if l2 is not None:
@@ -110,6 +114,8 @@ class TieredKV:
             self.events.emit("store", "l1", key)
         if self.l2 is not None:
             try:
+                if self._closing:
+                    raise queue.Full  # the writer is being stopped: nothing more goes its way
                 self._queue.put_nowait((key, chunk))
             except queue.Full:
                 self.dropped += 1
@@ -134,9 +140,39 @@ class TieredKV:
         if self._writer is not None:
             self._queue.join()
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join(timeout=5)
+    def close(self, deadline_s: float = CLOSE_DEADLINE_S) -> None:
+        """Write what is queued for L2 within ``deadline_s`` seconds, then close the tiers. Chunks still queued at
+        the deadline (an L2 write that hangs, with the queue full behind it) are dropped and counted in
+        ``dropped``; the writer thread, stuck in that write, is left to end with the process (it is a daemon)."""
+        writer = self._writer
+        if writer is not None:
+            self._closing = True
+            until = time.monotonic() + max(deadline_s, 0.0)
+            with contextlib.suppress(queue.Full):  # full until the deadline: the writer is stuck, see below
+                self._queue.put(None, timeout=max(deadline_s, 0.0))  # the writer's signal to stop, after the queue
+            writer.join(timeout=max(until - time.monotonic(), 0.0))
+            if writer.is_alive():
+                lost = self._drop_queued()
+                log.warning(
+                    "KV L2: %d queued chunk(s) dropped at shutdown: L2 did not take them within %g s (a write hangs)",
+                    lost,
+                    deadline_s,
+                )
         for tier in self.tiers:
             tier.close()
+
+    def _drop_queued(self) -> int:
+        """Take every chunk off the L2 queue unwritten (counted in ``dropped``) and leave the stop signal alone in
+        it, so a writer whose hung write ever returns ends there."""
+        lost = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            if item is not None:
+                lost += 1
+        self.dropped += lost
+        self._queue.put_nowait(None)  # room: the queue was just emptied, and store() queues nothing more
+        return lost

@@ -7,24 +7,10 @@ imports torch).
 
 from __future__ import annotations
 
-import ipaddress
-
 from preheat.core.errors import ConfigError
+from preheat.http.control import is_loopback  # its home: every server's rule for control routes needs it too
 
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server on this machine: ``localhost`` or a loopback address
-    (``127.0.0.0/8``, ``::1``). A wildcard (``0.0.0.0``, ``::``, ``""``) or any other name is the network.
-
-    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("0.0.0.0"), is_loopback("10.0.0.7")
-    (True, True, False, False)
-    """
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it resolves to whatever DNS says, so it counts as the network
-        return False
+__all__ = ["is_loopback", "require_token"]
 
 
 def require_token(

@@ -34,13 +34,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from preheat.checkpoint import manifest as mf
 from preheat.core.errors import HTTPClientError, NixlError, PeerError
 from preheat.core.jsonsafe import load_object
 from preheat.http.client import Timeouts
 from preheat.http.pool import Connection
+from preheat.http.tls import fleet_client
 from preheat.sources.base import Origin, Source
 
 if TYPE_CHECKING:
@@ -55,6 +56,31 @@ _TIMEOUT_S = 30.0  # one READ of one piece (16 MiB by default); far above any he
 _names = itertools.count()
 
 
+class NixlAgent(Protocol):
+    """nixl's ``nixl_agent`` (nixl ships no type stubs), as much of it as this module calls. Registration lists,
+    descriptor lists and transfer handles are opaque here: they only go back to the agent."""
+
+    def register_memory(self, memory: torch.Tensor | list[torch.Tensor]) -> object: ...
+
+    def deregister_memory(self, registered: object) -> None: ...
+
+    def get_agent_metadata(self) -> bytes: ...
+
+    def add_remote_agent(self, metadata: bytes) -> str: ...
+
+    def remove_remote_agent(self, name: str) -> None: ...
+
+    def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem_type: str) -> object: ...  # (addr, n, device)
+
+    def initialize_xfer(self, operation: str, local: object, remote: object, remote_agent: str) -> object: ...
+
+    def transfer(self, handle: object) -> str: ...  # "PROC", "DONE" or "ERR"
+
+    def check_xfer_state(self, handle: object) -> str: ...
+
+    def release_xfer_handle(self, handle: object) -> None: ...
+
+
 def nixl_api() -> ModuleType | None:
     """``nixl._api``, or None where nixl is not installed or its native libraries (UCX, CUDA) do not load."""
     try:
@@ -65,11 +91,12 @@ def nixl_api() -> ModuleType | None:
     return api
 
 
-def _new_agent(api: ModuleType, name: str) -> Any:  # Any: a nixl_agent (nixl ships no type stubs)
+def _new_agent(api: ModuleType, name: str) -> NixlAgent:
     """A NIXL agent with the UCX backend. nixl_agent prints its progress to stdout; it goes to stderr here, because
     stdout is a protocol for our CLIs (the seed peer's address line, ``--json``)."""
     with contextlib.redirect_stdout(sys.stderr):
-        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        agent: NixlAgent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    return agent
 
 
 def choose_transport(*, nixl_importable: bool, device: str, advertised: bool) -> str:
@@ -179,9 +206,8 @@ class NixlExport:
             raise NixlError("no CUDA tensor matches the manifest byte for byte; nothing to offer over NIXL")
         self.name = name or f"preheat-peer-{os.getpid()}-{next(_names)}"
         try:
-            # Any: nixl ships no type stubs.
-            self._agent: Any = _new_agent(api, self.name)
-            self._registered: Any = self._agent.register_memory([t for _, t in chosen])
+            self._agent = _new_agent(api, self.name)
+            self._registered = self._agent.register_memory([t for _, t in chosen])
             metadata = bytes(self._agent.get_agent_metadata())
         except Exception as exc:  # nixl raises its own binding exceptions (nixlBackendError, ...), no common base
             raise NixlError(f"NIXL setup failed: {type(exc).__name__}: {exc}") from None
@@ -216,7 +242,7 @@ def fetch_advert(address: str, token: str | None, timeout: float = 2.0) -> Adver
     """The peer's advert, or None when it offers none (404, an error, a refused token: the pull's TCP path will
     report a token problem on its own requests)."""
     host, _, port = address.rpartition(":")
-    connection = Connection(host.strip("[]"), int(port), Timeouts.within(timeout))
+    connection = Connection(host.strip("[]"), int(port), Timeouts.within(timeout), tls=fleet_client())
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         response = connection.request("GET", NIXL_ROUTE, headers=headers, max_body=MAX_ADVERT_BYTES)
@@ -257,9 +283,9 @@ class NixlReader:
         self.tcp_bytes = 0
         self.broken: str | None = None  # set on the first NIXL failure: the rest of the pull goes over TCP
         self._staging: torch.Tensor | None = None
-        self._staging_reg: Any = None  # Any: a nixl registration list (no stubs)
+        self._staging_reg: object | None = None  # the staging buffer's nixl registration
         try:
-            self._agent: Any = _new_agent(api, f"preheat-pull-{os.getpid()}-{next(_names)}")
+            self._agent = _new_agent(api, f"preheat-pull-{os.getpid()}-{next(_names)}")
             self.remote: str = self._agent.add_remote_agent(advert.metadata)
         except Exception as exc:  # nixl's binding exceptions have no common base
             raise NixlError(f"{where}: NIXL setup failed: {type(exc).__name__}: {exc}") from None

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 from preheat.checkpoint import manifest as mf
 from preheat.core import env
 from preheat.core.errors import CheckpointError, ConfigError, PreheatError
+from preheat.http.tls import TLSFiles, use_fleet
 from preheat.peer.access import require_token
 from preheat.peer.nixl import NixlExport
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry, valid_address
@@ -95,12 +96,24 @@ def start_peering(
     artifacts: ArtifactLookup | None = None,
     ttl: float = DEFAULT_TTL,
     nixl: NixlExport | None = None,
+    tls: TLSFiles | None = None,
 ) -> Peering:
     """Serve checkpoint ``root`` to peers and, with ``registry``, announce it until ``stop()``; with ``nixl``
-    (``preheat.peer.nixl.export_weights``), offer its GPU tensors over NIXL too."""
+    (``preheat.peer.nixl.export_weights``), offer its GPU tensors over NIXL too; with ``tls`` (a certificate), over
+    https, requiring client certificates signed by its CA when it has one (mutual TLS)."""
     manifest = manifest or read_manifest(root)
+    context = tls.listener(peers=True) if tls is not None else None
     server = PeerServer(
-        root, manifest, host=host, port=port, token=token, max_bps=max_bps, name=name, artifacts=artifacts, nixl=nixl
+        root,
+        manifest,
+        host=host,
+        port=port,
+        token=token,
+        max_bps=max_bps,
+        name=name,
+        artifacts=artifacts,
+        nixl=nixl,
+        tls=context,
     ).start()
     advertised = advertised_host(host)
     if ":" in advertised and not advertised.startswith("["):  # IPv6: bracketed, or host:port would be ambiguous
@@ -166,6 +179,19 @@ def main(argv: Sequence[str] | None = None, *, artifacts: ArtifactSource | None 
         "node or signed by a PREHEAT_TRUST_KEY key, checked again before each is served",
     )
     parser.add_argument("--cache-dir", default=None, help="node cache (default: PREHEAT_CACHE_DIR or ~/.cache/preheat)")
+    parser.add_argument(
+        "--ssl-certfile",
+        default=env.get(env.SSL_CERTFILE),
+        metavar="FILE",
+        help="serve https with this PEM certificate",
+    )
+    parser.add_argument("--ssl-keyfile", default=env.get(env.SSL_KEYFILE), metavar="FILE", help="its private key")
+    parser.add_argument(
+        "--ssl-ca-certs",
+        default=env.get(env.SSL_CA_CERTS),
+        metavar="FILE",
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
     args = parser.parse_args(argv)
     token = env.get(env.PEER_TOKEN)  # never on the command line: `ps` shows it to everyone
     import signal
@@ -174,6 +200,9 @@ def main(argv: Sequence[str] | None = None, *, artifacts: ArtifactSource | None 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         require_token(args.host, token, token_flag="PREHEAT_PEER_TOKEN", host_flag="--host")  # noqa: S106 - a name
+        tls = TLSFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+        tls.check()
+        use_fleet(tls)
         max_bps = float(args.max_mbps) * 1e6 if args.max_mbps else None
         root = os.path.realpath(args.root)
         manifest = read_manifest(root)
@@ -192,6 +221,7 @@ def main(argv: Sequence[str] | None = None, *, artifacts: ArtifactSource | None 
             ttl=args.ttl,
             nixl=nixl,
             artifacts=lookup,
+            tls=tls,
         )
     except (PreheatError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -23,11 +23,11 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from preheat.checkpoint import manifest as mf
 from preheat.core import env as envs
 from preheat.core.errors import CheckpointError, ConfigError, RegistryError, SourceError, SourceNotFoundError
+from preheat.http.tls import fleet_url
 from preheat.peer import nixl
 from preheat.peer.plan import plan_pieces
 from preheat.peer.registry import PeerEntry, open_registry, valid_address
@@ -42,8 +42,8 @@ from preheat.store.fetch import PieceSource, Progress
 from preheat.store.pull import PullResult, download, origin_key, pull
 
 log = logging.getLogger("preheat.peer")
-# What ``PeerOptions.from_env`` reads, by field (core/env.py declares each). Any: variables of several value types.
-_VARIABLES: dict[str, envs.Variable[Any]] = {
+# What ``PeerOptions.from_env`` reads, by field (core/env.py declares each).
+_VARIABLES: dict[str, envs.Variable[object]] = {
     "registry": envs.REGISTRY,
     "peers": envs.PEERS,
     "origin": envs.ORIGIN,
@@ -111,7 +111,8 @@ def peer_origin(address: str, options: PeerOptions) -> HTTPOrigin:
         backoff=0.05,
         redirects=0,  # a peer serves its own files: a redirect is a lie, and the peer is dropped for it
     )
-    return HTTPOrigin(f"http://{address}{FILES_ROUTE.rstrip('/')}", token=options.token or "", settings=settings)
+    url = f"{fleet_url(address)}{FILES_ROUTE.rstrip('/')}"  # https when this replica's own listeners are
+    return HTTPOrigin(url, token=options.token or "", settings=settings)
 
 
 def find_peers(wanted: str, options: PeerOptions, notes: list[str]) -> list[PeerEntry]:

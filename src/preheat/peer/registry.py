@@ -187,15 +187,6 @@ def _read_entry(path: str) -> tuple[bytes, int]:
         os.close(fd)
 
 
-def open_registry(url: str) -> Registry:
-    """``redis://...`` (or ``rediss://``) or ``file:///shared/dir``; ``ConfigError`` for anything else."""
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisRegistry(url)
-    if url.startswith("file://"):
-        return FileRegistry(unquote(urlsplit(url).path))
-    raise ConfigError(f"--registry {url!r}: use redis://host:port[/db] or file:///shared/dir")
-
-
 def _sorted(entries: list[PeerEntry]) -> list[PeerEntry]:
     return sorted(entries, key=lambda e: (e.load, e.address))
 
@@ -330,6 +321,36 @@ class RedisRegistry:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _file_registry(url: str) -> Registry:
+    return FileRegistry(unquote(urlsplit(url).path))
+
+
+# scheme -> the registry of its URLs: the one place that knows every kind (as kv/backends.py and sources/open.py);
+# a new kind of registry is one entry here. unix:///path/redis.sock is a Redis on a local socket.
+REGISTRIES: dict[str, Callable[[str], Registry]] = {
+    "redis": RedisRegistry,
+    "rediss": RedisRegistry,
+    "unix": RedisRegistry,
+    "file": _file_registry,
+}
+
+
+def check_registry(url: str, flag: str = "--registry") -> Callable[[str], Registry]:
+    """What opens ``url``'s kind of registry; ``ConfigError`` naming ``flag`` for a URL of no known scheme (checked
+    before anything is loaded, as ``preheat serve`` does)."""
+    scheme, sep, _ = url.partition("://")
+    opener = REGISTRIES.get(scheme) if sep else None
+    if opener is None:
+        raise ConfigError(f"{flag} {url!r}: use redis://host:port[/db] or file:///shared/dir")
+    return opener
+
+
+def open_registry(url: str) -> Registry:
+    """The registry at ``redis://...`` (``rediss://``, ``unix://``) or ``file:///shared/dir``; ``ConfigError`` for
+    anything else."""
+    return check_registry(url)(url)
 
 
 class Heartbeat:

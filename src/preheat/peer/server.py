@@ -34,7 +34,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from preheat.checkpoint import manifest as mf
@@ -43,6 +43,9 @@ from preheat.http.ranges import content_range, parse_range
 from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 from preheat.peer.access import require_token
 from preheat.peer.nixl import NIXL_ROUTE, NixlExport
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger("preheat.peer")
 FILES_ROUTE = "/peer/v1/files/"
@@ -221,6 +224,8 @@ class PeerServer(BackgroundServer):
     ``max_bps``: total outbound cap in bytes per second. ``artifacts``: a
     function from an artifact key to the path of its packed blob (or None), for ``/peer/v1/artifacts/<key>``.
     ``nixl``: this replica's GPU tensors registered with NIXL, advertised on ``/peer/v1/nixl`` (closed on ``stop``).
+    ``tls``: serve https with this server-side context (``preheat.http.tls.TLSFiles.server_context``; mutual TLS
+    when it requires client certificates).
 
     >>> with PeerServer("/cache/models/xxh3-128-...", manifest) as peer:    # doctest: +SKIP
     ...     print(peer.address)
@@ -241,13 +246,14 @@ class PeerServer(BackgroundServer):
         name: str = "",
         artifacts: ArtifactLookup | None = None,
         nixl: NixlExport | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         require_token(host, token)
         self.root = os.path.realpath(os.fspath(root))
         self.manifest = manifest
         self.manifest_bytes = manifest.to_json()
         self.files = servable_files(self.root, manifest)
-        super().__init__(host, port)
+        super().__init__(host, port, tls=tls)
         self.token = token or None
         self.bucket = TokenBucket(max_bps) if max_bps else None
         self.name = name

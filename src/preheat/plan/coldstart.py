@@ -34,7 +34,7 @@ import itertools
 from dataclasses import dataclass
 
 from preheat.core.errors import PlanError, PreheatError
-from preheat.timeline.report import Waterfall
+from preheat.timeline.waterfall import Waterfall
 
 PHASES = ("provision", "image", "start", "download", "load", "warmup", "other")
 STAGE_PHASE = {

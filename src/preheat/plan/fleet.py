@@ -9,13 +9,16 @@ the scale-out rule's slots x utilization as the autoscaler's in-flight target pe
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: this module stays free of simulate's numpy
+    from preheat.plan.simulate import PolicyRecord
 
 MAX_SCALE_DOWN_DELAY_S = 3600  # the HPA's longest stabilization window
 
 
-def recommend(docs: Sequence[Mapping[str, Any]], ttft_p99_target_s: float) -> int:  # Any: simulate's --json records
+def recommend(docs: Sequence[PolicyRecord], ttft_p99_target_s: float) -> int:
     """Index of the cheapest policy with ``ttft_p99_s <= ttft_p99_target_s``, else of the lowest p99.
 
     >>> recommend([{"cost": 9.0, "ttft_p99_s": 0.5}, {"cost": 2.0, "ttft_p99_s": 40.0}], ttft_p99_target_s=2.0)
@@ -27,7 +30,7 @@ def recommend(docs: Sequence[Mapping[str, Any]], ttft_p99_target_s: float) -> in
     return min(range(len(docs)), key=lambda i: (float(docs[i]["ttft_p99_s"]), float(docs[i]["cost"])))
 
 
-def fleet_values(doc: Mapping[str, Any], *, slots: int, target_utilization: float) -> tuple[dict[str, Any], list[str]]:
+def fleet_values(doc: PolicyRecord, *, slots: int, target_utilization: float) -> tuple[dict[str, object], list[str]]:
     """Deployment values for one policy's ``--json`` record, and notes on what the values cannot say."""
     policy = doc["settings"]
     low, high = int(policy["min_replicas"]), max(1, int(policy["max_replicas"]))
@@ -45,7 +48,7 @@ def fleet_values(doc: Mapping[str, Any], *, slots: int, target_utilization: floa
         notes.append("quantized: set model.uri to the quantized checkpoint")
     if policy.get("spot_burst"):
         notes.append("spot: run replicas beyond the warm pool on a spot node pool (a Karpenter NodePool, say)")
-    values = {
+    values: dict[str, object] = {
         "replicas": {"min": low, "max": max(low, high)},
         "autoscaler": "keda" if low == 0 else "hpa",
         "warmPool": {"size": int(policy.get("warm_pool", 0)) + int(policy.get("standby", 0))},

@@ -30,6 +30,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TypedDict, cast
 
 import numpy as np
 
@@ -75,6 +76,40 @@ class SimSettings:
     target_utilization: float = 0.7  # Knative's default: keep 30% of the slots free for what arrives next
 
 
+class PolicySettings(TypedDict):
+    """A ``Policy``'s switches in its ``--json`` record (every field but the name)."""
+
+    min_replicas: int
+    max_replicas: int
+    idle_timeout_s: float
+    node_cache: bool
+    quantized: bool
+    warm_pool: int
+    spot_burst: bool
+    standby: int
+
+
+class PolicyRecord(TypedDict):
+    """One policy's ``--json`` record (``SimResult.to_dict``; docs/plan.md): what ``--emit-values`` reads."""
+
+    policy: str
+    settings: PolicySettings
+    requests: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    ttft_mean_s: float
+    ttft_max_s: float
+    accelerator_hours: float
+    busy_hours: float
+    cost: float
+    idle_cost: float
+    cold_starts: int
+    peak_replicas: int
+    requests_queued: int
+    cold_start_s: dict[str, float]
+    horizon_s: float
+
+
 @dataclass
 class SimResult:
     """Per-policy outcome; ``served`` counts how often each request was served (always 1: a property tested)."""
@@ -93,12 +128,14 @@ class SimResult:
     requests_queued: int
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> PolicyRecord:
         """The ``--json`` record of one policy."""
         ttft = self.ttft
+        # vars(): every switch a Policy has, in its order (PolicySettings names them; a unit test keeps the two equal)
+        switches = cast(PolicySettings, {k: v for k, v in vars(self.policy).items() if k != "name"})
         return {
             "policy": self.policy.name,
-            "settings": {k: v for k, v in vars(self.policy).items() if k != "name"},
+            "settings": switches,
             "requests": int(ttft.size),
             "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft.size else 0.0,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else 0.0,

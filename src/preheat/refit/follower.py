@@ -1,12 +1,19 @@
 """The replica's side: follow the versions of ``NAME``, pull what changed, verify, swap between two requests.
 
-A ``Follower`` watches the registry for holders of ``NAME`` (``refit:NAME``: the trainer and replicas), asks each
-which versions it serves, and when a newer one than its own appears: fetches the manifest, works out the tensors
-whose digests it does not hold (``protocol.to_fetch``: unchanged tensors are never moved), pulls them striped
-across every holder of that version (``preheat.refit.pull``), checks each against its digest, and hands the swap to
-``run_between`` (the server's generation worker runs it between two requests; ``preheat.refit.swap``). Then it
-bumps the engine's identity to the version's, so KV chunks computed under the old weights are never looked up
-under the new ones, and serves the version itself to the replicas still pulling it.
+A ``Follower`` watches the registry for holders of ``NAME`` (``refit:NAME``: the trainer and replicas) and asks each
+which versions it serves. Those are claims: a version counts only once its manifest, fetched from a holder that
+claims it, verifies (``preheat.refit.lookout``): the name, epoch and version asked for, and, with trusted keys, a
+signature by one of them (``preheat.refit.trust``). Only verified versions move ``newest``, ``behind`` and the
+staleness limit, and a verified version more than ``max_jump`` past the one served is refused. A holder whose
+manifest or bytes do not verify, or that announces a version it then does not serve, is reported (``liars()``, a
+log line) and not asked again for ``shun_s`` seconds. Without trusted keys only holders on this machine are asked.
+
+When a verified version newer than its own appears, the follower works out the tensors whose digests it does not
+hold (``protocol.to_fetch``: unchanged tensors are never moved), pulls them striped across every holder of that
+version (``preheat.refit.pull``), checks each against its digest, and hands the swap to ``run_between`` (the
+server's generation worker runs it between two requests; ``preheat.refit.swap``). Then it bumps the engine's
+identity to the version's, so KV chunks computed under the old weights are never looked up under the new ones, and
+serves the version (with the trainer's signature) to the replicas still pulling it.
 
 Failures leave the replica on the version it serves: a version that cannot be pulled or verified is reported
 (``status()["error"]``) and not retried until a newer one appears or ``request(N)`` asks again; a version superseded
@@ -24,16 +31,18 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from preheat.artifacts.signing import TrustedKeys
 from preheat.checkpoint.torch_dtypes import to_torch
-from preheat.core.errors import PreheatError, RefitError, SupersededError
-from preheat.core.jsonsafe import load_object
-from preheat.http.client import Timeouts, request
+from preheat.core.errors import ConfigError, PreheatError, RefitError, SupersededError
+from preheat.http.tls import TLSFiles
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
-from preheat.refit.protocol import VersionManifest, check_name, head_identity, head_name, to_fetch
+from preheat.refit.lookout import Lookout
+from preheat.refit.protocol import VersionKey, VersionManifest, check_name, head_identity, head_name, to_fetch
 from preheat.refit.publisher import tensor_view
-from preheat.refit.pull import Discovery, Pull, fetch_manifest
-from preheat.refit.server import INFO_ROUTE, RefitServer
+from preheat.refit.pull import Discovery, Pull
+from preheat.refit.server import RefitServer
 from preheat.refit.swap import ModelSlots, SwapReport, check_shapes, swap
+from preheat.refit.trust import DEFAULT_MAX_JUMP, behind
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
@@ -41,8 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("preheat.refit")
 T = TypeVar("T")
 Runner = Callable[[Callable[[], T]], T]
-INFO_TIMEOUTS = Timeouts(connect=1.0, read=5.0)
-INFO_BYTES = 65536  # a holder's info lists the versions it serves: a few dozen bytes
 
 
 def run_now(fn: Callable[[], T]) -> T:
@@ -73,7 +80,10 @@ class Follower:
     ``base_digests``: name -> digest of the tensors the engine holds now, as published (from the checkpoint's
     ``preheat.json``); tensors not listed are pulled at the first version. ``serve``: offer the versions this replica
     holds to other replicas on a refit server at ``host:port`` (only when the engine computes in the dtype the
-    tensors are published in: its live tensors are then those bytes).
+    tensors are published in: its live tensors are then those bytes), over https with ``tls`` (mutual when it has a
+    CA). ``trusted``: the keys whose signatures make a version applicable (none: unsigned versions, from holders on
+    this machine only); ``max_jump``: the most a version may be past the one served; ``shun_s``: how long a holder
+    that lied is not asked.
     """
 
     def __init__(
@@ -92,22 +102,29 @@ class Follower:
         deadline_s: float = 120.0,
         inplace: bool = False,
         ttl: float = DEFAULT_TTL,
+        tls: TLSFiles | None = None,
         on_version: Callable[[int], None] | None = None,
+        trusted: TrustedKeys | None = None,
+        max_jump: int = DEFAULT_MAX_JUMP,
+        shun_s: float = 60.0,
     ) -> None:
         if engine.model is None:
             raise RefitError("--follow needs the built-in engine: this model runs on the transformers fallback")
+        if max_jump < 1:
+            raise ConfigError(f"--refit-max-jump {max_jump}: must be 1 or more")
         self.model = engine.model
         self._name = check_name(name)
         self.engine, self.run_between, self.on_version = engine, run_between, on_version
         self.registry = open_registry(registry) if isinstance(registry, str) else registry
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.poll_s, self.deadline_s, self.inplace = poll_s, deadline_s, inplace
+        self.trusted = trusted if trusted is not None else TrustedKeys()
         self.version: int | None = None
         self.current: VersionManifest | None = None  # the manifest of the version served
         self.have: dict[str, str] = dict(base_digests or {})
         self.owned: set[str] = set()
-        self.newest_seen: int | None = None
-        self.failed: int | None = None  # a version that could not be applied: not retried until asked or superseded
+        self.newest: VersionKey | None = None  # the newest version whose manifest verified: never a mere claim
+        self.failed: VersionKey | None = None  # could not be applied: not retried until asked or superseded
         self.error: str | None = None
         self.pulling: int | None = None
         self.abandoned = 0
@@ -119,7 +136,13 @@ class Follower:
         self._thread: threading.Thread | None = None
         # The heartbeat first: a bad ttl is refused before a server thread and socket exist to leak.
         self._heartbeat = Heartbeat(self.registry, self._entry, ttl) if serve else None
-        self.server = RefitServer(self, host=host, port=port, token=token).start() if serve else None
+        context = tls.listener(peers=True) if tls is not None and serve else None
+        self.server = RefitServer(self, host=host, port=port, token=token, tls=context).start() if serve else None
+        self.lookout = Lookout(
+            self._name, self.registry, headers=self.headers, trusted=self.trusted, max_jump=max_jump, shun_s=shun_s,
+            own=lambda: self.server.address if self.server is not None else None,
+            on_believed=self._believed, on_refused=self._refused,
+        )  # fmt: skip
 
     # -- Holder: what this replica serves to others ----------------------------------------------------------------
     @property
@@ -171,37 +194,80 @@ class Follower:
         if self.server is not None:
             self.server.stop()
 
+    @property
+    def served(self) -> VersionKey | None:
+        """``(epoch, version)`` of the version served; None: the loaded checkpoint."""
+        current = self.current
+        return current.key if current is not None else None
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the version served (None: the loaded checkpoint)."""
+        current = self.current
+        return current.epoch if current is not None else None
+
+    @property
+    def newest_seen(self) -> int | None:
+        """The number of the newest version that verified."""
+        return self.newest[1] if self.newest is not None else None
+
     def request(self, version: int | None = None) -> None:
         """Look for ``version`` (None: the newest) now, and try it even if it failed before."""
         self._wanted = version
-        self.failed = None if version is None or version == self.failed else self.failed
+        failed = self.failed
+        if failed is not None and (version is None or version == failed[1]):
+            self.failed = None
         self._wake.set()
 
-    def wait_for(self, version: int, timeout: float) -> bool:
+    def target_of(self, version: int, epoch: int | None = None) -> VersionKey:
+        """What asking for ``version`` means: of ``epoch`` when given, else of the newest epoch that verified."""
+        if epoch is None:
+            known = self.newest or self.served
+            epoch = known[0] if known is not None else 0
+        return (epoch, version)
+
+    def wait_for(self, version: int, timeout: float, *, epoch: int | None = None) -> bool:
         """Whether this replica serves ``version`` (or newer) within ``timeout`` seconds; False at once when that
-        version failed."""
+        version failed. ``version`` is of ``epoch`` when given, else of the newest epoch seen (``target_of``)."""
+
+        def reached() -> bool:
+            served = self.served
+            if served is None:
+                return version == 0  # the loaded checkpoint is version 0
+            return served >= self.target_of(version, epoch)
+
         with self._applied:
-            self._applied.wait_for(lambda: (self.version or 0) >= version or self.failed == version, timeout)
-            return (self.version or 0) >= version
+            self._applied.wait_for(lambda: reached() or self.failed == self.target_of(version, epoch), timeout)
+            return reached()
+
+    def liars(self) -> dict[str, int]:
+        """Holder address -> how many times it lied (``lookout.OTHER_HOLDERS`` past ``MAX_LIARS`` addresses)."""
+        return self.lookout.liars()
 
     def status(self) -> dict[str, object]:
-        """What ``/health`` reports: the version served, the newest seen, a pull under way, the last error."""
+        """What ``/health`` reports: the version served, the newest verified, a pull under way, the last error, and
+        the holders that lied."""
+        lies = self.liars()
         return {
             "name": self._name,
             "version": self.version,
+            "epoch": self.epoch,
             "newest": self.newest_seen,
+            "newest_epoch": self.newest[0] if self.newest is not None else None,
             "behind": self.behind,
             "pulling": self.pulling,
-            "failed": self.failed,
+            "failed": self.failed[1] if self.failed is not None else None,
             "error": self.error,
             "abandoned": self.abandoned,
+            "signed": bool(self.trusted),
+            "lies": lies,
             "last": self.last.to_dict() if self.last is not None else None,
         }
 
     @property
     def behind(self) -> int:
-        """Versions published that this replica does not serve yet."""
-        return max(0, (self.newest_seen or 0) - (self.version or 0))
+        """Verified versions published that this replica does not serve yet."""
+        return behind(self.served, self.newest)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -212,71 +278,65 @@ class Follower:
             self._wake.wait(self.poll_s)
             self._wake.clear()
 
+    # -- looking: claims, then what verifies (preheat.refit.lookout) ----------------------------------------------
     def discover(self) -> Discovery:
-        """Every holder of ``name`` the registry knows (this replica aside) and the versions each serves."""
-        own = self.server.address if self.server is not None else None
-        holders: dict[str, list[int]] = {}
-        for entry in self.registry.find(head_name(self._name)):
-            if entry.address == own or entry.identity != head_identity(self._name):
-                continue
-            try:
-                answer = request(
-                    f"http://{entry.address}{INFO_ROUTE}",
-                    timeouts=INFO_TIMEOUTS,
-                    headers=self.headers,
-                    max_body=INFO_BYTES,
-                )
-                # Bounded: a holder is any address in the registry, and 64 KiB of "[" would otherwise raise a
-                # RecursionError here, which ended this thread. A JSONInputError is a PreheatError: holder skipped.
-                info = load_object(answer.body, max_bytes=INFO_BYTES, max_depth=8) if answer.status == 200 else {}
-            except PreheatError as exc:
-                log.debug("refit: holder %s skipped (no answer, or not a list of versions): %s", entry.address, exc)
-                continue
-            versions = info.get("versions")
-            if isinstance(versions, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
-                holders[entry.address] = versions
-        found = Discovery(holders)
-        if found.newest is not None and (self.newest_seen is None or found.newest > self.newest_seen):
-            self.newest_seen = found.newest
-        return found
+        """Claims: every holder of ``name`` the registry knows and the versions each says it serves."""
+        return self.lookout.discover()
+
+    def look(self) -> Discovery:
+        """The holders of the versions this replica may believe (``Lookout.look``)."""
+        return self.lookout.look(self.served)
+
+    def _believed(self, manifest: VersionManifest) -> None:
+        with self._applied:
+            if self.newest is None or manifest.key > self.newest:
+                self.newest = manifest.key
+            self._applied.notify_all()  # a waiter's target may be of this epoch
+
+    def _refused(self, key: VersionKey, why: str) -> None:
+        with self._applied:
+            self.error = f"version {key[1]} (epoch {key[0]}) refused: {why}"
 
     def step(self) -> bool:
         """Look once; pull and apply the newest version when it is newer than ours. True when one was applied."""
-        found = self.discover()
-        wanted, served = self._wanted, self.version or 0
-        # A version asked for that is served already, or that no holder serves while a newer one is out, is dropped:
-        # kept, it would pin every later look to it and the replica would stop following.
-        if wanted is not None and (wanted <= served or (not found.holding(wanted) and (found.newest or 0) > wanted)):
-            self._wanted = wanted = None
-        target = wanted if wanted is not None else found.newest
-        if target is not None and not found.holding(target):
-            return False  # asked for a version not published yet: looked for again at the next poll, not failed
-        while target is not None and target > (self.version or 0) and target != self.failed:
+        found = self.look()
+        wanted, served = self._wanted, self.served
+        target = found.newest
+        if wanted is not None:
+            held = [k for vs in found.holders.values() for k in vs]
+            asked = [k for k in held if k[1] == wanted and (served is None or k > served)]
+            if asked:
+                target = max(asked)
+            elif (served is not None and served[1] >= wanted) or (target is not None and target[1] > wanted):
+                # Served already, or passed by a newer one: dropped, or it would pin every later look to it.
+                self._wanted = wanted = None
+            else:
+                return False  # asked for a version not published yet: looked for again at the next poll, not failed
+        while target is not None and (served is None or target > served) and target != self.failed:
             self._wanted = None
             try:
-                self.apply(target, found)
+                self.apply(self.lookout.verified[target], found)
                 return True
             except SupersededError as exc:
                 self.abandoned += 1
                 log.info("refit: %s; pulling the newer one", exc)
-                found = self.discover()
+                found = self.look()
                 target = found.newest
             except RefitError as exc:
                 with self._applied:
-                    if target > (self.version or 0):  # not one a newer version superseded meanwhile
+                    if self.served is None or target > self.served:  # not one a newer version superseded meanwhile
                         self.failed, self.error = target, str(exc)
                     self._applied.notify_all()
                 log.warning("refit: staying on version %s: %s", self.version, exc)
                 return False
         return False
 
-    def apply(self, version: int, found: Discovery) -> None:
-        """Pull ``version`` from its holders, verify, swap it in; ``RefitError`` leaves the engine as it was."""
+    def apply(self, manifest: VersionManifest, found: Discovery) -> None:
+        """Pull the version of ``manifest`` (verified: ``look``) from its holders in ``found``, check every tensor,
+        swap it in; ``RefitError`` leaves the engine as it was."""
+        version = manifest.version
         self.pulling = version
         try:
-            manifest = fetch_manifest(found.holding(version), version, self.headers)
-            if manifest.name != self._name:
-                raise RefitError(f"version {version} is of {manifest.name!r}, not {self._name!r}")
             slots = ModelSlots(self.model)
             # Names and shapes come from a holder: checked against the model before a byte is pulled (a manifest of
             # another model costs one refusal, not its tensors in memory). A tied model's lm_head is not pulled: the
@@ -287,13 +347,14 @@ class Follower:
             pull = Pull(
                 manifest,
                 needed,
-                self.discover,
+                self.look,
                 headers=self.headers,
                 poll_s=self.poll_s,
                 deadline_s=self.deadline_s,
                 cancel=self._stop,
+                on_lie=self.lookout.lie,
             )
-            result = pull.run(found.holding(version))
+            result = pull.run(found.holding(manifest.key))
             tensors = {
                 e.name: torch.frombuffer(result.data[e.name], dtype=to_torch(e.dtype)).reshape(e.shape)
                 if e.nbytes
@@ -352,8 +413,12 @@ class Follower:
         with self._applied:
             self.current, self.version = manifest, manifest.version
             self.error = None
-            if self.failed is not None and self.failed <= manifest.version:  # superseded: no longer reported
+            if self.failed is not None and self.failed <= manifest.key:  # superseded: no longer reported
                 self.failed = None
+            if self.newest is None or self.newest < manifest.key:
+                self.newest = manifest.key
+            # On the generation thread, while the follower's thread waits for this swap: the lookout is not in use.
+            self.lookout.served(manifest.key)
             self._applied.notify_all()
         if self.on_version is not None:
             self.on_version(manifest.version)

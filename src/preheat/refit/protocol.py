@@ -1,12 +1,17 @@
 """The refit protocol, pure: version manifests, what a replica must fetch, and which holder serves which tensor.
 
-A *version manifest* says: version ``N`` of the served name ``NAME`` is these tensors (name, dtype, shape, bytes,
-``xxh3-128`` digest of the bytes), each marked ``changed`` when its digest differs from version ``N-1``'s. Its
-``identity`` is the digest of its canonical JSON (name and version included), so two versions never share an
-identity: it is the model identity a replica puts into its KV keys once it serves the version.
+A *version manifest* says: version ``N`` of the served name ``NAME``, published in the publisher's ``epoch``, is
+these tensors (name, dtype, shape, bytes, ``xxh3-128`` digest of the bytes), each marked ``changed`` when its digest
+differs from version ``N-1``'s. Versions are ordered by ``(epoch, version)`` (``key``): a trainer that restarts
+picks a new, later epoch, so its version 1 comes after everything it published before. The ``identity`` is the
+digest of the canonical JSON (name, epoch and version included), so two versions never share an identity: it is
+the model identity a replica puts into its KV keys once it serves the version.
 
-Manifests come from the network (a trainer, another replica): ``VersionManifest.from_json`` bounds and checks every
-field, and a puller checks every tensor's bytes against the manifest it fetched before anything is swapped in.
+On the wire a manifest travels with its ``signature`` (the publisher's Ed25519 key and its signature of the
+canonical JSON, ``preheat.refit.trust``), or with none when the publisher has no key. Manifests come from the
+network (a trainer, another replica): ``VersionManifest.from_json`` bounds and checks every field, ``trust`` checks
+the signature against the keys the replica trusts, and a puller checks every tensor's bytes against the manifest
+before anything is swapped in.
 
 >>> t = TensorEntry("w", "F32", (2,), 8, "xxh3-128:" + 32 * "0", changed=True)
 >>> m = VersionManifest("tiny", 3, (t,))
@@ -21,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from preheat.checkpoint.digest import digest_bytes
 from preheat.checkpoint.dtypes import is_known, itemsize
@@ -29,10 +34,13 @@ from preheat.checkpoint.manifest import canonical_json
 from preheat.core.errors import JSONInputError, RefitError
 from preheat.core.jsonsafe import loads_bounded
 
-FORMAT = 1
+FORMAT = 2  # 2: the publisher's epoch, and the manifest inside a (possibly signed) envelope
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # ~150 bytes a tensor: far beyond any model's tensor count
 MAX_TENSORS = 200_000
+MAX_COUNT = 2**62  # versions and epochs: counts, below any JSON number's loss of precision in other languages' parsers
 _DIGEST = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
+_SIGNER = re.compile(r"^[0-9a-f]{64}$")  # a raw Ed25519 public key, hex
+_SIGNATURE = re.compile(r"^[0-9a-f]{128}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")  # a served name: also a registry and URL path part
 # Tensor names travel in URL paths: dotted identifiers, nothing a path or a query would read as more.
 _TENSOR = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,511}$")
@@ -85,18 +93,45 @@ class TensorEntry:
         }
 
 
+VersionKey = tuple[int, int]  # (epoch, version): the order of versions
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Who signed a manifest (a raw 32-byte Ed25519 public key) and the 64-byte signature (``preheat.refit.trust``)."""
+
+    signer: bytes
+    value: bytes
+
+    def to_dict(self) -> dict[str, str]:
+        return {"signer": self.signer.hex(), "value": self.value.hex()}
+
+
 @dataclass(frozen=True)
 class VersionManifest:
-    """Version ``version`` of ``name``: its tensors, in a fixed order."""
+    """Version ``version`` of ``name`` in the publisher's ``epoch``: its tensors, in a fixed order; ``signature``:
+    the publisher's, when it has a key (not part of what is signed, nor of the identity)."""
 
     name: str
     version: int
     tensors: tuple[TensorEntry, ...]
+    epoch: int = 0
+    signature: Signature | None = None
+
+    @property
+    def key(self) -> VersionKey:
+        """``(epoch, version)``: a larger key is a later version."""
+        return (self.epoch, self.version)
 
     @property
     def identity(self) -> str:
         """``xxh3-128:...`` of the canonical JSON: the model identity of this version (KV keys, registry)."""
-        return digest_bytes(canonical_json(self.to_dict()))
+        return digest_bytes(self.signed_bytes())
+
+    def signed_bytes(self) -> bytes:
+        """The canonical JSON of everything but the signature: what the publisher signs and the identity digests.
+        Made again from the parsed values on every check, so a signature covers exactly what the replica uses."""
+        return canonical_json(self.to_dict())
 
     @property
     def total_bytes(self) -> int:
@@ -117,44 +152,73 @@ class VersionManifest:
         return {
             "format": FORMAT,
             "name": self.name,
+            "epoch": self.epoch,
             "version": self.version,
             "tensors": [t.to_dict() for t in self.tensors],
         }
 
     def to_json(self) -> bytes:
-        return canonical_json(self.to_dict())
+        """The wire form (``GET /refit/v1/epochs/E/versions/N``): ``{"manifest": {...}, "signature": {"signer":
+        hex, "value": hex} | null}``."""
+        signature = self.signature.to_dict() if self.signature is not None else None
+        return canonical_json({"manifest": self.to_dict(), "signature": signature})
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> VersionManifest:
-        """Parse and check a manifest from ``where`` (a URL); ``RefitError`` naming it for anything malformed."""
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise RefitError(f"{where}: version manifest over {MAX_MANIFEST_BYTES} bytes")
+        """Parse and check a manifest from ``where`` (a URL); ``RefitError`` naming it for anything malformed. The
+        signature is parsed, not checked: ``preheat.refit.trust.check_signature`` does that."""
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise RefitError(f"{where}: version manifest over {MAX_DOCUMENT_BYTES} bytes")
         try:
-            doc = loads_bounded(data, max_bytes=MAX_MANIFEST_BYTES)
+            doc = loads_bounded(data, max_bytes=MAX_DOCUMENT_BYTES, max_depth=8)
         except JSONInputError as exc:
             raise RefitError(f"{where}: version manifest refused ({exc})") from None
         try:
-            return _parse(doc)
+            return _envelope(doc)
         except (ValueError, TypeError, KeyError) as exc:
-            raise RefitError(f"{where}: not a version manifest: {exc}") from None
+            raise RefitError(f"{where}: not a version manifest: {str(exc)[:300]}") from None
+
+
+MAX_DOCUMENT_BYTES = MAX_MANIFEST_BYTES + 1024  # the envelope and the signature around a manifest
+
+
+def _envelope(doc: object) -> VersionManifest:
+    if not isinstance(doc, dict) or set(doc) != {"manifest", "signature"}:
+        raise ValueError("not an object of a manifest and its signature")
+    manifest, raw = _parse(doc["manifest"]), doc["signature"]
+    if raw is None:
+        return manifest
+    if not isinstance(raw, dict) or set(raw) != {"signer", "value"}:
+        raise ValueError("signature is not an object of signer and value")
+    signer, value = raw["signer"], raw["value"]
+    if not isinstance(signer, str) or not _SIGNER.match(signer):
+        raise ValueError("signature signer is not 64 lowercase hex digits (an Ed25519 public key)")
+    if not isinstance(value, str) or not _SIGNATURE.match(value):
+        raise ValueError("signature value is not 128 lowercase hex digits (an Ed25519 signature)")
+    return replace(manifest, signature=Signature(bytes.fromhex(signer), bytes.fromhex(value)))
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
+        raise ValueError(f"{what} is not a count")
+    return value
 
 
 def _parse(doc: object) -> VersionManifest:
     if not isinstance(doc, dict):
-        raise ValueError("not an object")
+        raise ValueError("manifest is not an object")
     if doc.get("format") != FORMAT:
         raise ValueError(f"format {str(doc.get('format'))[:20]} (this preheat reads format {FORMAT})")
-    name, version, raw = doc["name"], doc["version"], doc["tensors"]
+    name, raw = doc["name"], doc["tensors"]
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError("name is not a served name")
-    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**62:
-        raise ValueError("version is not a count")
+    version, epoch = _count(doc["version"], "version"), _count(doc["epoch"], "epoch")
     if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
         raise ValueError(f"tensors is not a list of at most {MAX_TENSORS}")
     tensors = tuple(_tensor(item) for item in raw)
     if len({t.name for t in tensors}) != len(tensors):
         raise ValueError("a tensor is listed twice")
-    return VersionManifest(name, version, tensors)
+    return VersionManifest(name, version, tensors, epoch)
 
 
 def _tensor(item: object) -> TensorEntry:

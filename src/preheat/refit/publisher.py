@@ -9,7 +9,12 @@ still finds its tensors here while the next one is published.
 The publisher announces itself in the peer registry under ``refit:NAME`` (``protocol.head_name``), with a heartbeat:
 a trainer that dies disappears from the registry within the TTL, and replicas then pull from each other.
 
->>> with Publisher("tiny", registry="file:///tmp/reg") as pub:          # doctest: +SKIP
+Every version carries the publisher's ``epoch`` (its start time in milliseconds unless given), and with a
+``signing_key`` (``preheat artifacts keygen``) its manifest is signed (``preheat.refit.trust``): replicas started
+with ``--refit-trust-key`` apply only signed versions, and a trainer that restarts and counts from 1 again still moves
+them forward.
+
+>>> with Publisher("tiny", registry="file:///tmp/reg", signing_key="trainer.key") as pub:   # doctest: +SKIP
 ...     pub.publish(model.state_dict(), version=1, dtype=torch.bfloat16)
 """
 
@@ -24,11 +29,14 @@ from types import TracebackType
 
 import torch
 
+from preheat.artifacts.signing import SigningKey
 from preheat.checkpoint.digest import digest_bytes
 from preheat.checkpoint.torch_dtypes import from_torch
 from preheat.core.errors import ConfigError, RefitError
+from preheat.http.tls import TLSFiles
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
 from preheat.refit.protocol import (
+    MAX_COUNT,
     TensorEntry,
     VersionManifest,
     check_name,
@@ -38,6 +46,7 @@ from preheat.refit.protocol import (
     mark_changes,
 )
 from preheat.refit.server import RefitServer
+from preheat.refit.trust import new_epoch, sign
 
 log = logging.getLogger("preheat.refit")
 
@@ -90,7 +99,10 @@ class Publisher:
     """Publishes versions of ``name`` from this process's memory; see the module docstring.
 
     ``registry``: ``redis://...``, ``file:///dir`` or a ``Registry``; ``host``/``port``/``token``: where the refit
-    server listens (loopback by default; beyond it a token is required); ``keep``: versions kept servable.
+    server listens (loopback by default; beyond it a token is required); ``keep``: versions kept servable;
+    ``tls``: serve https with its certificate, requiring client certificates signed by its CA when it has one;
+    ``signing_key``: a ``SigningKey`` or the path of its PEM file, to sign every version's manifest; ``epoch``: the
+    epoch of every version published here (default: now, in milliseconds; a later publisher must have a larger one).
     """
 
     def __init__(
@@ -103,13 +115,21 @@ class Publisher:
         token: str | None = None,
         keep: int = 2,
         ttl: float = DEFAULT_TTL,
+        tls: TLSFiles | None = None,
+        signing_key: SigningKey | str | None = None,
+        epoch: int | None = None,
     ) -> None:
         if keep < 1:
             raise ConfigError(f"keep={keep}: a publisher must keep at least the latest version")
+        if epoch is not None and not 0 <= epoch < MAX_COUNT:
+            raise ConfigError(f"epoch={epoch}: a count below 2**62")
         self._name = check_name(name)
+        self.signer = SigningKey.read(signing_key) if isinstance(signing_key, str) else signing_key
+        self.epoch = new_epoch() if epoch is None else epoch
         self.keep = keep
         self.registry = open_registry(registry) if isinstance(registry, str) else registry
-        self.server = RefitServer(self, host=host, port=port, token=token)
+        context = tls.listener(peers=True) if tls is not None else None
+        self.server = RefitServer(self, host=host, port=port, token=token, tls=context)
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._lock = threading.Lock()
         self._heartbeat = Heartbeat(self.registry, self._entry, ttl)  # checks ttl before the server starts
@@ -139,7 +159,7 @@ class Publisher:
     # -- publishing ------------------------------------------------------------------------------------------------
     @property
     def url(self) -> str:
-        return f"http://{self.server.address}"
+        return f"{'https' if self.server.tls is not None else 'http'}://{self.server.address}"
 
     @property
     def latest(self) -> VersionManifest | None:
@@ -171,8 +191,10 @@ class Publisher:
             entries.append(TensorEntry(tensor_name, from_torch(copy.dtype), tuple(copy.shape), copy.nbytes, digest))
             data[tensor_name] = copy
         manifest = VersionManifest(
-            self._name, version, mark_changes(entries, previous.manifest.digests() if previous else None)
+            self._name, version, mark_changes(entries, previous.manifest.digests() if previous else None), self.epoch
         )
+        if self.signer is not None:
+            manifest = sign(manifest, self.signer)
         with self._lock:
             self._versions[version] = _Version(manifest, data)
             while len(self._versions) > self.keep:

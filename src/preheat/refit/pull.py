@@ -3,9 +3,11 @@
 Holders are the trainer and the replicas already on the version (``preheat.refit.server``). One thread per holder
 takes the next waiting tensor, so a fast holder serves more of them (striping that rebalances itself). A holder
 that fails (refused, timed out, 404: it moved on) is dropped for this pull and its tensor goes back in line; a holder
-whose bytes do not match the manifest's digest is dropped for good. While tensors wait, ``rediscover()`` is asked
-every ``poll_s`` for holders (a replica that has just finished the version: the pull resumes from it when the
-trainer dies) and for the newest version (when one newer than this pull appears, the pull is abandoned).
+whose bytes do not match the manifest's digest is dropped for good and reported (``on_lie``). While tensors wait,
+``rediscover()`` is asked every ``poll_s`` for holders (a replica that has just finished the version: the pull
+resumes from it when the trainer dies) and for the newest version (when one newer than this pull appears, the pull
+is abandoned). What ``rediscover()`` returns is the follower's to vouch for: only versions whose manifests verified,
+so a holder that merely announces a huge version cannot abandon every pull.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from dataclasses import dataclass, field
 from preheat.checkpoint.digest import digest_bytes
 from preheat.core.errors import PreheatError, RefitError, SupersededError, VerificationError
 from preheat.http.client import Timeouts, describe, request
-from preheat.refit.protocol import TensorEntry, VersionManifest, stripe
-from preheat.refit.server import VERSIONS_ROUTE
+from preheat.http.tls import fleet_url
+from preheat.refit.protocol import TensorEntry, VersionKey, VersionManifest, stripe
+from preheat.refit.server import tensor_route
 
 log = logging.getLogger("preheat.refit")
 TIMEOUTS = Timeouts(connect=2.0, read=30.0)
@@ -43,36 +46,16 @@ class PullResult:
 
 @dataclass
 class Discovery:
-    """What the registry and the holders say now: each holder's versions."""
+    """What the registry and the holders say now: the versions (``(epoch, version)``) each holder serves."""
 
-    holders: dict[str, list[int]]  # address -> versions it serves
+    holders: dict[str, list[VersionKey]]  # address -> versions it serves
 
     @property
-    def newest(self) -> int | None:
+    def newest(self) -> VersionKey | None:
         return max((v for vs in self.holders.values() for v in vs), default=None)
 
-    def holding(self, version: int) -> list[str]:
-        return sorted(a for a, vs in self.holders.items() if version in vs)
-
-
-def fetch_manifest(addresses: Sequence[str], version: int, headers: Mapping[str, str]) -> VersionManifest:
-    """Version ``version``'s manifest from the first of ``addresses`` that has it (``RefitError`` if none)."""
-    errors: list[str] = []
-    for address in addresses:
-        url = f"http://{address}{VERSIONS_ROUTE}{version}"
-        try:
-            answer = request(url, timeouts=TIMEOUTS, headers=headers, max_body=64 * 1024 * 1024)
-        except PreheatError as exc:
-            errors.append(describe(exc, TIMEOUTS))
-            continue
-        if answer.status != 200:
-            errors.append(f"{url}: HTTP {answer.status}")
-            continue
-        manifest = VersionManifest.from_json(answer.body, where=url)
-        if manifest.version != version:
-            raise RefitError(f"{url}: answered version {manifest.version} instead of {version}")
-        return manifest
-    raise RefitError(f"no holder served the manifest of version {version}: {'; '.join(errors) or 'no holders'}")
+    def holding(self, key: VersionKey) -> list[str]:
+        return sorted(a for a, vs in self.holders.items() if key in vs)
 
 
 class Pull:
@@ -88,8 +71,10 @@ class Pull:
         poll_s: float = 0.5,
         deadline_s: float = 120.0,
         cancel: threading.Event | None = None,
+        on_lie: Callable[[str, str], None] | None = None,
     ) -> None:
         self.manifest, self.rediscover, self.headers = manifest, rediscover, dict(headers)
+        self.on_lie = on_lie  # (holder, why): told from the pulling threads when a holder's bytes do not match
         self.poll_s, self.deadline_s = poll_s, deadline_s
         self.entries = list(entries)
         self._waiting: deque[TensorEntry] = deque()
@@ -105,7 +90,7 @@ class Pull:
     def run(self, holders: Sequence[str]) -> PullResult:
         began = time.monotonic()
         deadline = began + self.deadline_s
-        version = self.manifest.version
+        version, key = self.manifest.version, self.manifest.key
         plan = stripe(self.entries, list(holders)) if holders and self.entries else {}
         # The plan's order first (largest tensors spread over holders), then anything left, one shared line.
         first = [e for group in itertools.zip_longest(*plan.values()) for e in group if e is not None]
@@ -134,10 +119,10 @@ class Pull:
                     found = self.rediscover()
                 finally:
                     self._lock.acquire()
-                if found.newest is not None and found.newest > version:
+                if found.newest is not None and found.newest > key:
                     self._abandon.set()
-                    raise SupersededError(f"version {found.newest} was published while {version} was pulled")
-                fresh = [a for a in found.holding(version) if a not in self._busy and a not in self._lied]
+                    raise SupersededError(f"version {found.newest[1]} was published while {version} was pulled")
+                fresh = [a for a in found.holding(key) if a not in self._busy and a not in self._lied]
                 if not fresh and not self._busy and self._lied:  # every holder left sent bytes that did not match
                     self._abandon.set()
                     raise RefitError(self._stuck(f"version {version} failed verification from every holder"))
@@ -173,7 +158,10 @@ class Pull:
                         self._waiting.appendleft(entry)
                         if isinstance(exc, VerificationError):
                             self._lied[address] = str(exc)
-                    log.warning("refit: %s", exc)
+                    if isinstance(exc, VerificationError) and self.on_lie is not None:
+                        self.on_lie(address, str(exc))
+                    else:
+                        log.warning("refit: %s", exc)
                     return
                 with self._lock:
                     self._data[entry.name] = data
@@ -185,7 +173,7 @@ class Pull:
                 self._changed.notify_all()
 
     def _fetch(self, address: str, entry: TensorEntry) -> bytearray:
-        url = f"http://{address}{VERSIONS_ROUTE}{self.manifest.version}/tensors/{entry.name}"
+        url = f"{fleet_url(address)}{tensor_route(self.manifest.key, entry.name)}"
         try:
             answer = request(url, timeouts=TIMEOUTS, headers=self.headers, max_body=entry.nbytes)
         except PreheatError as exc:

@@ -30,18 +30,22 @@ POLL_SECONDS = 0.05  # /health while a replica comes up: the first request waits
 CONTROL_SECONDS = 10.0  # the load and wake routes answer at once (202): they only start the work
 RETRY_FAILED_AFTER = 30.0  # a replica whose cold start failed is not tried again before this many seconds
 MAX_ANSWER = 1 << 20
+# A replica's refusals of the key, not of the model: preheat.http.control's codes.
+ADMIN_REFUSALS = ("invalid_admin_key", "admin_key_required", "host_not_allowed")
 KEPT_MEASUREMENTS = 16  # per kind: the mean of the last ones prices a replica whose own cost is unknown
 
 
 @dataclass(frozen=True)
 class ColdSettings:
     """``model``: what a standby is told to load (None: standbys are never activated); ``served_model_name``: the
-    name it serves it under; ``api_key``: the replicas' key for the control routes; ``timeout``: seconds a cold
-    start may take; ``wake``: whether sleeping replicas may be woken; ``saturation``: in flight per replica at which
-    the fleet counts as saturated."""
+    name it serves it under; ``admin_key``: the replicas' ``--admin-key``, sent on the load and wake requests (None:
+    their control routes are open to this host); ``api_key``: their ``--api-key``, sent to read a timeline;
+    ``timeout``: seconds a cold start may take; ``wake``: whether sleeping replicas may be woken; ``saturation``: in
+    flight per replica at which the fleet counts as saturated."""
 
     model: str | None = None
     served_model_name: str | None = None
+    admin_key: str | None = None
     api_key: str | None = None
     timeout: float = 300.0
     wake: bool = True
@@ -60,9 +64,11 @@ class ColdStarter:
         settings: ColdSettings,
     ) -> None:
         self.replicas, self.admit, self.metrics, self.settings = list(replicas), admit, metrics, settings
+        # Control requests carry the admin key alone; reads carry the API key alone: each key where it is needed.
         self.headers = {"Content-Type": "application/json"}
-        if settings.api_key:
-            self.headers["Authorization"] = f"Bearer {settings.api_key}"
+        if settings.admin_key:
+            self.headers["Authorization"] = f"Bearer {settings.admin_key}"
+        self.read_headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self.errors: dict[str, str] = {}  # the last failed cold start's reason, per replica
         self._refused: set[str] = set()  # replicas that may never load the model (403)
         self._failed_at: dict[str, float] = {}
@@ -201,8 +207,11 @@ class ColdStarter:
             )
         except HTTPClientError as exc:
             raise ColdStartError(str(exc)) from None
-        if answer.status == 401:
-            raise ColdStartError(f"{path} refused the router's key: pass the replicas' key as --replica-api-key")
+        if answer.status == 401 or _error_code(answer) in ADMIN_REFUSALS:
+            raise ColdStartError(
+                f"{path} refused the router's admin key ({_message(answer)}): pass the replicas' --admin-key as "
+                "PREHEAT_ROUTER_REPLICA_ADMIN_KEY (or --replica-admin-key)"
+            )
         return answer
 
     def _until_ready(self, replica: Replica, *, waiting: tuple[str, ...], gone: str) -> None:
@@ -240,10 +249,9 @@ class ColdStarter:
         of its last wake's timeline, when its timeline is one (unknown otherwise, until the router wakes it)."""
         if replica.phase != SLEEPING or replica.wake_seconds is not None:
             return
-        headers = {k: v for k, v in self.headers.items() if k == "Authorization"}
         try:
             answer = request(
-                replica.url + TIMELINE_PATH, timeouts=Timeouts.within(CONTROL_SECONDS), headers=headers,
+                replica.url + TIMELINE_PATH, timeouts=Timeouts.within(CONTROL_SECONDS), headers=self.read_headers,
                 max_body=16 * MAX_ANSWER,
             )  # fmt: skip
         except HTTPClientError as exc:

@@ -9,13 +9,15 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from preheat.core.config import parse_size
 from preheat.core.errors import RouterError
 from preheat.core.procs import listening_line
+from preheat.dashboard.login import Login
 from preheat.dashboard.watch import Findings
 from preheat.http.metrics import Counter
 from preheat.http.server import sigterm_interrupts
+from preheat.http.tls import use_fleet
 from preheat.k8s.slices import parse_k8s_url
-from preheat.peer.access import is_loopback
 from preheat.router.activation import ColdSettings, ColdStarter
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
@@ -71,14 +73,16 @@ class RouterService:
             index_ttl=settings.index_ttl,
             engines=[r.url for r, _ in sources],
         )
-        prompts = PromptReader.from_model(settings.model if needs_model else None)
+        prompts = PromptReader.from_model(settings.model if needs_model else None, settings.max_prompt_tokens)
         self.router = Router(
             replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key,
-            newest_version=settings.newest_version,
+            newest_version=settings.newest_version, max_answer_bytes=parse_size(settings.max_answer_bytes),
+            max_event_bytes=parse_size(settings.max_event_bytes),
         )  # fmt: skip
         cold = ColdSettings(
             model=settings.activation_model if settings.standby else None,
             served_model_name=settings.served_model_name,
+            admin_key=settings.replica_admin_key,
             api_key=settings.replica_api_key or settings.api_key,
             timeout=settings.activation_timeout,
             wake=settings.wake,
@@ -127,11 +131,20 @@ class RouterService:
         )
         if settings.replicas_from is not None:
             from preheat.k8s.discovery import EndpointSliceWatcher
+            from preheat.k8s.slices import SliceRules
 
-            self.discovery = EndpointSliceWatcher(parse_k8s_url(settings.replicas_from), self._discovered)
+            rules = SliceRules.of(
+                settings.pod_cidr,
+                max_slice_endpoints=settings.max_slice_endpoints,
+                max_replicas=settings.max_discovered_replicas,
+            )
+            self.discovery = EndpointSliceWatcher(parse_k8s_url(settings.replicas_from), self._discovered, rules=rules)
             self.router.metrics.add(self.membership)
         try:
             self.httpd = RouterHTTPServer((settings.host, settings.port), self.router)
+            self.httpd.max_connections, self.httpd.header_timeout = settings.max_connections, settings.header_timeout
+            self.httpd.tls = settings.tls.listener()
+            self.httpd.login = Login.lasting(settings.dashboard_session_ttl)
         except OSError as exc:
             raise RouterError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
 
@@ -163,7 +176,7 @@ class RouterService:
     @property
     def url(self) -> str:
         host, port = self.httpd.socket.getsockname()[:2]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.httpd.tls is not None else 'http'}://{host}:{port}"
 
     def start(self) -> None:
         """Learn who is up (and, for ``kv``, what their caches hold) before the first request, then keep checking."""
@@ -205,6 +218,7 @@ def run(
     """Run the router with ``flags`` until SIGINT/SIGTERM; returns the exit code. ``findings``: see RouterService."""
     say = announce or (lambda line: print(line, flush=True))
     settings = RouterSettings.resolve(flags)
+    use_fleet(settings.tls)  # https replicas verified with its CA (--ssl-ca-certs) beside the system's
     service = RouterService(settings, findings)
     try:
         with sigterm_interrupts():
@@ -214,8 +228,6 @@ def run(
             healthy = f"{up}/{len(service.router.replicas) - len(settings.standby)} replicas healthy{standby}"
             say(listening_line("preheat router", service.url, f"policy {settings.policy}, {healthy}"))
             say(f"preheat router: dashboard at {service.url}/dashboard (docs/dashboard.md)")
-            if not settings.api_key and not is_loopback(settings.host):
-                say(f"preheat router: warning: {settings.host} is reachable from other hosts and no --api-key is set")
             service.serve()
     except KeyboardInterrupt:
         say("preheat router: shutting down")

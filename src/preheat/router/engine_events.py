@@ -15,6 +15,9 @@ and each event is a *tagged* msgpack struct, in one of two shapes:
 Fields a decoder does not know are ignored (engines add optional fields at the end); an event type it does not know
 is kept as ``UnknownEvent`` so the caller can count it. Anything else that is not this shape raises
 ``EngineEventError``: the caller logs and counts it, and never stops for it. Only ``msgspec`` is needed (no engine).
+
+Sizes are the sender's choice, so they are bounded: a payload over ``MAX_PAYLOAD_BYTES`` and a block hash over
+``MAX_HASH_BYTES`` refuse the whole batch (``EngineEventError(oversized=True)``) before anything is kept.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from preheat.core.errors import EngineEventError
 
 BlockHash = int | bytes  # vLLM: uint64 with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, else the digest's bytes; SGLang: int64
 END_SEQ = -1  # the replay socket's "no more batches" marker
-MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # vLLM batches one scheduler step: far below this even for 100k-token prompts
+# vLLM and SGLang batch one scheduler step: a 128k-token prefill is under 1 MiB of token ids and hashes. Decoded, a
+# payload of small integers takes ~8x its size in Python lists, so the bound is what the router may hold per batch.
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+# The longest block hash: vLLM's are 32 bytes (sha256, sha256_cbor) or a uint64, SGLang's an int64. The router keeps
+# up to 4 x --index-keys of them per engine replica (engine_index.py), so their length is its memory.
+MAX_HASH_BYTES = 64
 _U32 = 2**32
 _FIELDS = {  # positional order of the array-like form (vLLM's struct field order), after the tag
     "BlockStored": (
@@ -111,7 +119,7 @@ def decode_message(frames: Sequence[bytes]) -> tuple[int, EventBatch | None]:
 def decode_batch(payload: bytes) -> EventBatch:
     """One msgpack batch ``[ts, [event, ...], dp_rank]`` (events as tagged maps or tagged arrays)."""
     if len(payload) > MAX_PAYLOAD_BYTES:
-        raise EngineEventError(f"a KV-event batch of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
+        raise EngineEventError(f"a KV-event batch of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}", oversized=True)
     try:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -179,6 +187,8 @@ def decode_event(raw: object) -> Event:
 def _hash(value: object) -> BlockHash:
     if isinstance(value, bool) or not isinstance(value, (int, bytes)):
         raise EngineEventError(f"a block hash is an integer or bytes, got {_brief(value)}")
+    if isinstance(value, bytes) and len(value) > MAX_HASH_BYTES:
+        raise EngineEventError(f"a block hash of {len(value)} bytes is over {MAX_HASH_BYTES}", oversized=True)
     return value
 
 

@@ -15,6 +15,7 @@ from preheat.core.errors import AnswerTooLargeError, HTTPClientError, RouterErro
 from preheat.core.jsonsafe import loads_bounded
 from preheat.http.client import Timeouts
 from preheat.http.pool import Connection
+from preheat.http.tls import client_context
 from preheat.router.health import ReplicaLoop
 from preheat.router.index import KVIndex, parse_update
 from preheat.router.upstream import Replica
@@ -58,7 +59,8 @@ class KVEventPoller(ReplicaLoop):
         query = "" if cursor is None else "?" + urlencode({"epoch": cursor[0], "since": cursor[1]})
         conn = self._conns.get(replica.url)
         if conn is None:
-            conn = Connection(replica.address.host, replica.address.port, Timeouts.within(self.timeout))
+            tls = client_context() if replica.address.scheme == "https" else None
+            conn = Connection(replica.address.host, replica.address.port, Timeouts.within(self.timeout), tls=tls)
             self._conns[replica.url] = conn
         try:
             response = conn.request("GET", EVENTS_PATH + query, headers=self.headers, max_body=MAX_ANSWER_BYTES)

@@ -156,6 +156,8 @@ class HealthChecker(ReplicaLoop):
         replica.prepared = body.get("prepared") is True
         version = body.get("version")
         replica.version = version if isinstance(version, int) and not isinstance(version, bool) else None
+        epoch = body.get("epoch")
+        replica.epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
         if phase == replica.phase:
             return
         replica.phase = phase

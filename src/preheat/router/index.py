@@ -26,6 +26,10 @@ from preheat.core.errors import RouterError
 
 Clock = Callable[[], float]
 TIERS = ("l1", "l2")
+# A chunk key is 32 hex digits (docs/kv-events.md); the index keeps up to --index-keys of them per replica and tier,
+# so an answer with a longer one (or a longer epoch or l2_id) is refused whole rather than held.
+MAX_KEY_CHARS = 64
+MAX_NAME_CHARS = 1024
 
 
 class PrefixIndex:
@@ -224,8 +228,10 @@ def parse_update(payload: object, where: str) -> KVUpdate:
         value = payload.get(name)
         if value is None:
             return ()
-        if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
-            raise RouterError(f"{what}: {name!r} must be a list of keys (strings)")
+        if not isinstance(value, list) or not all(_is_key(k) for k in value):
+            raise RouterError(
+                f"{what}: {name!r} must be a list of keys (strings of {MAX_KEY_CHARS} characters at most)"
+            )
         return tuple(value)
 
     fingerprint = str(need("fingerprint", str))
@@ -241,7 +247,7 @@ def parse_update(payload: object, where: str) -> KVUpdate:
             not isinstance(raw, Mapping)
             or raw.get("op") not in ("store", "evict")
             or raw.get("tier") not in TIERS
-            or not isinstance(raw.get("key"), str)
+            or not _is_key(raw.get("key"))
         ):
             raise RouterError(f"{what}: malformed event {_brief(raw)}")
         seq = number(raw.get("seq"), "an event's seq", 0)
@@ -253,6 +259,7 @@ def parse_update(payload: object, where: str) -> KVUpdate:
     l2_id = payload.get("l2_id")
     if l2_id is not None and not isinstance(l2_id, str):
         raise RouterError(f"{what}: 'l2_id' must be a string or null")
+    _check_lengths(what, payload)
     return KVUpdate(
         epoch=str(need("epoch", str)),
         fingerprint=fingerprint,
@@ -273,6 +280,18 @@ def parse_update(payload: object, where: str) -> KVUpdate:
 
 
 _FINGERPRINT = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def _is_key(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_KEY_CHARS
+
+
+def _check_lengths(what: str, payload: Mapping[str, object]) -> None:
+    """``RouterError`` for an ``epoch`` or ``l2_id`` longer than any replica writes (the index keeps them)."""
+    for name in ("epoch", "l2_id"):
+        text = payload.get(name)
+        if isinstance(text, str) and len(text) > MAX_NAME_CHARS:
+            raise RouterError(f"{what}: {name!r} is over {MAX_NAME_CHARS} characters")
 
 
 def _brief(value: object) -> str:

@@ -8,16 +8,21 @@ are: the same ``preheat.text`` code and steps as ``preheat.server.generation._to
 
 A body the router cannot read is not refused here: it is routed by load and the replica answers its 400, so clients
 see one server's errors whether or not a router stands in front of it.
+
+Bounded: a prompt is tokenized only as far as routing can use it (``max_tokens``: the model's context window, since
+no replica serves a longer prompt, unless ``--max-prompt-tokens`` says otherwise), so a prompt of megabytes costs
+the router what its first tokens cost; and with no lock between requests, encoded with the GIL released
+(``TextTokenizer.encode_head``), so one long prompt never holds up another request's routing.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from preheat.checkpoint.jsonfile import read_config
 from preheat.core.errors import APIError, JSONInputError, PreheatError, RouterError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.router.policies import RouteRequest
@@ -29,24 +34,26 @@ if TYPE_CHECKING:
 
 SESSION_HEADER = "X-Session-Id"
 ROUTE_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+DEFAULT_PROMPT_TOKENS = 131_072  # when the model's config.json names no context window: the largest common one
 
 
 class PromptReader:
     """Turns request bodies into ``RouteRequest``s; ``tokenizer`` is None for policies that need no tokens."""
 
-    def __init__(self, tokenizer: TextTokenizer | None) -> None:
-        self.tokenizer = tokenizer
-        self._lock = threading.Lock()  # the tokenizer is not documented as thread-safe; encoding takes a millisecond
+    def __init__(self, tokenizer: TextTokenizer | None, max_tokens: int = DEFAULT_PROMPT_TOKENS) -> None:
+        # No lock: the Rust tokenizer encodes from many threads at once (its encode takes it shared, never mutably).
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
 
     @classmethod
-    def from_model(cls, model_dir: str | None) -> PromptReader:
-        """A reader with ``model_dir``'s tokenizer (``RouterError`` when there is none)."""
+    def from_model(cls, model_dir: str | None, max_tokens: int | None = None) -> PromptReader:
+        """A reader with ``model_dir``'s tokenizer (``RouterError`` when there is none), reading at most
+        ``max_tokens`` of each prompt (None: the model's context window, else ``DEFAULT_PROMPT_TOKENS``)."""
         if model_dir is None:
             return cls(None)
         from preheat.text.tokenizer import TextTokenizer  # tokenizers only for policies that need tokens
 
         try:
-            return cls(TextTokenizer.from_dir(model_dir))
+            return cls(TextTokenizer.from_dir(model_dir), max_tokens or context_window(model_dir))
         except PreheatError as exc:
             raise RouterError(f"--model {model_dir}: cannot read its tokenizer: {exc}") from exc
 
@@ -69,7 +76,7 @@ class PromptReader:
             request.token_ids = self._token_ids(kind, raw)
         return request
 
-    def _token_ids(self, kind: str, raw: dict[str, Any]) -> list[int] | None:
+    def _token_ids(self, kind: str, raw: dict[str, object]) -> list[int] | None:
         model = raw.get("model")
         try:
             # The replica checks the model name; here any name is accepted, only the prompt matters.
@@ -78,14 +85,26 @@ class PromptReader:
             return None
         assert self.tokenizer is not None
         try:
-            with self._lock:
-                if parsed.messages is not None:
-                    return self.tokenizer.encode_chat(parsed.messages)
-                if isinstance(parsed.prompt, str):
-                    return self.tokenizer.encode(parsed.prompt)
+            if parsed.messages is not None:
+                return self.tokenizer.encode_chat_head(parsed.messages, self.max_tokens)
+            if isinstance(parsed.prompt, str):
+                return self.tokenizer.encode_head(parsed.prompt, self.max_tokens)
         except PreheatError:
             return None  # e.g. a chat the template cannot render: the replica will say why
-        return list(parsed.prompt or [])
+        return list(parsed.prompt or [])[: self.max_tokens]
+
+
+def context_window(model_dir: str) -> int:
+    """The longest prompt the model at ``model_dir`` takes: its ``config.json``'s ``max_position_embeddings`` (a
+    multimodal model's ``text_config``'s), else ``DEFAULT_PROMPT_TOKENS`` (a ``--model @replicas`` directory holds
+    only the tokenizer's files)."""
+    config = read_config(model_dir)
+    text = config.get("text_config")
+    for where in (config, text if isinstance(text, dict) else {}):
+        window = where.get("max_position_embeddings")
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            return window
+    return DEFAULT_PROMPT_TOKENS
 
 
 # The files GET /v1/preheat/tokenizer serves (preheat.server.app.TOKENIZER_FILES: the router may not import the

@@ -2,10 +2,15 @@
 
 Bodies pass through byte for byte: a non-streaming answer is relayed with its Content-Length, a streamed one chunk
 by chunk as the replica writes its chunks (one server-sent event each), so tokens reach the client as they are made.
+Sizes the replica chooses are bounded: a non-streaming answer over ``max_answer_bytes`` is a 502
+``answer_too_large`` (refused unread when its Content-Length says so), a server-sent event over ``max_event_bytes``
+ends its stream with an ``event_too_large`` error event; both are counted in ``preheat_router_errors_total``.
 
 Authentication: with an API key (``--api-key``) every route but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer <key>``; a request without it is answered 401 before its body is read, tokenized, indexed or
 sent anywhere. With ``--replica-api-key`` the router presents its own key to the replicas in place of the client's.
+Control routes (load, sleep, wake, refit: ``preheat.http.control.is_control_path``) are never forwarded, however
+spelt: the router answers 404 itself, so its key (or its place in front of the replicas) never grants control.
 
 Failures: a request that fails before the replica sent anything (refused, reset, closed) ejects that replica and is
 retried once on another; one that fails after (the replica died mid-answer) gets a clear error: a 502 when nothing
@@ -30,9 +35,11 @@ from typing import ParamSpec
 
 from preheat.core.errors import APIError, JSONInputError, UpstreamError
 from preheat.core.jsonsafe import loads_bounded
-from preheat.dashboard.state import ReplicaRow
+from preheat.dashboard.login import Login
+from preheat.dashboard.state import ReplicaRow, StateDocument
 from preheat.dashboard.watch import Findings, FleetWatcher
 from preheat.dashboard.web import answer, is_dashboard_path
+from preheat.http.control import is_control_path
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
 from preheat.router.activation import ColdStarter
@@ -40,6 +47,7 @@ from preheat.router.capacity import refused_code, saturated
 from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
+from preheat.router.sse import EventFramer
 from preheat.router.upstream import Replica
 from preheat.text.request import MAX_BODY_BYTES
 
@@ -55,6 +63,9 @@ HOP_HEADERS = frozenset(
 REPLICA_HEADER = "X-Preheat-Replica"
 REASON_HEADER = "X-Preheat-Route"
 REFUSAL_BYTES = 64 * 1024  # a 503 this long or shorter is read to see whether it says "not serving"
+# Defaults of --max-answer-bytes and --max-event-bytes (router/settings.py): far beyond any answer with logprobs.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+MAX_EVENT_BYTES = 16 * 1024 * 1024
 
 
 class Router:
@@ -71,8 +82,11 @@ class Router:
         api_key: str | None = None,
         replica_api_key: str | None = None,
         newest_version: bool = False,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self.replicas, self.policy, self.prompts = list(replicas), policy, prompts
+        self.max_answer_bytes, self.max_event_bytes = max_answer_bytes, max_event_bytes
         self.newest_version = newest_version  # route only to replicas on the newest weights version (docs/refit.md)
         self.api_key = api_key
         self.replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
@@ -86,7 +100,7 @@ class Router:
         self.dashboard = FleetWatcher(replica_api_key or api_key)
         self.findings: Findings | None = None
 
-    def dashboard_state(self) -> dict[str, object]:
+    def dashboard_state(self) -> StateDocument:
         """The dashboard's state document: every replica as the router sees it, joined with its own metrics."""
         rows = [ReplicaRow(r.url, r.healthy, r.phase, r.standby, r.in_flight, r.finished) for r in self.replicas]
         up = any(r.healthy for r in self.replicas)
@@ -127,9 +141,10 @@ class Router:
     def healthy(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
         pool = [r for r in self.replicas if r.healthy and r not in exclude]
         if self.newest_version:  # --newest-version: the others finish their swap first (docs/refit.md)
-            newest = max((r.version for r in pool if r.version is not None), default=None)
+            # (epoch, version): a restarted trainer's version 1 is newer than its last epoch's 500 (docs/refit.md).
+            newest = max(((r.epoch, r.version) for r in pool if r.version is not None), default=None)
             if newest is not None:
-                pool = [r for r in pool if r.version == newest]
+                pool = [r for r in pool if (r.epoch, r.version) == newest]
         return pool
 
     def set_health(self, replica: Replica, healthy: bool, why: str) -> None:
@@ -159,6 +174,7 @@ class RouterHTTPServer(TrackedServer):
 
     def __init__(self, address: tuple[str, int], router: Router) -> None:
         self.router = router
+        self.login = Login()  # the dashboard's sessions (RouterService sets --dashboard-session-ttl's)
         super().__init__(address, RouterHandler)
 
 
@@ -178,13 +194,13 @@ class RouterHandler(TrackedHandler):
         elif path == "/metrics":
             self.send_body(200, self.server.router.metrics.render().encode(), METRICS_CONTENT_TYPE)
         elif is_dashboard_path(path):  # read-only; its own key check: a browser sends a cookie, not a Bearer header
-            answer(self, self.server.router.api_key, self.server.router.dashboard_state)
+            answer(self, self.server.router.api_key, self.server.router.dashboard_state, self.server.login)
         else:
             self.forward("GET")
 
     def do_POST(self) -> None:  # noqa: N802 - http.server dispatches on this name
         if is_dashboard_path(self.path.split("?", 1)[0]):  # the dashboard's login form
-            answer(self, self.server.router.api_key, self.server.router.dashboard_state)
+            answer(self, self.server.router.api_key, self.server.router.dashboard_state, self.server.login)
             return
         self.forward("POST")
 
@@ -219,6 +235,15 @@ class RouterHandler(TrackedHandler):
         self.send_error_json(401, message, "authentication_error", "invalid_api_key", headers)
         return False
 
+    def not_forwarded(self) -> None:
+        """404 for a control route: the router has none of its own and forwards none (its body is left unread)."""
+        message = (
+            f"{self.path.split('?', 1)[0][:200]}: the router does not forward control routes; send them to the "
+            "replica itself, with its admin key (`preheat activate URL ...`)"
+        )
+        headers = CLOSE if self.has_body() else {}
+        self.send_error_json(404, message, "invalid_request_error", "not_forwarded", headers)
+
     def health(self) -> None:
         router = self.server.router
         replicas: list[dict[str, object]] = []
@@ -247,6 +272,9 @@ class RouterHandler(TrackedHandler):
     def forward(self, method: str) -> None:
         started = time.perf_counter()
         router = self.server.router
+        if is_control_path(self.path):
+            self.not_forwarded()
+            return
         if not self.authorized():
             return
         body = self.read_body()
@@ -384,13 +412,25 @@ class RouterHandler(TrackedHandler):
         headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_HEADERS]
         headers += [(REPLICA_HEADER, replica.url), (REASON_HEADER, reason)]
         if not response.chunked:
+            limit = self.server.router.max_answer_bytes
             try:
-                body = response.read() if body is None else body
+                if body is None and (response.length or 0) <= limit:
+                    # Without a Content-Length (read to the close), at most one byte past the limit is read.
+                    body = response.read() if response.length is not None else response.read(limit + 1)
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 ending.count(502)
                 message = f"replica {replica.url} failed while answering: {type(exc).__name__}: {exc}"
                 self.send_error_json(502, message, "server_error", "replica_failed")
+                return
+            if body is None or len(body) > limit:
+                conn.close()  # its body left unread
+                ending.count(502)
+                message = (
+                    f"replica {replica.url} answered more than the router relays ({limit} bytes, "
+                    "--max-answer-bytes); ask for less (max_tokens, logprobs) or raise the limit"
+                )
+                self.send_error_json(502, message, "server_error", "answer_too_large")
                 return
             replica.release(conn, response)
             self.send_response(response.status)
@@ -416,30 +456,38 @@ class RouterHandler(TrackedHandler):
         ending: Ending,
     ) -> None:
         """Relay a chunked answer as the replica writes it. Server-sent events are relayed whole: a replica that
-        dies mid-event must not leave half an event in front of the error event that ends the stream."""
+        dies mid-event must not leave half an event in front of the error event that ends the stream. So an event
+        is held until its blank line arrives (``EventFramer``: each byte scanned once), and one growing past
+        ``max_event_bytes`` ends the stream with an error event."""
         events = (response.getheader("Content-Type") or "").startswith("text/event-stream")
-        pending = b""
+        framer = EventFramer() if events else None
+        limit = self.server.router.max_event_bytes
         while True:
             try:
                 data = response.read1(65536)
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 ending.count(response.status)
-                self.close_connection = True
                 message = f"replica {replica.url} failed mid-stream: {type(exc).__name__}: {exc}"
-                self.server.router.metrics.errors.inc(code="replica_failed")
-                error = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
-                self.write_chunk(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
-                self.write_chunk(b"")
+                self.end_stream(message, "replica_failed")
                 return
             if not data:
                 ending.count(response.status)  # the replica's last chunk came: the client's last one goes out below
-            pending += data
-            if events and data:
-                cut = pending.rfind(b"\n\n") + 2  # 1 when there is no complete event yet
-                ready, pending = (pending[:cut], pending[cut:]) if cut > 1 else (b"", pending)
+            if framer is None:
+                ready = data
+            elif not data:
+                ready = framer.end()  # what is left goes out as the replica wrote it
             else:
-                ready, pending = pending, b""
+                ready = framer.push(data)
+                if framer.held > limit:
+                    conn.close()  # the replica stops generating; nothing of the event went out
+                    ending.count(response.status)
+                    message = (
+                        f"replica {replica.url} sent a server-sent event longer than the router relays ({limit} "
+                        "bytes, --max-event-bytes)"
+                    )
+                    self.end_stream(message, "event_too_large", ready)
+                    return
             if (ready and not self.write_chunk(ready)) or (not data and not self.write_chunk(b"")):
                 conn.close()  # the client left: closing makes the replica stop generating for nobody
                 self.close_connection = True
@@ -448,6 +496,15 @@ class RouterHandler(TrackedHandler):
             if not data:
                 replica.release(conn, response)
                 return
+
+    def end_stream(self, message: str, code: str, before: bytes = b"") -> None:
+        """End a stream whose headers went out already: the events ``before`` it, a final ``data: {"error": ...}``
+        event and ``[DONE]``, as a replica ends a failed stream, and the connection closed after."""
+        self.close_connection = True
+        self.server.router.metrics.errors.inc(code=code)
+        error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        self.write_chunk(before + b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+        self.write_chunk(b"")
 
     def read_refusal(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> str | bytes | None:
         """A short 503's body, read to see whether it says "not serving": then the replica's phase (its body kept

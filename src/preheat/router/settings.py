@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from preheat.core import env
-from preheat.core.config import option, resolve_settings, settings
+from preheat.core.config import option, parse_size, resolve_settings, settings
 from preheat.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from preheat.http.tls import TLSFiles
 
 POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
 FROM_REPLICAS = "@replicas"  # --model @replicas: the tokenizer is asked of the replicas at start
@@ -25,6 +29,7 @@ SECONDS = (
     "kv_snapshot_interval",
     "upstream_timeout",
     "activation_timeout",
+    "header_timeout",
 )
 
 
@@ -61,6 +66,31 @@ class RouterSettings:
             metavar="k8s://NAMESPACE/SERVICE[?port=NAME]",
         ),
     )
+    # What an EndpointSlice must be for its endpoints to become replicas (k8s/slices.py, SliceRules): the
+    # controller's, IP literals, never loopback or link-local unless a pod CIDR that is such a range names them.
+    pod_cidr: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "--replicas-from: only endpoints inside this network are replicas (repeatable; the cluster's pod CIDR, "
+            "e.g. 10.244.0.0/16); loopback and link-local ones only where a CIDR inside that range names them",
+            metavar="CIDR",
+            default_text="any address but loopback, link-local, multicast and unspecified",
+        ),
+    )
+    max_slice_endpoints: int = field(
+        default=1000,
+        metadata=option(
+            "--replicas-from: an EndpointSlice with more endpoints is refused whole (the API server's own limit)",
+            metavar="N",
+        ),
+    )
+    max_discovered_replicas: int = field(
+        default=1000,
+        metadata=option(
+            "--replicas-from: replicas followed at most; past it the known ones stay and new ones wait for room",
+            metavar="N",
+        ),
+    )
     policy: str = field(default="round-robin", metadata=option("routing policy", choices=POLICIES))
     # Tokenizer source for prefix and kv: a directory, or FROM_REPLICAS.
     model: str | None = field(
@@ -75,6 +105,16 @@ class RouterSettings:
     kv_chunk_tokens: int = field(
         default=256, metadata=option("prefix: tokens per chunk key", metavar="C", renamed=("--chunk-tokens",))
     )
+    # prefix, kv: a prompt is tokenized only as far as routing can use it (no replica serves a longer one), with no
+    # lock between requests (router/prompts.py). None: the model's context window (config.json), else 131072.
+    max_prompt_tokens: int | None = field(
+        default=None,
+        metadata=option(
+            "prefix, kv: route on at most a prompt's first N tokens (a longer prompt is tokenized no further)",
+            metavar="N",
+            default_text="the model's context window (its config.json), else 131072",
+        ),
+    )
     guard_gap: int = field(default=2, metadata=option("in-flight gap that forces least-load"))
     hot_in_flight: int = field(default=3, metadata=option("in flight that spreads a hot prefix"))
     # Per replica: prefix's routed keys; kv's keys per tier.
@@ -86,8 +126,39 @@ class RouterSettings:
     # kv: a replica with an L2 is asked for a full snapshot this often.
     kv_snapshot_interval: float = field(default=60.0, metadata=option("kv: seconds between full snapshots of an L2"))
     upstream_timeout: float = field(default=300.0, metadata=option("seconds to wait on a replica"))
-    host: str = field(default="127.0.0.1", metadata=option("address to bind"))
+    # What a replica may make the router hold (router/proxy.py): over it, the request ends with a clear error,
+    # counted in preheat_router_errors_total (answer_too_large, event_too_large).
+    max_answer_bytes: str = field(
+        default="64MiB", metadata=option("a non-streaming answer longer than this is a 502", metavar="SIZE")
+    )
+    max_event_bytes: str = field(
+        default="16MiB", metadata=option("a server-sent event longer than this ends its stream", metavar="SIZE")
+    )
+    # Every server's bounds (preheat.http.server): threads for connections, and time for a request's headers.
+    max_connections: int = field(
+        default=512, metadata=option("open client connections at most; one more is answered 503", metavar="N")
+    )
+    header_timeout: float = field(
+        default=10.0, metadata=option("seconds a request's line and headers may take to arrive", metavar="S")
+    )
+    host: str = field(default="127.0.0.1", metadata=option("address to bind; any other than loopback needs --api-key"))
     port: int = field(default=8080, metadata=option("port; 0 picks a free one"))
+    # TLS (docs/security.md, *TLS*): the router's listener serves https with its certificate; https replicas are
+    # verified with the system's CAs and ssl_ca_certs (the fleet's CA), and offered the certificate if they ask.
+    ssl_certfile: str | None = field(
+        default=None, metadata=option("serve https with this PEM certificate chain", metavar="FILE")
+    )
+    ssl_keyfile: str | None = field(
+        default=None, metadata=option("the certificate's private key (PEM)", metavar="FILE")
+    )
+    ssl_ca_certs: str | None = field(
+        default=None,
+        metadata=option("the CA (PEM) of https replicas' certificates, trusted beside the system's", metavar="FILE"),
+    )
+    dashboard_session_ttl: int = field(
+        default=12 * 3600,
+        metadata=option("seconds a /dashboard login lasts", metavar="S", default_text="43200: 12 h"),
+    )
     # What clients must send (Authorization: Bearer); None: the router is open.
     api_key: str | None = field(
         default=None,
@@ -101,6 +172,17 @@ class RouterSettings:
             "the replicas' --api-key, sent to them in place of the client's (prefer the variable: a command line "
             "is visible to all)",
             metavar="KEY",
+        ),
+    )
+    # What the router sends the replicas (their --admin-key) on its own activations and wakes, and only there: the
+    # router forwards no control route (preheat.http.control), so no client ever borrows it.
+    replica_admin_key: str | None = field(
+        default=None,
+        metadata=option(
+            "the replicas' --admin-key, sent only when the router itself activates a --standby or wakes a sleeping "
+            "replica (prefer the variable)",
+            metavar="KEY",
+            default_text="none: the replicas' control routes must be open to this host (no key on them)",
         ),
     )
     # Cold capacity (docs/router.md, *Standby and sleeping replicas*): standby replicas the router may activate with
@@ -179,6 +261,7 @@ class RouterSettings:
         return resolved
 
     def check(self) -> None:
+        from preheat.http.control import is_loopback
         from preheat.k8s.slices import parse_k8s_url
         from preheat.router.upstream import parse_replica_spec, parse_url
 
@@ -197,13 +280,22 @@ class RouterSettings:
         for seconds in SECONDS:
             if float(getattr(self, seconds)) <= 0:
                 raise ConfigError(f"--{seconds.replace('_', '-')} must be positive")
-        for secret in ("api_key", "replica_api_key"):
+        self.check_bounds()
+        self.check_listeners()
+        if not self.api_key and not is_loopback(self.host):
+            raise ConfigError(
+                f"--host {self.host or '*'} without a key would let anyone who reaches the router use the replicas: "
+                "set PREHEAT_ROUTER_API_KEY (or --api-key) to a secret its clients send as 'Authorization: Bearer "
+                "KEY', or bind to loopback (--host 127.0.0.1)"
+            )
+        for secret in ("api_key", "replica_api_key", "replica_admin_key"):
             value = getattr(self, secret)
             if value is not None and not value.strip():
                 raise ConfigError(f"--{secret.replace('_', '-')} is empty: give a key, or leave the flag out")
         urls = [parse_replica_spec(spec).url for spec in self.replicas] + [parse_url(u).url for u in self.standby]
         if len(set(urls)) != len(urls):
             raise ConfigError("the same replica is given twice")
+        self._check_discovery()
         if self.replicas_from is not None:
             parse_k8s_url(self.replicas_from)
             if self.model == FROM_REPLICAS and not self.replicas:
@@ -216,6 +308,39 @@ class RouterSettings:
                 "--standby replicas need the model to activate them with: pass --standby-model MODEL (a directory or "
                 "URI each standby's --allow-model allows), or --model DIR"
             )
+
+    def check_listeners(self) -> None:
+        """TLS files that load (a CA alone verifies https replicas), and a dashboard login that lasts."""
+        self.tls.check(ca_alone=True)
+        if self.dashboard_session_ttl < 1:
+            raise ConfigError(f"--dashboard-session-ttl {self.dashboard_session_ttl}: at least 1 second")
+
+    def check_bounds(self) -> None:
+        """The bounds on what clients and replicas make the router hold: each at least 1, sizes that parse."""
+        if self.max_connections < 1:
+            raise ConfigError(f"--max-connections {self.max_connections}: must be at least 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be at least 1")
+        for size in ("max_answer_bytes", "max_event_bytes"):
+            if parse_size(getattr(self, size)) < 1:  # a ConfigError naming the text when it is not a size
+                raise ConfigError(f"--{size.replace('_', '-')} must be at least 1 byte")
+
+    @property
+    def tls(self) -> TLSFiles:
+        """The router's TLS files: its listener's certificate, and the CA its https replicas are verified with."""
+        from preheat.http.tls import TLSFiles  # standard library only
+
+        return TLSFiles(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
+
+    def _check_discovery(self) -> None:
+        """The EndpointSlice rules (k8s/slices.py, ``SliceRules``) make sense."""
+        from preheat.k8s.slices import parse_cidr
+
+        for number in ("max_slice_endpoints", "max_discovered_replicas"):
+            if int(getattr(self, number)) < 1:
+                raise ConfigError(f"--{number.replace('_', '-')} must be at least 1")
+        for cidr in self.pod_cidr:
+            parse_cidr(cidr)
 
     @property
     def activation_model(self) -> str | None:

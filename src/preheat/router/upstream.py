@@ -28,16 +28,22 @@ class Address:
     host: str
     port: int
     url: str
+    scheme: str = "http"
 
 
 def parse_url(url: str) -> Address:
-    """``http://host:port`` (a trailing slash or path is refused: the router forwards paths as they come)."""
+    """``http(s)://host:port`` (a trailing slash or path is refused: the router forwards paths as they come); an
+    https replica is verified with the system's CAs and the router's ``--ssl-ca-certs`` (``preheat.http.tls``).
+
+    >>> parse_url("https://10.0.0.5")
+    Address(host='10.0.0.5', port=443, url='https://10.0.0.5:443', scheme='https')
+    """
     parts = urlsplit(url.strip())
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-        raise RouterError(f"replica {url!r}: give it as http://host:port (https and paths are not supported)")
-    port = parts.port or 80
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise RouterError(f"replica {url!r}: give it as http://host:port or https://host:port (no path)")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6 (a pod's address may be one)
-    return Address(parts.hostname, port, f"http://{host}:{port}")
+    return Address(parts.hostname, port, f"{parts.scheme}://{host}:{port}", parts.scheme)
 
 
 @dataclass(frozen=True)
@@ -123,10 +129,11 @@ class Replica:
         self.prepared = False
         self.wake_seconds: float | None = None
         self.version: int | None = None  # the weights version /health reports (--follow replicas; docs/refit.md)
+        self.epoch = 0  # and its publisher's epoch: versions are ordered by (epoch, version)
         self.in_flight = 0
         self.finished = 0
         self.service_seconds: float | None = None
-        self.origin = Origin("http", self.address.host, self.address.port)
+        self.origin = Origin(self.address.scheme, self.address.host, self.address.port)
         self.pool = Pool(self.timeouts, idle=POOL_SIZE)
         self._lock = threading.Lock()
 

@@ -14,12 +14,20 @@ order and resynchronises through the replay socket:
 A replica that is ejected (health checks, failed requests) loses its state: what it held may be gone, and it is
 routed by prefix until it is back and resynchronised. Malformed frames, unknown event types, gaps and unreachable
 endpoints are logged and counted (``preheat_router_engine_events_total``), never fatal.
+
+Bounded, since the publisher chooses what it sends: a frame over ``MAX_PAYLOAD_BYTES`` is dropped by ZMQ itself
+(``MAXMSGSIZE``: the connection is closed, and dialled again here) before it is held whole; a batch with an
+oversized block hash is refused and counted (``oversized``); a replay ends after ``replay_deadline`` seconds or
+``replay_batches`` batches however long its socket keeps sending (``replay_cut``), so the stream's thread always
+comes back to its live events and to ``stop()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import xxhash
@@ -28,20 +36,24 @@ import zmq.utils.monitor
 
 from preheat.core.errors import EngineEventError
 from preheat.http.metrics import Counter
-from preheat.router.engine_events import EventBatch, decode_message
+from preheat.router.engine_events import MAX_PAYLOAD_BYTES, EventBatch, decode_message
 from preheat.router.engine_index import Applied, EngineBlockMap
 from preheat.router.index import KVIndex, ReplicaCache
 from preheat.router.upstream import EventSource, Replica
 
 log = logging.getLogger("preheat.router")
 POLL_SECONDS = 0.25
+# A replay longer than either is cut short: vLLM keeps 10,000 batches for replay (KVEventsConfig.buffer_steps),
+# which arrive in well under a second on a live network.
+REPLAY_SECONDS = 30.0
+REPLAY_BATCHES = 20_000
 
 
 def engine_events_counter() -> Counter:
     return Counter(
         "preheat_router_engine_events_total",
         "Engine KV events (vLLM, SGLang) by replica and outcome: batches, stored, removed, cleared, unmapped, "
-        "foreign, unknown_event, malformed, gap, resync, restart, replay_failed, unreachable.",
+        "foreign, unknown_event, malformed, oversized, gap, resync, restart, replay_failed, replay_cut, unreachable.",
     )
 
 
@@ -57,9 +69,12 @@ class EngineEventSubscriber:
         identity: str,
         max_keys: int = 100_000,
         replay_timeout: float = 2.0,
+        replay_deadline: float = REPLAY_SECONDS,
+        replay_batches: int = REPLAY_BATCHES,
     ) -> None:
         self.sources, self.index, self.counter = list(sources), index, counter
         self.identity, self.max_keys, self.replay_timeout = identity, max_keys, replay_timeout
+        self.replay_deadline, self.replay_batches = replay_deadline, replay_batches
         self._context = zmq.Context()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -109,6 +124,7 @@ class _Stream:
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
         try:
@@ -138,7 +154,7 @@ class _Stream:
                 was_healthy = healthy
                 ready = dict(poller.poll(int(POLL_SECONDS * 1000)))
                 if monitor in ready:
-                    self.on_monitor(zmq.utils.monitor.recv_monitor_message(monitor))
+                    self.on_monitor(zmq.utils.monitor.recv_monitor_message(monitor), sub)
                 if sub in ready:
                     for _ in range(1000):  # drain what is there, then look at health again
                         try:
@@ -151,7 +167,7 @@ class _Stream:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    def on_monitor(self, message: Mapping[str, object]) -> None:
+    def on_monitor(self, message: Mapping[str, object], sub: zmq.Socket[bytes]) -> None:
         event = message.get("event")
         where = f"{self.replica.url}: KV events at {self.source.endpoint}"
         if event == zmq.EVENT_CONNECT_RETRIED and "unreachable" not in self._said:
@@ -163,6 +179,12 @@ class _Stream:
             log.info("%s: connected", where)
         elif event == zmq.EVENT_DISCONNECTED:
             log.warning("%s: disconnected (reconnecting)", where)
+            # ZMQ dials again by itself after a network error, but never after a protocol error, and a frame over
+            # MAXMSGSIZE is one: dial again here, or one oversized batch would end this replica's events for good.
+            # The batches missed meanwhile show as a gap, filled from the replay socket.
+            with contextlib.suppress(zmq.ZMQError):  # ZMQ's own reconnection already gone (nothing to end)
+                sub.disconnect(self.source.endpoint)
+            sub.connect(self.source.endpoint)
 
     def on_message(self, frames: Sequence[bytes]) -> None:
         try:
@@ -249,13 +271,28 @@ class _Stream:
         self.count("resync")
         dealer = self.owner._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
         timeout = int(self.owner.replay_timeout * 1000)
+        deadline = time.monotonic() + self.owner.replay_deadline
         got: dict[int, bytes] = {}
+        received = 0
         try:
             dealer.connect(self.source.replay)
             dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
             while True:
-                if not dealer.poll(timeout):
+                if self.owner._stop.is_set():
+                    return
+                if received >= self.owner.replay_batches or time.monotonic() >= deadline:
+                    self.count("replay_cut")
+                    self.warn_once(
+                        "replay_cut", f"replay endpoint {self.source.replay} was still sending after {received} "
+                        f"batch(es) ({why}): cut short; routed on what it sent and its live events",
+                    )  # fmt: skip
+                    break
+                wait = min(timeout, max(int((deadline - time.monotonic()) * 1000), 1))
+                if not dealer.poll(wait):
+                    if wait < timeout:
+                        continue  # the deadline came first: cut short above
                     self.count("replay_failed")
                     self.warn_once(
                         "replay", f"replay endpoint {self.source.replay} did not answer in "
@@ -263,6 +300,7 @@ class _Stream:
                     )  # fmt: skip
                     return
                 frames = dealer.recv_multipart()
+                received += 1  # every message counts: one that keeps sending garbage ends too
                 try:
                     seq, batch = decode_message(frames[1:] if frames and frames[0] == b"" else frames)
                 except EngineEventError as exc:
@@ -287,8 +325,9 @@ class _Stream:
         self.owner.counter.inc(float(n), replica=self.replica.url, outcome=what)
 
     def malformed(self, exc: EngineEventError) -> None:
-        self.count("malformed")
-        self.warn_once("malformed", f"ignoring a malformed message: {exc}")
+        kind = "oversized" if exc.oversized else "malformed"
+        self.count(kind)
+        self.warn_once(kind, f"ignoring a {kind} message: {exc}")
 
     def warn_once(self, kind: str, message: str) -> None:
         """Warn the first time per kind, then at debug level: a broken publisher must not flood the log."""

@@ -9,7 +9,8 @@ cold-start path. The order of a start:
 2. a loader thread fetches, imports the engine, loads, warms up and marks ``ready`` (``preheat.server.loading``);
 3. ``/health`` turns 200 and generation requests are handed to the single generation worker.
 
-Routes: docs/server.md. Only ``/v1/*`` needs the API key (``/health`` and ``/metrics`` are for probes and scrapers).
+Routes: docs/server.md. ``/v1/*`` needs the API key (``/health`` and ``/metrics`` are for probes and scrapers), but
+the control routes, which take the admin key instead and refuse web pages (``preheat.http.control``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from preheat.core import env
 from preheat.core.errors import APIError, ConfigError, PreheatError
 from preheat.core.procs import listening_line
 from preheat.core.timeline import Timeline, process_start_time
+from preheat.dashboard.login import Login
+from preheat.http.control import CONTROL_ROUTES, control_refusal, request_of
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
+from preheat.http.tls import use_fleet
 from preheat.server import openai, sse
+from preheat.server.following import REFIT_ROUTE  # --follow; docs/refit.md; the other control routes: lifecycle.py
 from preheat.server.lifecycle import resume_gc
 from preheat.server.settings import ServeSettings
 from preheat.server.state import LOADING, ServerState
@@ -48,8 +53,6 @@ GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "c
 # exactly as this replica does.
 TOKENIZER_ROUTE = "/v1/preheat/tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
-CONTROL_ROUTES = ("/v1/preheat/load", "/v1/preheat/sleep", "/v1/preheat/wake")  # lifecycle.py; docs/server.md
-REFIT_ROUTE = "/v1/preheat/refit"  # --follow: server/following.py; docs/refit.md
 
 
 class PreheatHTTPServer(TrackedServer):
@@ -58,6 +61,7 @@ class PreheatHTTPServer(TrackedServer):
     def __init__(self, address: tuple[str, int], state: ServerState) -> None:
         self.state = state
         self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # run() sets its announcer
+        self.login = Login.lasting(state.settings.dashboard_session_ttl)  # the dashboard's sessions
         super().__init__(address, Handler)
 
 
@@ -95,12 +99,13 @@ class Handler(TrackedHandler):
     def route(self) -> str:
         path = self.path.split("?", 1)[0]
         known = ("/health", "/metrics", "/v1/models", "/v1/preheat/timeline", TOKENIZER_ROUTE, *GENERATION_ROUTES,
-                 *CONTROL_ROUTES, REFIT_ROUTE)  # fmt: skip
+                 *CONTROL_ROUTES)  # fmt: skip
         return path if path in known else "other"  # bounded label values: never the raw path
 
     def authorized(self) -> bool:
+        """The API key's check, on every ``/v1/*`` route but the control routes (``control`` checks those)."""
         key = self.state.settings.api_key
-        if not key or not self.path.startswith("/v1/"):
+        if not key or not self.path.startswith("/v1/") or self.path.split("?", 1)[0] in CONTROL_ROUTES:
             return True
         if check_bearer(self.headers.get("Authorization"), key) == "ok":
             return True
@@ -155,10 +160,10 @@ class Handler(TrackedHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server dispatches on this name
         path = self.path.split("?", 1)[0]
-        if not self.authorized():
-            return
-        if path in CONTROL_ROUTES or path == REFIT_ROUTE:
+        if path in CONTROL_ROUTES:  # their own key and checks, not the API key's
             self.control(path)
+            return
+        if not self.authorized():
             return
         if path == "/dashboard" or path.startswith("/dashboard/"):  # the dashboard's login form
             self.dashboard()
@@ -186,7 +191,8 @@ class Handler(TrackedHandler):
         if state.ready.is_set():
             answer: dict[str, object] = {"status": "ok", "model": state.settings.model_name}
             if state.refit is not None:  # --follow: the version served, the newest seen, the last failure
-                answer |= {"version": state.refit.version or 0, "refit": state.refit.status()}
+                answer |= {"version": state.refit.version or 0, "epoch": state.refit.epoch or 0,
+                           "refit": state.refit.status()}  # fmt: skip
             self.send_json(200, answer)
         elif state.load_error is not None:
             self.send_json(503, {"status": "failed", "error": state.load_error})
@@ -198,7 +204,7 @@ class Handler(TrackedHandler):
 
     def dashboard(self) -> None:
         """The dashboard of this one replica (preheat.dashboard), behind the --api-key when one is set."""
-        from preheat.dashboard.state import ReplicaRow
+        from preheat.dashboard.state import ReplicaRow, StateDocument
         from preheat.dashboard.watch import ReplicaDashboard
         from preheat.dashboard.web import answer
 
@@ -207,7 +213,7 @@ class Handler(TrackedHandler):
             state.dashboard = ReplicaDashboard()
         board = state.dashboard
 
-        def document() -> dict[str, object]:
+        def document() -> StateDocument:
             host, port = self.server.socket.getsockname()[:2]
             ready = state.ready.is_set()
             phase = "ok" if ready else "failed" if state.load_error else state.life.phase
@@ -217,15 +223,20 @@ class Handler(TrackedHandler):
             row = ReplicaRow(f"http://{host}:{port}", ready, phase, state.settings.standby, waiting + running)
             return board.state(row, state.metrics.render(), state.timeline.to_dict(), state.findings)
 
-        answer(self, state.settings.api_key, document)
+        answer(self, state.settings.api_key, document, self.server.login)
 
     def control(self, path: str) -> None:
-        """The control routes (``preheat.server.lifecycle``): activation, sleep, wake."""
+        """The control routes (``preheat.server.lifecycle``, ``following``): activation, sleep, wake, refit; each
+        only for whom ``preheat.http.control`` lets through."""
         from preheat.server import lifecycle
 
-        refused = lifecycle.control_refusal(self.state, self.client_address[0])
+        settings = self.state.settings
+        refused = control_refusal(
+            request_of(self), admin_key=settings.admin_key, api_key=settings.api_key, bound_host=settings.host
+        )
         if refused is not None:
-            self.refuse_unread(refused)
+            error = APIError(refused.status, refused.message, type=refused.type, code=refused.code)
+            self.refuse_unread(error, dict(refused.headers))
             return
         body = self.read_body()
         if body is None:
@@ -345,25 +356,29 @@ def run(
         state = ServerState(settings, timeline)
         state.text = text
         state.findings = findings
+        use_fleet(settings.tls)  # https to peers and refit holders, with the fleet's CA and this node's certificate
         try:
             httpd = PreheatHTTPServer((settings.host, settings.port), state)
+            httpd.max_connections, httpd.header_timeout = settings.max_connections, settings.header_timeout
+            httpd.tls = settings.tls.listener()
         except OSError as exc:
             # A setting this machine cannot honour (the port is taken, the host is not one of its addresses).
             message = f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}; choose another --host/--port"
             raise ConfigError(message) from None
     host, port = httpd.socket.getsockname()[:2]
+    url = f"{'https' if httpd.tls is not None else 'http'}://{host}:{port}"
     httpd.say = say
     if env.get(env.POD_NAME):  # on Kubernetes: the pod's start, read on its own thread (k8s/)
         from preheat.k8s.pod_timeline import record_pod_start
 
         record_pod_start(timeline)
     if settings.standby:
-        say(listening_line("preheat serve", f"http://{host}:{port}", "standby: POST /v1/preheat/load to serve a model"))
+        say(listening_line("preheat serve", url, "standby: POST /v1/preheat/load to serve a model"))
         from preheat.server.lifecycle import prepare_standby
 
         target: Callable[..., None] = prepare_standby
     else:
-        say(listening_line("preheat serve", f"http://{host}:{port}", f"loading {settings.model} in the background"))
+        say(listening_line("preheat serve", url, f"loading {settings.model} in the background"))
         target = _load_in_background
     state.life.transition = threading.Thread(target=target, args=(httpd, say), name="preheat-load", daemon=True)
     state.life.transition.start()

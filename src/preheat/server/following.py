@@ -46,6 +46,7 @@ def base_digests(path: str) -> dict[str, str]:
 def prepare_follow(state: ServerState, loaded: Loaded) -> None:
     """Make the ``Follower`` (``--follow``) before the replica turns ready, so ``/health`` and every answer carry the
     version from the first; ``start_follow`` starts it once the worker runs."""
+    from preheat.artifacts.signing import TrustedKeys
     from preheat.refit.follower import Follower
 
     settings = state.settings
@@ -67,8 +68,11 @@ def prepare_follow(state: ServerState, loaded: Loaded) -> None:
         run_between=run_between,
         token=settings.peer_token,
         host=settings.peer_bind_host,
+        tls=settings.tls,
         on_version=on_version,
         deadline_s=settings.refit_deadline,
+        trusted=TrustedKeys.from_files(settings.refit_trust_key),
+        max_jump=settings.refit_max_jump,
     )
     state.refit = follower
     state.metrics.extra.append(lambda: metric_families(follower))
@@ -80,7 +84,9 @@ def start_follow(state: ServerState, say: Callable[[str], None]) -> None:
     assert follower is not None  # prepare_follow
     follower.start()
     where = follower.server.address if follower.server is not None else "not served"
-    say(f"preheat serve: following versions of {settings.refit_name} via {settings.registry} (refit server {where})")
+    signed = f"signed by {follower.trusted.describe()}" if follower.trusted else "unsigned, from this machine only"
+    say(f"preheat serve: following versions of {settings.refit_name} via {settings.registry} ({signed}; refit "
+        f"server {where})")  # fmt: skip
 
 
 def metric_families(follower: Follower) -> list[Family]:
@@ -92,8 +98,12 @@ def metric_families(follower: Follower) -> list[Family]:
         Family("preheat_refit_newest_version", "newest version seen published", "gauge",
                [({}, float(follower.newest_seen or 0))]),
         Family("preheat_refit_behind", "published versions not served yet", "gauge", [({}, float(follower.behind))]),
+        Family("preheat_refit_epoch", "epoch of the version served (the publisher's start, ms; 0: the checkpoint)",
+               "gauge", [({}, float(follower.epoch or 0))]),
         Family("preheat_refit_abandoned_total", "pulls abandoned for a newer version", "counter",
                [({}, float(follower.abandoned))]),
+        Family("preheat_refit_lies_total", "manifests or bytes from a holder that did not verify, by holder", "counter",
+               [({"holder": h}, float(n)) for h, n in sorted(follower.liars().items())]),
         Family("preheat_refit_last_pull_bytes", "bytes pulled for the version served", "gauge",
                [({}, float(last.nbytes if last is not None else 0))]),
     ]  # fmt: skip
@@ -113,6 +123,13 @@ def stale_refusal(state: ServerState) -> APIError | None:
     )
 
 
+def _count_param(doc: dict[str, object], name: str) -> int | None:
+    value = doc.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62):
+        raise APIError(400, f"{name} must be a count", code=f"invalid_{name}", param=name)
+    return value
+
+
 def handle_refit(responder: ControlResponder, state: ServerState, body: bytes) -> None:
     """``POST /v1/preheat/refit {"version": N, "wait": false, "timeout": 60}``: look for version N (default: the
     newest) now; 202 with the status, or with ``wait`` 200 once served (504 when not within ``timeout``)."""
@@ -122,9 +139,9 @@ def handle_refit(responder: ControlResponder, state: ServerState, body: bytes) -
     if follower is None:
         raise APIError(404, "this replica does not follow versions (start it with --follow)", code="not_following")
     doc = parse_body(body)
-    version, wait, timeout = doc.get("version"), doc.get("wait", False), doc.get("timeout", 60)
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-        raise APIError(400, "version must be a count", code="invalid_version", param="version")
+    wait, timeout = doc.get("wait", False), doc.get("timeout", 60)
+    # epoch: of the version asked for (the publisher's); default: the newest epoch seen
+    version, epoch = _count_param(doc, "version"), _count_param(doc, "epoch")
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 <= timeout <= 3600:
         raise APIError(400, "timeout must be seconds (0-3600)", code="invalid_timeout", param="timeout")
     follower.request(version)
@@ -132,7 +149,7 @@ def handle_refit(responder: ControlResponder, state: ServerState, body: bytes) -
         responder.send_json(202, follower.status())
         return
     target = version if version is not None else (follower.newest_seen or 0)
-    if follower.wait_for(target, float(timeout)):
+    if follower.wait_for(target, float(timeout), epoch=epoch):
         responder.send_json(200, follower.status())
     else:
         responder.send_json(504, follower.status())

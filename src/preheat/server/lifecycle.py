@@ -18,7 +18,8 @@ to a replica in any other):
   ones with 503; if they are not done by then, the sleep is refused with 409 and the replica serves on.
 
 One transition at a time: a second one while one runs gets 409. The phase and that transition are ``Lifecycle``, a
-part of ``ServerState`` (``preheat.server.state``); this module moves them.
+part of ``ServerState`` (``preheat.server.state``); this module moves them. Who may ask for a transition (the
+admin key, JSON only, no web page) is ``preheat.http.control``'s rule, checked by the handler before any body is read.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import TYPE_CHECKING, Protocol
 from preheat.core.errors import APIError, JSONInputError, PreheatError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.core.timeline import Timeline
-from preheat.peer.access import is_loopback
 from preheat.server.state import LOADING, READY, SLEEPING, STANDBY, WAKING, Asleep, Host, Kept, Loaded, ServerState
 
 if TYPE_CHECKING:
@@ -72,19 +72,6 @@ class ControlResponder(Protocol):
 def conflict(phase: str, action: str) -> APIError:
     """409 for a transition asked for in the wrong phase."""
     return APIError(409, f"cannot {action}: the replica is {phase}", type="invalid_request_error", code=f"is_{phase}")
-
-
-def control_refusal(state: ServerState, client_host: str) -> APIError | None:
-    """Control routes change what the replica runs: without an API key they answer loopback clients only (the API
-    key itself is checked for every ``/v1/*`` route before this)."""
-    if state.settings.api_key or is_loopback(client_host):
-        return None
-    return APIError(
-        403,
-        "control routes need the server's API key when called from another host (start it with PREHEAT_API_KEY)",
-        type="permission_error",
-        code="control_forbidden",
-    )
 
 
 def parse_body(body: bytes) -> dict[str, object]:
@@ -161,7 +148,7 @@ def _import_activation_modules() -> None:
 # -- activation ------------------------------------------------------------------------------------------------------
 def handle_load(responder: ControlResponder, state: ServerState, body: bytes, say: Callable[[str], None]) -> None:
     """``POST /v1/preheat/load {"model": URI, "served_model_name"?: str, "wait"?: bool}``."""
-    from preheat.server.allow import refusal
+    from preheat.server.allow import normalize, refusal
 
     arrived = time.time()
     request = parse_body(body)
@@ -173,6 +160,9 @@ def handle_load(responder: ControlResponder, state: ServerState, body: bytes, sa
     why = refusal(model, state.settings.allowed_models)
     if why is not None:
         raise APIError(403, why, type="permission_error", param="model", code="model_not_allowed")
+    # What was matched is what is loaded: the normal form, never the string sent (an origin that decodes %2e%2e
+    # and resolves it would otherwise serve another path than the one allowed).
+    model = normalize(model)
     life = state.life
     blocking = life.begin((STANDBY,), LOADING)
     if blocking is not None:

@@ -149,6 +149,7 @@ def start_peer(state: ServerState, loaded: Loaded, say: Callable[[str], None]) -
             origin=settings.origin or remote,
             artifacts=store.lookup,
             nixl=nixl,
+            tls=settings.tls,
         )
     except (PeerError, ConfigError, OSError) as exc:  # the replica still serves its own clients
         log.warning("peer: not serving peers: %s", exc)

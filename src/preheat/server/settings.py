@@ -18,21 +18,23 @@ from typing import TYPE_CHECKING
 from preheat.core import env
 from preheat.core.config import option, resolve_settings, settings
 from preheat.core.errors import ConfigError
+from preheat.kv.keys import KV_DTYPES  # pure and torch-free (xxhash only): cheap before the bind
 from preheat.sources.base import REMOTE_SCHEMES as SOURCE_SCHEMES
 from preheat.sources.peer_uri import SCHEME as PEER_SCHEME
 from preheat.sources.peer_uri import peer_name
 
 if TYPE_CHECKING:
+    from preheat.http.tls import TLSFiles
     from preheat.kv.settings import KVSettings
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 REMOTE_SCHEMES = (*SOURCE_SCHEMES, PEER_SCHEME)  # pulled into the node cache first: sources, and names peers hold
-KV_DTYPES = ("auto", "int8", "fp8")  # kv/settings.py's, spelt here to keep this import cheap (a test compares them)
 KV = "KV tiers (docs/kv-cache.md; off unless --kv-l1 or --kv-l2 is given)"
 PEERS = "peers (docs/peer.md)"
 STANDBY = "standby, sleep and wake (docs/server.md, *Standby replicas*)"
 REFIT = "live weight updates (docs/refit.md)"
+TLS = "TLS (docs/security.md, *TLS*)"
 
 
 @settings(prefix="PREHEAT_", command="serve")
@@ -59,13 +61,61 @@ class ServeSettings:
         ),
     )
     max_queue: int = field(default=16, metadata=option("requests waiting before 429"))
+    # Every server's bounds (preheat.http.server): threads for connections, and time for a request's headers.
+    max_connections: int = field(
+        default=512, metadata=option("open client connections at most; one more is answered 503", metavar="N")
+    )
+    header_timeout: float = field(
+        default=10.0, metadata=option("seconds a request's line and headers may take to arrive", metavar="S")
+    )
     api_key: str | None = field(
         default=None,
-        metadata=option("require 'Authorization: Bearer KEY' on /v1/*", metavar="KEY", variable=env.API_KEY),
+        metadata=option(
+            "require 'Authorization: Bearer KEY' on /v1/* but the control routes", metavar="KEY", variable=env.API_KEY
+        ),
+    )
+    # The control routes' own key (load, sleep, wake, refit: preheat.http.control); the API key never grants them.
+    admin_key: str | None = field(
+        default=None,
+        metadata=option(
+            "require 'Authorization: Bearer KEY' on the control routes (load, sleep, wake, refit); prefer the variable",
+            metavar="KEY",
+            variable=env.ADMIN_KEY,
+            default_text="none: control only from this host, bound to loopback, without --api-key",
+        ),
     )
     cache_dir: str | None = field(
         default=None,
         metadata=option("node cache for URIs", metavar="DIR", default_text="~/.cache/preheat", variable=env.CACHE_DIR),
+    )
+    # TLS on every listener of the replica (API, peer, refit: one certificate per node); with the fleet's CA, the
+    # peer and refit listeners require client certificates signed by it, and pulls from peers are https.
+    ssl_certfile: str | None = field(
+        default=None,
+        metadata=option(
+            "serve https on every listener with this PEM certificate chain",
+            metavar="FILE",
+            group=TLS,
+            variable=env.SSL_CERTFILE,
+        ),
+    )
+    ssl_keyfile: str | None = field(
+        default=None,
+        metadata=option("the certificate's private key (PEM)", metavar="FILE", group=TLS, variable=env.SSL_KEYFILE),
+    )
+    ssl_ca_certs: str | None = field(
+        default=None,
+        metadata=option(
+            "the fleet's CA (PEM): peer and refit listeners require client certificates it signed (mutual TLS)",
+            metavar="FILE",
+            group=TLS,
+            variable=env.SSL_CA_CERTS,
+        ),
+    )
+    # How long a dashboard login lasts (docs/dashboard.md): the session id is the server's, forgotten at a restart.
+    dashboard_session_ttl: int = field(
+        default=12 * 3600,
+        metadata=option("seconds a /dashboard login lasts", metavar="S", default_text="43200: 12 h"),
     )
     # KV tiers (docs/kv-cache.md): L1 host memory (bytes or % of RAM), L2 fs:///dir or redis://host:port/db.
     kv_l1: str | None = field(
@@ -180,6 +230,22 @@ class ServeSettings:
             "with --follow: give up a version's pull after S seconds, stay on the one served", metavar="S", group=REFIT
         ),
     )
+    # Public keys whose signatures make a version applicable (preheat.refit.trust); none: unsigned versions, from
+    # holders on this machine only, and --follow with a registry or refit server beyond loopback refuses to start.
+    refit_trust_key: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "with --follow: apply only versions signed by this public key (repeatable; `preheat artifacts keygen`)",
+            metavar="FILE",
+            group=REFIT,
+            default_text="none: unsigned versions from this machine only",
+        ),
+    )
+    # A signed version this far past the one served is refused: one mistyped number would pin every follower.
+    refit_max_jump: int = field(
+        default=1_000_000,
+        metadata=option("with --follow: refuse a version more than N past the one served", metavar="N", group=REFIT),
+    )
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> ServeSettings:
@@ -219,7 +285,11 @@ class ServeSettings:
             raise ConfigError(f"--max-model-len {self.max_model_len}: must be at least 2 tokens")
         if self.max_queue < 0:
             raise ConfigError(f"--max-queue {self.max_queue}: must be 0 or more (0 admits only the running request)")
+        if self.max_connections < 1 or self.header_timeout <= 0:
+            raise ConfigError("--max-connections must be at least 1, and --header-timeout positive")
         self.kv.check()
+        self.check_keys()
+        self.check_listeners()
         if not 0 <= self.peer_port <= 65535:
             raise ConfigError(f"--peer-port {self.peer_port}: must be 0-65535 (0 picks a free port)")
         if self.peer:  # before the bind: a replica must not load a model only to refuse to share it
@@ -228,8 +298,10 @@ class ServeSettings:
             require_token(self.peer_bind_host, self.peer_token)
         if self.peer_max_mbps is not None and self.peer_max_mbps <= 0:
             raise ConfigError(f"--peer-max-mbps {self.peer_max_mbps}: must be a positive number of MB/s")
-        if self.registry is not None and not self.registry.startswith(("redis://", "rediss://", "file://")):
-            raise ConfigError(f"--registry {self.registry!r}: use redis://host:port[/db] or file:///shared/dir")
+        if self.registry is not None:
+            from preheat.peer.registry import check_registry  # redis is imported only to open one
+
+            check_registry(self.registry)
         if self.trust_key:
             from preheat.artifacts.signing import read_public_key  # pure: no crypto library before the bind
 
@@ -247,6 +319,24 @@ class ServeSettings:
                 "Face checkpoint directory, or an http(s):// or s3:// URI to pull through the node cache"
             )
 
+    def check_listeners(self) -> None:
+        """TLS files that load (before the bind, not at the first handshake), and a dashboard login that lasts."""
+        self.tls.check()
+        if self.dashboard_session_ttl < 1:
+            raise ConfigError(f"--dashboard-session-ttl {self.dashboard_session_ttl}: at least 1 second")
+
+    def check_keys(self) -> None:
+        """No empty key (it would quietly mean "no key"), and an admin key that is not the API key."""
+        for secret in ("api_key", "admin_key"):
+            value = getattr(self, secret)
+            if value is not None and not value.strip():
+                raise ConfigError(f"--{secret.replace('_', '-')} is empty: give a key, or leave the flag out")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ConfigError(
+                "--admin-key is the --api-key: give the control routes a key of their own (PREHEAT_ADMIN_KEY), so "
+                "that whoever may ask for completions cannot also put the replica to sleep or choose what it loads"
+            )
+
     def check_follow(self) -> None:
         """``--follow`` needs a registry to find the trainer in; ``--max-staleness`` needs ``--follow``."""
         if self.follow and self.registry is None:
@@ -257,10 +347,17 @@ class ServeSettings:
             raise ConfigError(f"--refit-deadline {self.refit_deadline}: a number of seconds above 0")
         if self.follow and (self.compile or self.standby):
             raise ConfigError("--follow swaps weights in a live model: not with --compile or --standby (docs/refit.md)")
+        if self.refit_max_jump < 1:
+            raise ConfigError(f"--refit-max-jump {self.refit_max_jump}: a count of 1 or more")
         if self.follow:  # its refit server offers the live weights on the peer host: refused here, before the bind
+            from preheat.artifacts.signing import read_public_key  # pure: no crypto library before the bind
             from preheat.peer.access import require_token  # torch-free
+            from preheat.refit.trust import require_trust  # torch-free
 
             require_token(self.peer_bind_host, self.peer_token)
+            for path in self.refit_trust_key:
+                read_public_key(path)  # ConfigError naming the file and what to pass instead
+            require_trust(self.registry, self.peer_bind_host, self.refit_trust_key)
 
     def check_standby(self) -> None:
         """A standby replica must be told what it may load, and must not take orders from the network unguarded."""
@@ -269,12 +366,17 @@ class ServeSettings:
                 "--standby without MODEL loads nothing unless told what it may load: pass --allow-model PATTERN "
                 "(a glob, e.g. 's3://models/*' or '/models/*'; repeatable) or PREHEAT_ALLOW_MODEL"
             )
-        from preheat.peer.access import is_loopback  # torch-free
+        from preheat.http.control import is_loopback  # torch-free
 
-        if not is_loopback(self.host) and not self.api_key:
+        if not self.admin_key and not is_loopback(self.host):
             raise ConfigError(
                 f"--standby on {self.host or '*'} would let anyone who reaches it choose the model it loads: set "
-                "PREHEAT_API_KEY (or --api-key), or bind to loopback (--host 127.0.0.1)"
+                "PREHEAT_ADMIN_KEY (or --admin-key), or bind to loopback (--host 127.0.0.1)"
+            )
+        if not self.admin_key and self.api_key:
+            raise ConfigError(
+                "--standby with --api-key and no --admin-key could never be activated: the control routes take "
+                "the admin key only; set PREHEAT_ADMIN_KEY (or --admin-key)"
             )
         if self.model:
             raise ConfigError(
@@ -288,6 +390,13 @@ class ServeSettings:
         if self.allow_model:
             return self.allow_model
         return (self.model,) if self.model else ()
+
+    @property
+    def tls(self) -> TLSFiles:
+        """The TLS files of the replica's listeners (none given: plain http)."""
+        from preheat.http.tls import TLSFiles  # standard library only
+
+        return TLSFiles(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
     @property
     def peer_bind_host(self) -> str:

@@ -19,9 +19,10 @@ Versions: the request that learns a file's size also records its ``ETag`` (stron
 ``If-Unmodified-Since``) and an answer naming another version, or 412, raises ``SourceChangedError``: a resumed pull
 never mixes the bytes of two versions of a file.
 
-Authentication: ``PREHEAT_HTTP_TOKEN`` (or ``token=``) is sent as ``Authorization: Bearer <token>``, only to the
-origin's own host, and a redirect to another origin (scheme, host or port) drops it, and any ``Authorization`` or
-``Cookie`` header, for the rest of that request's redirects (``preheat.http.client.Redirects``).
+Authentication: ``token=``, else ``PREHEAT_HTTP_TOKEN`` when ``PREHEAT_HTTP_TOKEN_HOSTS`` names the origin's host
+(``preheat.sources.token``: never over plain http beyond loopback), is sent as ``Authorization: Bearer <token>``,
+only to the origin's own host, and a redirect to another origin (scheme, host or port) drops it, and any
+``Authorization`` or ``Cookie`` header, for the rest of that request's redirects (``preheat.http.client.Redirects``).
 
 Connections, redirects and the mapping of network failures are ``preheat.http``'s: each origin has a
 ``preheat.http.pool.Pool`` (a connection per request in flight, kept alive between them); this module maps what
@@ -40,7 +41,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from preheat.core import env
 from preheat.core.errors import (
     ConfigError,
     ConnectError,
@@ -60,6 +60,7 @@ from preheat.sources.base import Validator, check_name, strong_etag, too_large
 from preheat.sources.net import NetSettings, retrying
 from preheat.sources.remote import Cursor, RemoteFile
 from preheat.sources.stats import TOTALS, TransferStats
+from preheat.sources.token import origin_token, withheld_hint
 
 log = logging.getLogger("preheat.sources.http")
 
@@ -73,7 +74,15 @@ class _Client:
     """An origin's requests: its pool, its token and settings, counted in ``stats``; failures as ``sources``
     errors."""
 
-    def __init__(self, *, token: str | None, token_netloc: str, settings: NetSettings, stats: TransferStats) -> None:
+    def __init__(
+        self,
+        *,
+        token: str | None,
+        token_netloc: str,
+        settings: NetSettings,
+        stats: TransferStats,
+        hint: str | None = None,
+    ) -> None:
         self.settings = settings
         self.timeouts = Timeouts(connect=settings.connect_timeout, read=settings.read_timeout)
         self.stats = stats
@@ -81,6 +90,7 @@ class _Client:
         self.redirects = Redirects(limit=min(settings.redirects, MAX_REDIRECTS))
         self._token = token or None  # "" means none (a peer origin passes it so PREHEAT_HTTP_TOKEN is not read)
         self._token_netloc = token_netloc
+        self._withheld = hint  # why PREHEAT_HTTP_TOKEN was not sent here, for a 401/403
 
     def send(self, method: str, url: str, headers: Mapping[str, str] | None = None) -> Answer:
         """``method url`` with its redirects followed; the answer once its headers have arrived. Raises
@@ -122,6 +132,8 @@ class _Client:
         raise SourceError(f"{what}: unexpected answer HTTP {status} {reason}")
 
     def _token_hint(self) -> str:
+        if self._withheld is not None:
+            return self._withheld
         if self._token is None:
             return (
                 "if the server needs a token, set PREHEAT_HTTP_TOKEN (sent as 'Authorization: Bearer <token>') "
@@ -164,11 +176,13 @@ class HTTPOrigin:
         if parts.query or parts.fragment:
             raise ConfigError(f"{url}: a checkpoint URL prefix cannot carry a query or fragment")
         self._base = urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+        hint = None
         if token is None:
-            token = env.get(env.HTTP_TOKEN)
+            token = origin_token(url)  # ConfigError: a token with no hosts named, or plain http beyond loopback
+            hint = None if token is not None else withheld_hint(url)
         self.settings = settings if settings is not None else NetSettings.from_env()
         self.stats = TransferStats(parent=TOTALS)
-        client = _Client(token=token, token_netloc=parts.netloc, settings=self.settings, stats=self.stats)
+        client = _Client(token=token, token_netloc=parts.netloc, settings=self.settings, stats=self.stats, hint=hint)
         self._state = _OriginState(self._base, client)
 
     @property
@@ -386,13 +400,7 @@ class HTTPFile(RemoteFile):
             self._client.check(response, f"GET {self._url}")
             response.abandon()
             raise SourceError(f"GET {self._url}: expected HTTP 200, got {response.status}")
-        length = response.int_header("Content-Length")
-        if length is not None and length != size:
-            response.abandon()
-            raise SourceChangedError(
-                f"GET {self._url}: the file is now {length} bytes, was {size}; it changed on the server"
-            )
-        return _Stream(response, 0)
+        return self._adopt(response, size)
 
     def _from_stream(self, offset: int, cursor: Cursor, size: int, stream: _Stream | None) -> None:
         target = offset + cursor.done

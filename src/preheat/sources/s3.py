@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypedDict, TypeVar
 
 from preheat.core.errors import (
     ConfigError,
@@ -37,7 +37,39 @@ from preheat.sources.net import NetSettings, retrying
 from preheat.sources.remote import Cursor, RemoteFile
 from preheat.sources.stats import TOTALS, TransferStats
 
+if TYPE_CHECKING:
+    from datetime import datetime
+
 T = TypeVar("T")
+
+
+# boto3's S3 client as this module uses it (boto3 ships no types): two calls, their answers' keys that are read, and
+# the body's three methods. Requests are keyword arguments named as the S3 API names them (Bucket, Key, Range, IfMatch).
+class _Body(Protocol):
+    """botocore's ``StreamingBody``."""
+
+    def read(self, amt: int | None = None) -> bytes: ...
+
+    def readinto(self, buffer: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class HeadObjectAnswer(TypedDict, total=False):
+    ContentLength: int
+    ETag: str
+    LastModified: datetime
+
+
+class GetObjectAnswer(HeadObjectAnswer, total=False):
+    Body: _Body
+    ContentRange: str
+
+
+class S3Client(Protocol):
+    def head_object(self, **request: str) -> HeadObjectAnswer: ...
+
+    def get_object(self, **request: str) -> GetObjectAnswer: ...
 _BLOCK = 1 << 20
 POOL_CONNECTIONS = 64  # at least the loader's remote thread count (16), with room for concurrent loads and pulls
 
@@ -60,7 +92,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-def make_client(settings: NetSettings, *, max_connections: int = POOL_CONNECTIONS) -> Any:  # Any: boto3 has no stubs
+def make_client(settings: NetSettings, *, max_connections: int = POOL_CONNECTIONS) -> S3Client:
     """A boto3 S3 client with preheat's timeouts, botocore's own retries off, and a pool for many threads."""
     try:
         import boto3
@@ -69,7 +101,7 @@ def make_client(settings: NetSettings, *, max_connections: int = POOL_CONNECTION
     except ImportError:
         raise ConfigError("s3:// sources need boto3: pip install 'preheat[s3]'") from None
     session = boto3.session.Session()
-    options: dict[str, Any] = {
+    options: dict[str, object] = {
         "max_pool_connections": max_connections,
         "connect_timeout": settings.connect_timeout,
         "read_timeout": settings.read_timeout,
@@ -78,7 +110,8 @@ def make_client(settings: NetSettings, *, max_connections: int = POOL_CONNECTION
     if session.get_credentials() is None:
         options["signature_version"] = UNSIGNED  # public buckets; a private one answers AccessDenied, named below
     # A region is needed to sign; any works for path-style endpoints such as MinIO or moto.
-    return session.client("s3", region_name=session.region_name or "us-east-1", config=Config(**options))
+    client: S3Client = session.client("s3", region_name=session.region_name or "us-east-1", config=Config(**options))
+    return client
 
 
 class S3Origin:
@@ -88,7 +121,7 @@ class S3Origin:
     >>> origin.exists("model.safetensors.index.json")                      # doctest: +SKIP
     """
 
-    def __init__(self, uri: str, *, client: Any = None, settings: NetSettings | None = None) -> None:
+    def __init__(self, uri: str, *, client: S3Client | None = None, settings: NetSettings | None = None) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.settings = settings if settings is not None else NetSettings.from_env()
         self.stats = TransferStats(parent=TOTALS)

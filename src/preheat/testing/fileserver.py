@@ -1,13 +1,15 @@
 """A small, real HTTP file server with Range support: the origin for tests, benchmarks and a laptop.
 
-It serves the files under one directory (never a byte outside it) over HTTP/1.1 keep-alive: ``GET`` and ``HEAD``,
+It serves the files under one directory (never a byte outside it, and never a dot-file or anything inside a
+dot-directory: ``GET /.env`` is 404, as is a link to one) over HTTP/1.1 keep-alive: ``GET`` and ``HEAD``,
 single ``Range: bytes=a-b`` requests answered with 206 and ``Content-Range`` (416 past the end; several ranges get the
 whole file, which RFC 9110 allows), an optional bearer token (401 without one, 403 for a wrong one), an optional
 per-connection throttle (object stores cap each connection, e.g. at 50 MB/s, so bandwidth comes from parallel
 streams), validators (``ETag`` from inode, mtime and size; ``Last-Modified``) with ``If-Match`` and
 ``If-Unmodified-Since`` (412 when they fail) and ``If-Range`` (the whole file when it fails), and fault injection for
 tests (``Faults``: ignore Range, cut connections mid-body, flip bytes, answer a shifted range, fail with a status,
-never answer, or send no validators).
+never answer, send no validators, or resolve ``..`` as a lenient origin does). ``stats`` also keeps the request
+targets it was sent (the last 10,000), so a test sees which paths a client asked for.
 
 >>> with FileServer("/srv/models", throttle_bps=50_000_000) as server:      # doctest: +SKIP
 ...     weights = preheat.load(server.url_for("tiny"))          # checked against tiny/preheat.json
@@ -28,13 +30,14 @@ import email.message
 import email.utils
 import logging
 import os
+import posixpath
 import socket
 import ssl
 import stat
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -49,6 +52,7 @@ from preheat.http.server import BackgroundServer, TrackedHandler, TrackedServer
 log = logging.getLogger("preheat.fileserver")
 
 _BLOCK = 256 * 1024  # bytes per write when the body is paced, cut or altered (otherwise sendfile does it all)
+TARGETS_KEPT = 10_000  # request targets ServerStats remembers: a benchmark's millions of ranges must not pile up
 
 
 @dataclass
@@ -64,6 +68,9 @@ class Faults:
     - ``fail_status``: answer the next ``fail_times`` requests (None: all) with this status, e.g. 503.
     - ``stall``: read requests but never answer (until the server stops): a client must time out.
     - ``omit_validators``: send no ``ETag``/``Last-Modified`` and ignore conditional headers (a bare server).
+    - ``resolve_dot_segments``: decode the path and resolve ``..`` segments (never above the root) instead of
+      refusing them with 403, as many origins and proxies do: ``/public/%2e%2e/private/x`` is ``/private/x``. The
+      origin a URL allow-list must be checked against.
     """
 
     ignore_range: bool = False
@@ -75,6 +82,7 @@ class Faults:
     fail_times: int | None = 1
     stall: bool = False
     omit_validators: bool = False
+    resolve_dot_segments: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class ServedCounts:
     failures: int = 0
     stalls: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
+    targets: tuple[str, ...] = ()  # the request targets, oldest first (the last TARGETS_KEPT)
 
 
 class ServerStats:
@@ -96,12 +105,23 @@ class ServerStats:
         self._lock = threading.Lock()
         self._requests = self._bytes = self._drops = self._failures = self._stalls = 0
         self._statuses: Counter[int] = Counter()
+        self._targets: deque[str] = deque(maxlen=TARGETS_KEPT)
 
     def snapshot(self) -> ServedCounts:
         with self._lock:
             return ServedCounts(
-                self._requests, self._bytes, self._drops, self._failures, self._stalls, dict(self._statuses)
+                self._requests,
+                self._bytes,
+                self._drops,
+                self._failures,
+                self._stalls,
+                dict(self._statuses),
+                tuple(self._targets),
             )
+
+    def asked(self, target: str) -> None:
+        with self._lock:
+            self._targets.append(target)
 
     def answered(self, status: int) -> None:
         with self._lock:
@@ -146,6 +166,25 @@ def resolve_path(root: str, request_target: str) -> str:
     return real
 
 
+def lenient_path(root: str, request_target: str) -> str:
+    """What a lenient origin serves for ``request_target``: the path decoded, then its ``..`` segments resolved
+    (never above the root), then ``resolve_path``'s checks. ``Faults.resolve_dot_segments`` serves this."""
+    # One leading "/" only: normpath keeps "//", which urlsplit would then read as a host.
+    path = posixpath.normpath("/" + unquote(urlsplit(request_target).path).lstrip("/"))
+    return resolve_path(root, path.replace("%", "%25"))  # decoded once already: resolve_path must not decode again
+
+
+def is_hidden(root: str, request_target: str, real: str) -> bool:
+    """Whether the request names a dot-file or a dot-directory, or ``real`` (its real path under ``root``) is one or
+    lies inside one: never served (an ``.env``, a ``.git``, the node cache's ``.journal`` files), whatever name the
+    request used to reach it."""
+    asked = unquote(urlsplit(request_target).path).split("/")
+    relative = os.path.relpath(real, root)
+    named = [part for part in asked if part not in ("", ".", "..")]
+    reached = [] if relative == "." else relative.split(os.sep)
+    return any(part.startswith(".") for part in (*named, *reached))
+
+
 class _Server(TrackedServer):
     def __init__(
         self,
@@ -156,7 +195,6 @@ class _Server(TrackedServer):
         throttle_bps: int | None,
         faults: Faults,
         stats: ServerStats,
-        tls: ssl.SSLContext | None,
     ) -> None:
         super().__init__(address, _Handler)
         self.root = root
@@ -164,15 +202,7 @@ class _Server(TrackedServer):
         self.throttle_bps = throttle_bps
         self.faults = faults
         self.stats = stats
-        self.tls = tls
         self.stopping = threading.Event()
-
-    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
-        sock, address = super().get_request()
-        if self.tls is None:
-            return sock, address
-        # The handshake happens on the handler thread's first read, so a slow client never blocks accept().
-        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
 
 class _Handler(TrackedHandler):
@@ -196,15 +226,14 @@ class _Handler(TrackedHandler):
             server.stopping.wait()
             self.close_connection = True
             return
+        server.stats.asked(self.path)
         if not self.bearer_ok(server.token):
             return
         if faults.fail_status is not None and server.stats.take_fault("failure", faults.fail_times):
             self.plain(faults.fail_status, "injected failure\n")
             return
-        try:
-            path = resolve_path(server.root, self.path)
-        except ForbiddenPathError:
-            self.plain(403, "forbidden: outside the served directory\n")
+        path = self._servable_path()
+        if path is None:
             return
         try:
             handle = open(path, "rb")  # noqa: SIM115 - closed below, after the body is sent
@@ -217,6 +246,20 @@ class _Handler(TrackedHandler):
                 self.plain(404, "not found\n")
                 return
             self._send_file(handle, info, body=body)
+
+    def _servable_path(self) -> str | None:
+        """The real path the request names, or None once it was answered 403 (outside the root) or 404 (hidden)."""
+        server = self.server
+        try:
+            resolve = lenient_path if server.faults.resolve_dot_segments else resolve_path
+            path = resolve(server.root, self.path)
+        except ForbiddenPathError:
+            self.plain(403, "forbidden: outside the served directory\n")
+            return None
+        if is_hidden(server.root, self.path, path):  # 404, not 403: whether such a file exists is nobody's business
+            self.plain(404, "not found\n")
+            return None
+        return path
 
     def _send_file(self, handle: BinaryIO, info: os.stat_result, *, body: bool) -> None:
         faults, size = self.server.faults, info.st_size
@@ -337,10 +380,9 @@ class FileServer(BackgroundServer):
             raise ConfigError(f"{root}: not a directory, nothing to serve")
         if throttle_bps is not None and throttle_bps < 1:
             raise ConfigError(f"throttle_bps must be at least 1, got {throttle_bps}")
-        super().__init__(host, port)
+        super().__init__(host, port, tls=tls)
         self.token, self.throttle_bps = token, throttle_bps
         self.faults = faults if faults is not None else Faults()
-        self.tls = tls
         self.stats = ServerStats()
 
     @property
@@ -361,7 +403,6 @@ class FileServer(BackgroundServer):
             throttle_bps=self.throttle_bps,
             faults=self.faults,
             stats=self.stats,
-            tls=self.tls,
         )
 
     def before_stop(self, server: TrackedServer) -> None:

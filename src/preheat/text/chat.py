@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 from preheat.core.errors import CheckpointError, RequestError
 
+if TYPE_CHECKING:  # jinja2 itself is imported on the first render
+    from jinja2 import Template
 
-def find_template(root: str, tokenizer_config: dict[str, Any]) -> str | None:  # Any: JSON values
+
+def find_template(root: str, tokenizer_config: dict[str, object]) -> str | None:  # read value by value, checked
     """The checkpoint's chat template source, or None when it has none."""
     raw = tokenizer_config.get("chat_template")
     if isinstance(raw, list):
@@ -39,7 +42,7 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = special_tokens
         self.where = where
-        self._template: Any = None  # Any: jinja2.Template, typed loosely so jinja2 is not imported at module load
+        self._template: Template | None = None  # compiled on first use
 
     def compile(self) -> None:
         """Import jinja2 and compile the template (done once; ``render`` calls it when needed)."""
@@ -80,6 +83,7 @@ class ChatTemplate:
         """The prompt text for ``messages``; ``RequestError`` when the template refuses them (e.g. roles that do
         not alternate), with the template's own message."""
         self.compile()
+        assert self._template is not None  # compile() set it or raised
         import jinja2
 
         try:

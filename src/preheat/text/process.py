@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypedDict
 
 from preheat.core import env
 from preheat.core.errors import CheckpointError, ChildGoneError, JSONInputError, PreheatError, RequestError
@@ -46,6 +46,15 @@ log = logging.getLogger("preheat.server")
 SETTLE_IDLE_S = 0.5  # quiet time after which the server builds its own copy (one ~0.12 s pause of the GIL)
 SETTLE_LATEST_S = 30.0  # ... or this long after serving began, even under steady traffic
 _HEADER = struct.Struct("!I")
+
+
+class Facts(TypedDict):
+    """The child's ``{"ready": ...}`` answer: what a ``ProcessTokenizer`` knows without a tokenizer object (each
+    value is converted again where it is read: it comes from another process)."""
+
+    eos_ids: list[int]
+    special_tokens: dict[str, str]
+    vocab_size: int
 _PR_SET_PDEATHSIG = 1
 
 
@@ -210,9 +219,7 @@ class ProcessTokenizer(TextTokenizer):
     plain ``TextTokenizer``) exists only after the switch; the server uses the methods alone.
     """
 
-    def __init__(
-        self, process: TokenizerProcess, root: str, config_eos_ids: Iterable[int], facts: dict[str, Any]
-    ) -> None:  # Any: the child's JSON answer
+    def __init__(self, process: TokenizerProcess, root: str, config_eos_ids: Iterable[int], facts: Facts) -> None:
         # No super().__init__: there is no tokenizer object here until settle() builds one.
         self.eos_ids = frozenset(int(i) for i in facts["eos_ids"])
         self.special_tokens = {str(k): str(v) for k, v in facts["special_tokens"].items()}
@@ -342,7 +349,7 @@ def _child(sock: socket.socket, parent: int) -> int:
     except Exception as exc:  # anything else is a bad checkpoint to the user, as in-process
         _send(sock, {"error": {"kind": "CheckpointError", "message": f"{request['root']}: tokenizer: {exc}"}})
         return 0
-    facts = {
+    facts: Facts = {
         "eos_ids": sorted(tokenizer.eos_ids),
         "special_tokens": tokenizer.special_tokens,
         "vocab_size": tokenizer.vocab_size,

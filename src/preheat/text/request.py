@@ -13,7 +13,6 @@ import json
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from preheat.core.errors import APIError, JSONInputError
 from preheat.core.jsonsafe import MAX_DEPTH, loads_bounded
@@ -66,10 +65,11 @@ def parse_request(raw: bytes, kind: str, served_model: str, aliases: Collection[
     return parse_body(body, kind, served_model, aliases)
 
 
-def parse_body(  # Any: decoded JSON
-    body: dict[str, Any], kind: str, served_model: str, aliases: Collection[str] = ()
+def parse_body(
+    body: dict[str, object], kind: str, served_model: str, aliases: Collection[str] = ()
 ) -> GenerationRequest:
-    """``parse_request`` for a body already decoded within its bounds (the router decodes it once for routing)."""
+    """``parse_request`` for a body already decoded within its bounds (the router decodes it once for routing): every
+    value is checked here, where the body enters."""
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model", code="invalid_type")

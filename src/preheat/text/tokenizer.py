@@ -17,12 +17,13 @@ from preheat.core.errors import CheckpointError, RequestError
 from preheat.text.chat import ChatTemplate, find_template
 
 if TYPE_CHECKING:  # imported by from_dir: a server whose tokenizer is built in another process never needs it early
-    from tokenizers import Tokenizer
+    from tokenizers import Encoding, Tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Tokens of the prompt's tail decoded together with new ones, so a first generated token keeps the leading space a
 # SentencePiece (Metaspace) decoder only shows after other text; the same trick vLLM and TGI use.
 _CONTEXT_TOKENS = 5
+_HEAD_CHARS_PER_TOKEN = 6  # encode_head's first guess at the text N tokens take (English: ~4); short: read 2x more
 
 
 def _token_text(value: object) -> str | None:
@@ -55,6 +56,9 @@ class TextTokenizer:
         self.special_tokens = special_tokens
         self.template = template
         self.where = where
+        # The longest added token (``<|im_start|>``...): a cut within this many characters of one may split it.
+        added = tokenizer.get_added_tokens_decoder().values()
+        self._added_span = max((len(token.content) for token in added), default=1)
 
     @classmethod
     def from_dir(cls, root: str, *, config_eos_ids: Iterable[int] = ()) -> TextTokenizer:
@@ -92,6 +96,32 @@ class TextTokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor (e.g. BOS)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_head(self, text: str, max_tokens: int, *, add_special_tokens: bool = True) -> list[int]:
+        """``encode(text)[:max_tokens]``, reading only as much of ``text`` as those tokens need, and encoded with the
+        GIL released, so other threads run meanwhile (``tokenizers`` encodes from many threads at once): the
+        router's reading of prompts, where a prompt of megabytes must cost no more than the tokens routing uses.
+
+        A text cut short encodes differently near the cut (a word split in two, an added token cut in half, a run
+        of spaces whose split depends on what follows it), so the tokens of the words near the cut are dropped;
+        when fewer than ``max_tokens`` are left, a piece twice as long is read, up to the whole text.
+        """
+        cut = max_tokens * _HEAD_CHARS_PER_TOKEN
+        while True:
+            if cut >= len(text):
+                return list(self._encode_released(text, add_special_tokens).ids[:max_tokens])
+            settled = _settled(self._encode_released(text[:cut], add_special_tokens), cut - self._added_span)
+            if len(settled) >= max_tokens:
+                return settled[:max_tokens]
+            cut *= 2
+
+    def encode_chat_head(self, messages: list[dict[str, str]], max_tokens: int) -> list[int]:
+        """``encode_chat(messages)[:max_tokens]``, as ``encode_head`` reads a text."""
+        return self.encode_head(self.render_chat(messages), max_tokens, add_special_tokens=False)
+
+    def _encode_released(self, text: str, add_special_tokens: bool) -> Encoding:
+        # encode_batch releases the GIL while it works (encode does not): a long prompt does not stop other threads.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``, special tokens left out."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -113,6 +143,19 @@ class TextTokenizer:
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
         """A streaming decoder for tokens generated after ``prompt_ids``."""
         return IncrementalDetokenizer(self, prompt_ids[-_CONTEXT_TOKENS:])
+
+
+def _settled(encoding: Encoding, safe: int) -> list[int]:
+    """The ids of a cut text's encoding that the rest of the text cannot change: those before the word just before
+    the first token ending past character ``safe`` (any token there may differ in the whole text, and so may the
+    word before it: the split of a run of spaces depends on what follows). Words are the pre-tokenizer's pieces;
+    with none (one word), nothing is settled and the caller reads the whole text."""
+    words = encoding.word_ids
+    near = next((w for w, (_, end) in zip(words, encoding.offsets, strict=True) if w is not None and end > safe), None)
+    if near is None:
+        return []
+    keep = next((i for i, w in enumerate(words) if w is not None and w >= near - 1), len(words))
+    return list(encoding.ids[:keep])
 
 
 class IncrementalDetokenizer:

@@ -1,2 +1,3 @@
-"""``preheat timeline``: a recorded cold start (``preheat.core.timeline``) as a report. ``report``: the waterfall, idle
-accelerator time and cost, text table (pure); ``svg``: inline-SVG HTML; ``plot``: ``--plot`` to .html or .png."""
+"""``preheat timeline``: a recorded cold start (``preheat.core.timeline``) as a report. ``waterfall``: the waterfall,
+idle accelerator time and cost, text table (pure); ``fetch``: the timeline JSON from a server or a file; ``svg``:
+inline-SVG HTML; ``plot``: ``--plot`` to .html or .png."""

@@ -1,7 +1,7 @@
 """``preheat timeline --plot``: the waterfall drawn to a file, ``.html`` (inline SVG) or ``.png`` (matplotlib).
 
-The top of the timeline modules: ``timeline`` (recording) <- ``timeline_report`` (reading back, text) <-
-``timeline_svg`` (the SVG page) <- this one.
+The top of the timeline modules: ``core.timeline`` (recording) <- ``waterfall`` (reading back, text) <- ``svg``
+(the SVG page) <- this one.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 from preheat.core.errors import ConfigError
-from preheat.timeline.report import Waterfall
 from preheat.timeline.svg import COLORS, html_page
+from preheat.timeline.waterfall import Waterfall
 
 
 def plot(waterfall: Waterfall, path: str, *, gpu_cost_per_hour: float = 32.0) -> str:

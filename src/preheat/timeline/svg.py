@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from preheat.timeline.report import Waterfall, render_text
+from preheat.timeline.waterfall import Waterfall, render_text
 
 ROW = 26
 LABEL = 150

@@ -33,11 +33,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_peer_checkpoint(tmp_path_factory.mktemp("vllm-model"))
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> KeyPair:
-    return make_keypair(tmp_path_factory.mktemp("keys"), "fleet.key")
-
-
 @pytest.fixture
 def key(model: Path) -> va.VllmCacheKey:
     return va.cache_key(ENGINE, model=str(model), dtype="bfloat16", tp=2, device="cpu")
@@ -175,11 +170,11 @@ def test_install_keeps_a_unit_vllm_already_wrote(tmp_path: Path, key: va.VllmCac
     ],
 )
 def test_a_signed_payload_that_is_not_a_vllm_cache_is_never_installed(
-    tmp_path: Path, key: va.VllmCacheKey, fleet: KeyPair, members: list[tuple[tarfile.TarInfo, bytes]], reason: str
+    tmp_path: Path, key: va.VllmCacheKey, fleet_key: KeyPair, members: list[tuple[tarfile.TarInfo, bytes]], reason: str
 ) -> None:
-    raw = artifacts.sign(artifacts.encode(key, tar_of(*members)), fleet.signer, where="test")
+    raw = artifacts.sign(artifacts.encode(key, tar_of(*members)), fleet_key.signer, where="test")
     with pytest.raises(PeerError, match=reason):
-        va.install(artifacts.verify(raw, key, fleet.trusted, where="peer x"), str(tmp_path / "t"), where="peer x")
+        va.install(artifacts.verify(raw, key, fleet_key.trusted, where="peer x"), str(tmp_path / "t"), where="peer x")
     assert files_under(tmp_path) == {}
 
 
@@ -187,16 +182,16 @@ def test_a_signed_payload_that_is_not_a_vllm_cache_is_never_installed(
 
 
 def test_a_cache_packed_on_one_node_is_pulled_from_its_peer_and_installed(
-    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet: KeyPair
+    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet_key: KeyPair
 ) -> None:
     builder = ArtifactStore(str(tmp_path / "builder-cache"))
     root = make_vllm_cache(tmp_path / "builder-vllm")
-    packed = va.pack_into_store(key, str(root), builder, signer=fleet.signer)
+    packed = va.pack_into_store(key, str(root), builder, signer=fleet_key.signer)
     assert packed.path == builder.blob_path(key.hex)
     registry = tmp_path / "registry"
     extra = ("--artifacts", "--cache-dir", str(tmp_path / "builder-cache"), "--registry", f"file://{registry}")
     with SeedPeer(model, *extra, token=TOKEN):
-        newcomer = ArtifactStore(str(tmp_path / "new-cache"), fleet.trusted)
+        newcomer = ArtifactStore(str(tmp_path / "new-cache"), fleet_key.trusted)
         target = tmp_path / "new-vllm"
         result = va.pull(key, newcomer, str(target), registry=f"file://{registry}", token=TOKEN)
     assert result.installed is not None
@@ -237,56 +232,57 @@ def pull_from_hostile_peer(
 def test_a_blob_for_another_dtype_or_tp_is_never_installed(
     tmp_path: Path,
     key: va.VllmCacheKey,
-    fleet: KeyPair,
+    fleet_key: KeyPair,
     payload: bytes,
     case: tuple[dict[str, object], str],
 ) -> None:
     change, differs = case
     other = dataclasses.replace(key, **change)  # type: ignore[arg-type]
-    raw = artifacts.sign(artifacts.encode(other, payload), fleet.signer, where="test")
+    raw = artifacts.sign(artifacts.encode(other, payload), fleet_key.signer, where="test")
     result = pull_from_hostile_peer(
-        tmp_path, Path(key.model), raw, key, ArtifactStore(str(tmp_path / "c"), fleet.trusted)
+        tmp_path, Path(key.model), raw, key, ArtifactStore(str(tmp_path / "c"), fleet_key.trusted)
     )
     assert [f"differs in {differs}" in r for r in result.refused] == [True]
 
 
 def test_a_blob_of_preheats_own_engine_kind_is_refused_as_another_kind(
-    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet: KeyPair, payload: bytes
+    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet_key: KeyPair, payload: bytes
 ) -> None:
     engine_key = artifacts.ArtifactKey("2.13.0", None, "0.1.0", "cpu", key.arch, str(key.identity), "bfloat16", 2048)
-    raw = artifacts.sign(artifacts.encode(engine_key, payload), fleet.signer, where="test")
-    result = pull_from_hostile_peer(tmp_path, model, raw, key, ArtifactStore(str(tmp_path / "c"), fleet.trusted))
+    raw = artifacts.sign(artifacts.encode(engine_key, payload), fleet_key.signer, where="test")
+    result = pull_from_hostile_peer(tmp_path, model, raw, key, ArtifactStore(str(tmp_path / "c"), fleet_key.trusted))
     assert "another kind ('inductor-dir-2', not 'vllm-compile-cache-1')" in result.refused[0]
 
 
 def test_a_corrupted_blob_is_refused_by_its_checksum(
-    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet: KeyPair, payload: bytes
+    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet_key: KeyPair, payload: bytes
 ) -> None:
-    raw = bytearray(artifacts.sign(artifacts.encode(key, payload), fleet.signer, where="test"))
+    raw = bytearray(artifacts.sign(artifacts.encode(key, payload), fleet_key.signer, where="test"))
     raw[-400] ^= 0xFF  # inside the payload
-    result = pull_from_hostile_peer(tmp_path, model, bytes(raw), key, ArtifactStore(str(tmp_path / "c"), fleet.trusted))
+    store = ArtifactStore(str(tmp_path / "c"), fleet_key.trusted)
+    result = pull_from_hostile_peer(tmp_path, model, bytes(raw), key, store)
     assert "checksum mismatch" in result.refused[0]
 
 
 def test_a_forged_blob_is_refused_by_its_signature(
-    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet: KeyPair, payload: bytes
+    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet_key: KeyPair, payload: bytes
 ) -> None:
     """The forger signs with its own key, or keeps a real signature over other bytes: neither installs."""
     forger = make_keypair(tmp_path / "keys", "forger.key")
-    store = ArtifactStore(str(tmp_path / "c"), fleet.trusted)
+    store = ArtifactStore(str(tmp_path / "c"), fleet_key.trusted)
     own = artifacts.sign(artifacts.encode(key, payload), forger.signer, where="test")
     assert "not a trusted key" in pull_from_hostile_peer(tmp_path / "a", model, own, key, store).refused[0]
-    genuine = artifacts.sign(artifacts.encode(key, b"\0" * 1024), fleet.signer, where="test")
+    genuine = artifacts.sign(artifacts.encode(key, b"\0" * 1024), fleet_key.signer, where="test")
     body = artifacts.encode(key, payload)  # the forger's payload with the fleet's signature trailer
     forged = body + genuine[artifacts.parse(genuine, where="test").body_end :]
     assert "does not match its contents" in pull_from_hostile_peer(tmp_path / "b", model, forged, key, store).refused[0]
 
 
 def test_an_unsigned_peer_blob_is_refused_and_without_a_trust_key_peers_are_not_asked(
-    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet: KeyPair, payload: bytes
+    tmp_path: Path, model: Path, key: va.VllmCacheKey, fleet_key: KeyPair, payload: bytes
 ) -> None:
     unsigned = artifacts.encode(key, payload)  # a peer's own build: trusted there, not here
-    trusting = ArtifactStore(str(tmp_path / "c1"), fleet.trusted)
+    trusting = ArtifactStore(str(tmp_path / "c1"), fleet_key.trusted)
     assert (
         "artifacts are not signed" in pull_from_hostile_peer(tmp_path / "a", model, unsigned, key, trusting).refused[0]
     )
@@ -299,13 +295,13 @@ def test_an_unsigned_peer_blob_is_refused_and_without_a_trust_key_peers_are_not_
 
 
 def test_push_publishes_only_blobs_a_trusted_key_signed(
-    tmp_path: Path, key: va.VllmCacheKey, fleet: KeyPair, payload: bytes, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, key: va.VllmCacheKey, fleet_key: KeyPair, payload: bytes, capsys: pytest.CaptureFixture[str]
 ) -> None:
     signed = tmp_path / "signed.blob"
-    signed.write_bytes(artifacts.sign(artifacts.encode(key, payload), fleet.signer, where="test"))
+    signed.write_bytes(artifacts.sign(artifacts.encode(key, payload), fleet_key.signer, where="test"))
     unsigned = tmp_path / "unsigned.blob"
     unsigned.write_bytes(artifacts.encode(dataclasses.replace(key, tp=4), payload))
-    cache = ["--cache-dir", str(tmp_path / "cache"), "--trust-key", str(fleet.public)]
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--trust-key", str(fleet_key.public)]
     assert main(["artifacts", "push", str(signed), str(unsigned), *cache, "--json"]) == 1
     results = json.loads(capsys.readouterr().out)
     assert [r["ok"] for r in results] == ["yes", "no"]

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import preheat
-from conftest import WrittenCheckpoint, write
+from checkpoints import WrittenCheckpoint, write
 from hostile import ScriptedServer, endless
 from preheat.checkpoint.layout import open_checkpoint, read_remote_manifest, resolve_files, resolve_remote_names
 from preheat.checkpoint.manifest import (
@@ -226,6 +226,8 @@ def _set(doc: dict[str, object], path: tuple[str | int, ...], value: object) -> 
         (("files", 0, "name"), "/etc/passwd", "refusing file name"),
         (("files", 0, "name"), "../model.safetensors", "refusing file name"),
         (("extra_files", 0, "name"), "a/../../b", "refusing file name"),
+        (("extra_files", 0, "name"), ".journal", r"'\.journal' in extra_files: names starting with '\.' .* reserved"),
+        (("files", 0, "name"), ".cache/model.safetensors", r"names starting with '\.' \(files or directories\)"),
         (("files", 0, "digest"), "md5:abc", "digest of"),
         (("files", 0, "size"), -1, "size of"),
         (("tensors", 0, "file"), "other.safetensors", "not listed in files"),
@@ -248,6 +250,23 @@ def test_invalid_manifests_are_refused_naming_the_manifest(
         Manifest.from_json(json.dumps(doc).encode(), where="the/preheat.json")
     assert caught.value.path == "the/preheat.json"
     assert str(caught.value).startswith("the/preheat.json: ")
+
+
+def test_convert_leaves_dot_files_and_dot_directories_out_of_the_manifest(
+    single_checkpoint: WrittenCheckpoint, tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(single_checkpoint.root, root)
+    (root / ".journal").write_text("a pull's journal")
+    (root / ".env").write_text("SECRET=1")
+    (root / ".git").mkdir()
+    (root / ".git" / "config").write_text("[core]")
+    (root / "tokenizer").mkdir()
+    (root / "tokenizer" / ".hidden").write_text("x")
+    (root / "tokenizer" / "vocab.txt").write_text("a b c")
+    names = [record.name for record in (*written(root).files, *written(root).extra_files)]
+    assert "tokenizer/vocab.txt" in names
+    assert not [name for name in names if any(part.startswith(".") for part in name.split("/"))]
 
 
 @pytest.mark.parametrize("key", ["format_version", "config", "files", "extra_files", "tensors", "tp_world_size"])

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import preheat
-from conftest import WrittenCheckpoint, same_bytes, write
+from checkpoints import WrittenCheckpoint, same_bytes, write
+from predictions import Predictor, agreement
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, QuantInfo, build_manifest
 from preheat.checkpoint.quant import GROUP, dequantize, is_quantizable, quantize, quantize_with
@@ -21,8 +22,8 @@ from preheat.checkpoint.tp import rank_slice
 from preheat.checkpoint.writer import save_file
 from preheat.convert import convert
 from preheat.core.errors import CheckpointError
+from preheat.testing.smollm2 import SmolLM2
 from preheat.testing.synthetic import LlamaShape
-from smollm2 import Predictor, SmolLM2, agreement
 
 LINEAR = "model.layers.0.mlp.down_proj.weight"
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"

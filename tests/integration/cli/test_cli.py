@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WrittenCheckpoint
+from checkpoints import WrittenCheckpoint
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from preheat.cli.demo import next_steps, preheat_command, render_next_steps
-from smollm2 import cache_root, gguf_path
+from preheat.testing.smollm2 import cache_root, gguf_path
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import preheat
-from conftest import WrittenCheckpoint, assert_same_tensors, write
+from checkpoints import WrittenCheckpoint, assert_same_tensors, write
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.verify import verify_checkpoint

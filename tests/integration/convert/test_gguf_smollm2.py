@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import preheat
-from conftest import WrittenCheckpoint
+from checkpoints import WrittenCheckpoint
+from predictions import Predictor, prompts
 from preheat.checkpoint.gguf import is_gguf
 from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import build_manifest
@@ -17,7 +18,7 @@ from preheat.checkpoint.verify import verify_checkpoint
 from preheat.convert import convert
 from preheat.core.errors import CheckpointError, ConfigError
 from preheat.sources import embedded as models
-from smollm2 import Predictor, SmolLM2, gguf_path, prompts
+from preheat.testing.smollm2 import SmolLM2, gguf_path
 
 pytestmark = pytest.mark.slow
 

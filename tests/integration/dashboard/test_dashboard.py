@@ -18,7 +18,15 @@ import pytest
 from preheat.core.timeline import Timeline
 from preheat.dashboard.prom import parse, total
 from preheat.dashboard.refresh import Refreshing
-from preheat.dashboard.state import SCHEMA, ReplicaRow, TokenRate, document, replica_entry, waterfall
+from preheat.dashboard.state import (
+    SCHEMA,
+    ReplicaRow,
+    StateDocument,
+    TokenRate,
+    document,
+    replica_entry,
+    waterfall,
+)
 from preheat.dashboard.watch import ReplicaDashboard
 from preheat.dashboard.web import ASSETS, asset
 from preheat.http.metrics import Counter, Gauge, render
@@ -91,7 +99,7 @@ def tier_metrics(**up: float) -> str:
 
 
 def test_a_replica_whose_l2_is_down_keeps_the_header_from_saying_ok() -> None:
-    def fleet(*replicas: tuple[ReplicaRow, str]) -> dict[str, Any]:
+    def fleet(*replicas: tuple[ReplicaRow, str]) -> StateDocument:
         entries = [replica_entry(row, parse(text), None, None) for row, text in replicas]
         return document("router", entries, now=0.0, status="ok")
 
@@ -197,7 +205,7 @@ def test_with_an_api_key_the_dashboard_needs_it_once_then_a_cookie() -> None:
         with_cookie = get(url, "/dashboard/api/state", {"Cookie": cookie})
         page = get(url, "/dashboard", {"Cookie": cookie})
         bearer = get(url, "/dashboard/api/state", {"Authorization": "Bearer sesame"})
-        forged = get(url, "/dashboard/api/state", {"Cookie": "preheat_dashboard_key=sesame"})
+        forged = get(url, "/dashboard/api/state", {"Cookie": "preheat_dashboard_session=sesame"})
         style = get(url, "/dashboard/static/style.css")  # the package's own file: the login page needs it
     assert login.status == 401
     assert b'name="key"' in login.body
@@ -320,7 +328,7 @@ def test_a_replica_that_drips_its_answer_holds_one_scrape_not_one_per_poll() -> 
         states = [watcher.state([ReplicaRow(url, True)], status="ok", policy="p", decision_samples=[])
                   for _ in range(4)]  # fmt: skip
         assert len(connections) == 1
-        assert "still reading its last answer" in states[-1]["replicas"][0]["error"]
+        assert "still reading its last answer" in (states[-1]["replicas"][0]["error"] or "")
     finally:
         stop.set()
         listener.close()

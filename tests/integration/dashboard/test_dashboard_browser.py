@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 
 from browser import Console, chromium, screenshot
-from routing import running_router
+from routing import NAME, running_router, start_up
 from serving import Client
-from test_up import NAME, start_up
 
 # Over 256 tokens (one KV chunk at the default chunk size; the tiny model's tokenizer reads bytes): its second
 # reading finds its first chunk in a KV tier.

@@ -21,7 +21,7 @@ from preheat.peer.registry import FileRegistry, PeerEntry, RedisRegistry
 from preheat.peer.server import PeerServer
 from preheat.router.cluster import ServerProcess
 from preheat.testing.fileserver import FileServer
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 from serving import Client
 
 SCHEMA = json.loads((Path(__file__).parents[3] / "docs" / "doctor.schema.json").read_text(encoding="utf-8"))

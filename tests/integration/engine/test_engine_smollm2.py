@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from preheat.engine import Engine, SamplingParams
-from smollm2 import SmolLM2
+from preheat.testing.smollm2 import SmolLM2
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -11,12 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import FUZZ, ScriptedServer
+from hostile import ScriptedServer
 from preheat.core.errors import SourceError, UnsatisfiableRangeError
 from preheat.http.ranges import MAX_DIGITS, parse_content_range, parse_length, parse_range
 from preheat.sources.http import HTTPOrigin
 from preheat.sources.net import NetSettings
 from preheat.testing.fileserver import FileServer
+from strategies import FUZZ
 
 SIZE = 1000
 digits = st.integers(0, 6000).map(lambda n: "9" * n) | st.integers(0, 10**25).map(str) | st.just("")

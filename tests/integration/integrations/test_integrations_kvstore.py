@@ -4,12 +4,18 @@ are exercised in tests/engines/."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import logging
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.core.errors import ConfigError
 from preheat.integrations import lmcache, sglang, vllm_offload
 from preheat.integrations.store_settings import StoreSettings
@@ -20,6 +26,30 @@ def test_importing_the_integrations_imports_no_engine() -> None:
             "print(sorted(m for m in ('sglang', 'vllm', 'lmcache') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == "[]"
+
+
+# (module_path, class_name) exactly as users write them in each engine's configuration (docs/kv-store.md).
+CONFIGURED = [
+    ("preheat.integrations.lmcache", "PreheatConnector", "lmcache"),
+    ("preheat.integrations.sglang", "PreheatHiCacheStorage", "sglang"),
+    ("preheat.integrations.vllm_offload", "PreheatTier", "vllm"),
+]
+
+
+@pytest.mark.parametrize(("module_path", "class_name", "engine"), CONFIGURED)
+def test_the_module_paths_engine_configs_name_still_reach_their_classes(
+    module_path: str, class_name: str, engine: str
+) -> None:
+    # Without the engine installed, the engine's lookup of class_name gets as far as importing the engine's base
+    # class: the name is wired to the builder, and a misspelt class name is an AttributeError as the engines expect.
+    code = (f"import importlib; module = importlib.import_module({module_path!r})\n"
+            f"try:\n    getattr(module, {class_name!r})\nexcept ModuleNotFoundError as exc:\n    print(exc.name)\n"
+            f"print(hasattr(module, 'Nope'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    if importlib.util.find_spec(engine) is None:
+        assert done.stdout.split() == [engine, "False"]
+    else:
+        assert done.stdout.split() == ["False"]
 
 
 def test_sglang_settings_read_preheats_keys_beside_sglangs() -> None:
@@ -124,3 +154,57 @@ def test_vllm_offload_keys_are_their_hex() -> None:
     key = bytes(range(32)) + (1).to_bytes(4, "big")
     assert vllm_offload.key_name(key) == key.hex()
     assert bytes.fromhex(vllm_offload.key_name(key)) == key
+
+
+# -- namespaces keyed by what the weights are, not what they are called (issue 29) ----------------------------------
+def namespaces_of(model: str, model_identity: str | None = None) -> list[str]:
+    """The namespace ``model`` each engine's store is keyed by."""
+    storage = hicache_config(model_name=model)
+    lm = SimpleNamespace(model_name=model, kv_shape=(2, 1, 16, 2, 8), chunk_size=16, use_mla=False, world_size=1,
+                         get_dtypes=lambda: ["torch.bfloat16"], get_shapes=lambda: [(2, 16, 8)])  # fmt: skip
+    offload = offloading_config(True)
+    offload.model.name = model
+    return [
+        lmcache.namespace_for(lm, SimpleNamespace(), model_identity).model,
+        sglang.namespace_for(storage, StoreSettings(url="fs:///kv", model_identity=model_identity)).model,
+        vllm_offload.namespace_for(offload, 4096, model_identity).model,
+    ]
+
+
+def test_engine_kv_namespaces_default_to_the_checkpoints_content_identity(kv_model: Path, tmp_path: Path) -> None:
+    identity = json.loads((kv_model / MANIFEST_NAME).read_bytes())["identity"]
+    assert namespaces_of(str(kv_model)) == [identity] * 3
+    renamed = tmp_path / "another-name"
+    shutil.copytree(kv_model, renamed)
+    assert namespaces_of(str(renamed)) == [identity] * 3  # the same weights under another name: the same values
+    assert namespaces_of(f"preheat://{identity}") == [identity] * 3
+    assert namespaces_of(str(kv_model), model_identity="org/m@rev") == ["org/m@rev"] * 3  # the operator's word wins
+
+
+def test_other_weights_under_the_same_name_get_their_own_namespace(kv_model: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(kv_model, model)
+    before = namespaces_of(str(model))
+    weights = next(model.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # fine-tuned, say: the last byte of the last tensor differs
+    weights.write_bytes(bytes(data))
+    (model / MANIFEST_NAME).write_bytes(build_manifest(str(model)).to_json())
+    after = namespaces_of(str(model))
+    assert after[0] != before[0]
+    assert len(set(after)) == 1
+
+
+def test_a_model_without_a_content_identity_is_keyed_by_name_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain = tmp_path / "hf-snapshot"  # a directory without preheat.json: no identity to key by
+    plain.mkdir()
+    with caplog.at_level(logging.WARNING, logger="preheat.integrations"):
+        assert namespaces_of(str(plain)) == [str(plain)] * 3
+        assert namespaces_of("org/hub-model") == ["org/hub-model"] * 3
+    warnings = [r.getMessage() for r in caplog.records if "no content identity" in r.getMessage()]
+    assert len(warnings) == 2  # once per model, not once per engine or per call
+    assert "model_identity" in warnings[0]
+    assert "it has no preheat.json" in warnings[0]
+    assert "it is not a checkpoint directory" in warnings[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WIDE, WrittenCheckpoint, assert_same_tensors, write
+from checkpoints import WIDE, WrittenCheckpoint, assert_same_tensors, write
 from peers import SeedPeer
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.convert import convert
@@ -25,7 +25,7 @@ from preheat.integrations.vllm.session import load_for_engine, timeline_path
 from preheat.integrations.vllm.sharded import RankShard
 from preheat.testing.fileserver import FileServer
 from preheat.testing.synthetic import LlamaShape
-from preheat.timeline.report import Waterfall
+from preheat.timeline.waterfall import Waterfall
 
 
 class Engine:

@@ -151,7 +151,33 @@ def test_secrets_are_referenced_never_written_in(rendered: list[Doc]) -> None:
                     assert "value" not in env, f"{name} is written in"
                     assert "secretKeyRef" in env["valueFrom"], f"{name} does not come from a Secret"
             joined = " ".join(container.get("args", []))
-            assert not re.search(r"--(api-key|peer-token|replica-api-key)\b", joined), joined
+            secret_flags = r"--(api-key|admin-key|peer-token|replica-api-key|replica-admin-key)\b"
+            assert not re.search(secret_flags, joined), joined
+
+
+def secret_of(container: Doc, variable: str) -> tuple[str, bool] | None:
+    """The key of ``preheat-secrets`` a container's ``variable`` comes from, and whether it may be absent."""
+    for env in container.get("env", []):
+        if env["name"] == variable:
+            ref = env["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == "preheat-secrets"
+            return ref["key"], bool(ref.get("optional", False))
+    return None
+
+
+def test_clients_the_router_and_the_control_routes_hold_three_different_secrets(rendered: list[Doc]) -> None:
+    # One key for clients and replicas let a client of the router talk to the replicas directly, control included.
+    [router] = pod_spec(find(rendered, "Deployment", "preheat-router"))["containers"]
+    serve = next(c for c in pod_spec(find(rendered, "Deployment", "preheat-replica"))["containers"]
+                 if c["args"][0] == "serve")  # fmt: skip
+    client = secret_of(router, "PREHEAT_ROUTER_API_KEY")
+    replica = secret_of(serve, "PREHEAT_API_KEY")
+    admin = secret_of(serve, "PREHEAT_ADMIN_KEY")
+    assert client == ("client-key", False)  # the router binds 0.0.0.0: it refuses to start without a key
+    assert replica == ("replica-key", False)
+    assert secret_of(router, "PREHEAT_ROUTER_REPLICA_API_KEY") == replica
+    assert admin == ("admin-key", True)  # optional: without it the control routes are closed
+    assert secret_of(router, "PREHEAT_ROUTER_REPLICA_ADMIN_KEY") is None  # the router never controls the replicas
 
 
 def test_replicas_spread_over_nodes_wait_for_the_node_cache_and_mount_it(rendered: list[Doc]) -> None:

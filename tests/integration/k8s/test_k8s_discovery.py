@@ -18,7 +18,7 @@ import pytest
 
 from k8sapi import TOKEN, FakeAPIServer, fixture
 from preheat.k8s.discovery import EndpointSliceWatcher
-from preheat.k8s.slices import parse_k8s_url
+from preheat.k8s.slices import SliceRules, parse_k8s_url
 from preheat.router.cluster import ServerProcess
 from routing import NAME, replica_of, router_metric, running_router, wait_until
 from serving import Client
@@ -144,6 +144,63 @@ def test_a_forbidden_watch_keeps_trying_and_says_which_rbac_rule_is_missing(
         watcher.stop()
 
 
+def test_slices_the_cluster_does_not_vouch_for_add_no_replica(
+    api: FakeAPIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each finding of issue 29: an FQDN slice, the metadata address and 20,000 endpoints in one slice became
+    replicas (each would receive prompts and the replica key); a hand-made slice without the controller's label
+    too. None of them does now, the honest slice's replica stays, and each refusal is said in the log."""
+    honest = {"http://10.0.0.1:8000"}
+    api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True}))
+    with watching() as seen:
+        assert seen[-1] == honest
+        fqdn = named(endpoints_slice(8000, {"replica.attacker.example": True}), "preheat-replicas-fqdn")
+        fqdn["addressType"] = "FQDN"
+        metadata = named(endpoints_slice(8000, {"169.254.169.254": True, "10.0.0.2": True}), "preheat-replicas-meta")
+        flood = named(endpoints_slice(8000, {}), "preheat-replicas-flood")
+        one = endpoints_slice(8000, {"10.1.0.0": True})["endpoints"][0]
+        flood["endpoints"] = [{**one, "addresses": [f"10.{1 + i // 65536}.{i // 256 % 256}.{i % 256}"]}
+                              for i in range(20_000)]  # fmt: skip
+        by_hand = named(endpoints_slice(8000, {"10.0.0.3": True}), "preheat-replicas-byhand")
+        del by_hand["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"]
+        for hostile in (fqdn, metadata, flood, by_hand):
+            api.put("endpointslices", hostile)
+        # 10.0.0.2 sits beside the metadata address in a controller's slice: it is a replica, the other is not.
+        wait_until(lambda: seen[-1] == honest | {"http://10.0.0.2:8000"}, "the metadata slice's one real replica")
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.1": True, "10.0.0.4": True}))  # later changes
+        wait_until(lambda: seen[-1] == honest | {"http://10.0.0.2:8000", "http://10.0.0.4:8000"}, "10.0.0.4")
+    assert all(len(replicas) <= 3 for replicas in seen)  # no moment had a hostile replica in the set
+    said = caplog.text
+    assert "EndpointSlice 'preheat-replicas-fqdn' has addressType 'FQDN'" in said
+    assert "169.254.169.254 (a link-local address)" in said
+    assert "holds 20000 endpoints, more than the 1000" in said
+
+
+def named(slice_: dict[str, Any], name: str) -> dict[str, Any]:
+    slice_["metadata"]["name"] = name
+    return slice_
+
+
+def test_the_router_follows_at_most_its_cap_of_replicas_and_keeps_the_ones_it_has(api: FakeAPIServer) -> None:
+    api.put("endpointslices", endpoints_slice(8000, {"10.0.0.5": True, "10.0.0.6": True}))
+    seen: list[frozenset[str]] = []
+    rules = SliceRules.of(max_replicas=2)
+    watcher = EndpointSliceWatcher(parse_k8s_url(SERVICE), seen.append, rules=rules, min_backoff=0.05)
+    watcher.start()
+    try:
+        assert watcher.wait_synced(10)
+        first = {"http://10.0.0.5:8000", "http://10.0.0.6:8000"}
+        assert seen[-1] == first
+        # A flood of addresses that sort first cannot push the known replicas out.
+        api.put("endpointslices", named(endpoints_slice(8000, {"10.0.0.1": True, "10.0.0.2": True}), "other"))
+        wait_until(lambda: "*" in watcher.slices.problems, "the cap to be reached")
+        assert seen[-1] == first
+        api.put("endpointslices", endpoints_slice(8000, {"10.0.0.5": True}))  # 10.0.0.6 leaves: room for one
+        wait_until(lambda: seen[-1] == {"http://10.0.0.5:8000", "http://10.0.0.1:8000"}, "one to take its place")
+    finally:
+        watcher.stop()
+
+
 # -- a router in front of real replicas -------------------------------------------------------------------------------
 def _shared_port(hosts: tuple[str, ...]) -> int:
     """A port free on every one of ``hosts`` (loopback addresses: the replicas of one slice share its port)."""
@@ -161,6 +218,7 @@ def _shared_port(hosts: tuple[str, ...]) -> int:
 
 
 HOSTS = ("127.0.0.2", "127.0.0.3")
+LOOPBACK = ["127.0.0.0/8"]  # the "pods" here are loopback addresses, which discovery refuses unless told
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +244,7 @@ def test_replicas_join_and_leave_the_router_without_a_failed_request(
     port, (first, second) = pods
     a, b = (f"http://{host}:{port}" for host in HOSTS)
     api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: True, HOSTS[1]: False}))
-    with running_router([], "round-robin", replicas_from=SERVICE) as router:
+    with running_router([], "round-robin", replicas_from=SERVICE, pod_cidr=LOOPBACK) as router:
         client = Client(router.url)
         assert {replica_of(client.post("/v1/completions", GREEDY)) for _ in range(4)} == {a}
 
@@ -228,7 +286,7 @@ def test_the_router_follows_the_service_through_a_relist_and_an_api_server_resta
     port, _ = pods
     a, b = (f"http://{host}:{port}" for host in HOSTS)
     api.put("endpointslices", endpoints_slice(port, {HOSTS[0]: True}))
-    with running_router([], "least-load", replicas_from=SERVICE) as router:
+    with running_router([], "least-load", replicas_from=SERVICE, pod_cidr=LOOPBACK) as router:
         client = Client(router.url)
         assert replica_of(client.post("/v1/completions", GREEDY)) == a
 
@@ -253,7 +311,7 @@ def test_a_replica_that_leaves_takes_its_kv_index_entries_with_it(
     port = _shared_port(("127.0.0.1",))  # nothing listens there: the replica is known, never in rotation
     url = f"http://127.0.0.1:{port}"
     api.put("endpointslices", endpoints_slice(port, {"127.0.0.1": True}))
-    with running_router([], "kv", replicas_from=SERVICE, model=str(tiny_servable_model)) as router:
+    with running_router([], "kv", replicas_from=SERVICE, model=str(tiny_servable_model), pod_cidr=LOOPBACK) as router:
         wait_until(lambda: [r.url for r in router.router.replicas] == [url], "the replica to join")
         snapshot = {"epoch": "e1", "fingerprint": "f" * 32, "chunk_tokens": 16, "seq": 1, "reset": True,
                     "l2_id": None, "l1": ["a" * 32, "b" * 32], "l2": []}  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from k8sapi import FakeAPIServer, fixture
-from preheat.core.timeline import Timeline
+from preheat.core.timeline import Timeline, TimelineDocument
 from preheat.k8s.pod import parse_time
 from preheat.k8s.pod_timeline import apply_pod_start, read_pod_start
 from preheat.router.cluster import ServerProcess
@@ -103,7 +103,7 @@ def test_a_replica_dates_its_timeline_from_its_pods_creation(
 
 
 # The same reads, in this process (the replica's start was shown above): what each missing RBAC rule leaves unknown.
-def read_into_timeline(api: FakeAPIServer, tmp_path: Path) -> dict[str, Any]:
+def read_into_timeline(api: FakeAPIServer, tmp_path: Path) -> TimelineDocument:
     timeline = Timeline()
     apply_pod_start(timeline, read_pod_start("llm", POD, {"KUBECONFIG": str(tmp_path / "kubeconfig")}))
     return timeline.to_dict()

@@ -18,8 +18,8 @@ from preheat.kv.fs import FileTier
 from preheat.kv.keys import chunk_keys
 from preheat.kv.settings import KVSettings
 from preheat.kv.tiered import TieredKV
+from preheat.testing.smollm2 import SmolLM2
 from preheat.testing.synthetic import make_tiny_servable_model
-from smollm2 import SmolLM2
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 

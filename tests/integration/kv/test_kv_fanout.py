@@ -6,18 +6,20 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kvstorekit import NS, counters, damage, stored_path, value
 from preheat.core.errors import ConfigError
 from preheat.integrations.store_settings import StoreSettings
 from preheat.kv import chunkfile, fanout
 from preheat.kv.fileio import preallocate
 from preheat.kv.store import open_store
-from test_kv_store import NS, counters, damage, stored_path, value
 
 BIG = 512 << 10  # eight of these make a batch worth spreading (fanout.MIN_BYTES)
 
@@ -50,7 +52,7 @@ def test_a_small_batch_stays_on_the_calling_thread() -> None:
     assert seen == {threading.get_ident()}
     assert pool.map(lambda i: i, [7], nbytes=10**9) == [7]  # one value is never split
     assert pool._pool is None  # no thread was started
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ConfigError, match="io_threads must be at least 1"):
         fanout.FanOut(0)
 
 
@@ -146,10 +148,24 @@ def test_io_threads_is_a_store_setting() -> None:
     settings = StoreSettings.from_mapping({"url": "fs:///kv", "io_threads": "3"}, where="test")
     assert settings.io_threads == 3
     assert StoreSettings.from_mapping({"url": "fs:///kv"}, where="test").io_threads == fanout.DEFAULT_THREADS
-    with pytest.raises(ConfigError, match="io_threads"):
+    with pytest.raises(ConfigError, match="test: io_threads must be at least 1, not 0"):
         StoreSettings.from_mapping({"url": "fs:///kv", "io_threads": 0}, where="test")
     with pytest.raises(ConfigError, match="test"):
         StoreSettings.from_mapping({"url": "fs:///kv", "io_threads": "many"}, where="test")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_process_pinned_to_one_core_spreads_no_batch() -> None:
+    # A container's cpuset narrows the affinity, not os.cpu_count(): the default follows the cores it may run on.
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from preheat.kv import fanout; print(fanout.DEFAULT_THREADS)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "1"
+
+
+def test_a_store_opened_with_no_io_threads_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="io_threads must be at least 1, not 0"):
+        open_store(f"fs://{tmp_path}", NS, io_threads=0)
 
 
 def test_a_forked_child_spreads_its_batches_on_threads_of_its_own() -> None:

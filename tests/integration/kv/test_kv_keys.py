@@ -8,14 +8,14 @@ import sys
 
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from preheat.core.errors import KVError
 from preheat.kv.keys import cacheable_chunks, chunk_keys, fingerprint
+from strategies import token_ids
 
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16, "dtype": "F32"}
 FP = fingerprint(identity="model-a", layout=LAYOUT, chunk_tokens=4)
-tokens = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=64)
+tokens = token_ids(max_size=64)
 
 
 def test_known_vector_is_stable_across_releases() -> None:

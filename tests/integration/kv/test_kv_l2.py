@@ -21,7 +21,7 @@ from preheat.core.errors import ConfigError
 from preheat.kv.fileio import make_root
 from preheat.kv.fs import FileTier
 from preheat.kv.redis_tier import RedisTier
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 
 # A child imports this folder's test modules and the helpers one folder up (tests/).
 HERE = os.path.dirname(os.path.abspath(__file__))

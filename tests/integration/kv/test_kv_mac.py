@@ -20,7 +20,7 @@ from preheat.kv.fs import FileTier
 from preheat.kv.redis_tier import RedisTier
 from preheat.kv.settings import KVSettings
 from preheat.server.settings import ServeSettings
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 
 KEY = mac.derive_key(b"the fleet's secret, 32 bytes ok!")
 OTHER = mac.derive_key(b"another fleet's secret, also ok!")

@@ -8,7 +8,6 @@ import contextlib
 import errno
 import json
 import os
-import random
 import resource
 import signal
 import struct
@@ -21,57 +20,25 @@ from pathlib import Path
 import pytest
 
 from kvchunks import Clock, tiny_tmpfs
+from kvstorekit import NS, counters, damage, stored_path, value
 from preheat.core.errors import ConfigError
 from preheat.kv import chunkfile
 from preheat.kv.blob_reads import PIECEWISE_BYTES
 from preheat.kv.redis_tier import RedisTier
-from preheat.kv.store import BlobStore, Namespace, open_store, storage_name
-from redisserver import RedisServer
+from preheat.kv.store import BlobStore, Namespace, open_store
+from preheat.testing.redisserver import RedisServer
 
-# A child imports this folder's test modules and the helpers one folder up (tests/).
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.pathsep.join((HERE, os.path.dirname(os.path.dirname(HERE))))
-NS = Namespace(model="org/model@0123abcd", engine="test-engine", layout={"chunk_tokens": 256, "dtype": "bfloat16"})
+# A child imports the helpers at tests/ top level (kvstorekit), as this module does.
+TESTS = str(Path(__file__).resolve().parents[2])
 OTHER = Namespace(model="org/other-model@0123abcd", engine="test-engine", layout=dict(NS.layout))
 # Keys as engines write them: LMCache's "fmt@model@world@worker@hash@dtype", SGLang's hex page hashes, vLLM's ints.
 KEYS = ["vllm@org/model@1@0@5f3a9c@bfloat16", "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
         "1234567890123", ".hidden?*/../x", "ü" * 200]
 
 
-def value(seed: int, size: int = 64 << 10) -> bytes:
-    return random.Random(seed).randbytes(size)
-
-
 def into(buffer: bytearray) -> Callable[[int, bytes], memoryview]:
     """An ``allocate`` for ``get_into`` that hands back ``buffer``."""
     return lambda _n, _peek: memoryview(buffer)
-
-
-def counters(store: BlobStore) -> dict[str, float]:
-    return store.stats.snapshot()
-
-
-def stored_path(store: BlobStore, key: str) -> Path:
-    return Path(store.storage.path(storage_name(key)))  # type: ignore[attr-defined]  # fs:// stores only
-
-
-def damage(store: BlobStore, key: str, how: str) -> None:
-    """Flip a byte of (or truncate) the stored value of ``key``, on disk or in Redis."""
-    if isinstance(store.storage, RedisTier):
-        name = store.storage.prefix + storage_name(key)
-        blob = bytearray(store.storage.client.get(name))  # type: ignore[arg-type]  # sync client: bytes
-        blob = blob[: len(blob) // 2] if how == "truncate" else blob
-        if how == "flip":
-            blob[len(blob) // 2] ^= 0x01
-        store.storage.client.set(name, bytes(blob))
-        return
-    path = stored_path(store, key)
-    blob = bytearray(path.read_bytes())
-    if how == "truncate":
-        path.write_bytes(blob[: len(blob) // 2])
-        return
-    blob[len(blob) // 2] ^= 0x01
-    path.write_bytes(bytes(blob))
 
 
 # -- round trips ---------------------------------------------------------------------------------------------------
@@ -236,7 +203,7 @@ def test_a_full_disk_is_a_failed_put_not_an_exception(tmp_path: Path) -> None:
 
 FSIZE = """
 import resource, signal, sys
-from test_kv_store import NS, value
+from kvstorekit import NS, value
 from preheat.kv.store import open_store
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
@@ -335,7 +302,7 @@ def test_a_damaged_signed_value_read_in_one_call_is_a_miss(tmp_path: Path, how: 
 
 READER = """
 import sys
-from test_kv_store import NS, value
+from kvstorekit import NS, value
 from preheat.kv.store import open_store
 store = open_store(sys.argv[1], NS)
 found = [store.get(f"k{i}") for i in range(int(sys.argv[2]))]
@@ -344,7 +311,7 @@ print(sum(v is not None and bytes(v) == value(i) for i, v in enumerate(found)))
 
 WRITER = """
 import sys
-from test_kv_store import NS, value
+from kvstorekit import NS, value
 from preheat.kv.store import open_store
 store = open_store(sys.argv[1], NS)
 first, count = int(sys.argv[2]), int(sys.argv[3])

@@ -18,8 +18,7 @@ from preheat.kv.store import Namespace, open_store, storage_name
 from preheat.kv.tiered import TieredKV
 from preheat.kv.warm import warm_into, warm_tiers
 from preheat.router.cluster import ServerProcess
-from serving import Client
-from test_kv_server import complete, long_prompt
+from serving import Client, complete, long_prompt
 
 NS = Namespace(model="org/model@rev", engine="test-engine", layout={"page": 64})
 

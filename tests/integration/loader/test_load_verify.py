@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import preheat
-from conftest import WrittenCheckpoint, assert_same_tensors
+from checkpoints import WrittenCheckpoint, assert_same_tensors
 from preheat.checkpoint.digest import ExpectedDigest, TensorDigests, digest_bytes
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorRecord, build_manifest
 from preheat.convert import convert

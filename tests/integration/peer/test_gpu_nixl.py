@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import preheat
-from peers import SeedPeer, copy_checkpoint, write_peer_checkpoint
+from peers import SeedPeer, copy_checkpoint
 from preheat.checkpoint.digest import file_digest
-from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+from preheat.checkpoint.manifest import Manifest
 from preheat.peer.nixl import Advert, NixlExport
 from preheat.peer.pull import PeerOptions, pull_from_peers
 from preheat.peer.server import PeerServer
@@ -29,16 +29,6 @@ pytestmark = [
 ]
 TOKEN = "gpu-peers"
 SPLIT = re.compile(r"(\d+) bytes over NIXL, (\d+) over TCP")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_peer_checkpoint(tmp_path_factory.mktemp("nixl-gpu-ckpt"))
-
-
-@pytest.fixture(scope="module")
-def manifest(checkpoint: Path) -> Manifest:
-    return Manifest.from_json((checkpoint / MANIFEST_NAME).read_bytes(), where=str(checkpoint))
 
 
 def assert_intact(result: PullResult, manifest: Manifest) -> None:

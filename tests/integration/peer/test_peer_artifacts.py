@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from artifactkit import KEY, TOKEN, KeyPair, make_inductor_dir, make_keypair, member, tar_of
+from artifactkit import KEY, TOKEN, KeyPair, make_inductor_dir, member, tar_of
 from preheat.artifacts import blobs as artifacts
 from preheat.artifacts.store import ArtifactStore, fetch
 from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
@@ -24,11 +24,6 @@ from preheat.peer.server import PeerServer
 @pytest.fixture
 def inductor_dir(tmp_path: Path) -> Path:
     return make_inductor_dir(tmp_path / "inductor")
-
-
-@pytest.fixture(scope="module")
-def fleet_key(tmp_path_factory: pytest.TempPathFactory) -> KeyPair:
-    return make_keypair(tmp_path_factory.mktemp("keys"), "fleet.key")
 
 
 def test_a_blob_installs_the_same_files_for_the_same_key(inductor_dir: Path, tmp_path: Path) -> None:

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from hostile import DEEP_JSON, ScriptedServer, always
-from peers import write_peer_checkpoint
 from preheat.checkpoint.digest import file_digest
-from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+from preheat.checkpoint.manifest import Manifest
 from preheat.core.errors import NixlError
 from preheat.peer.nixl import (
     NIXL_ROUTE,
@@ -36,16 +35,6 @@ from preheat.store.cache import ModelCache
 
 NO_NIXL = importlib.util.find_spec("nixl") is None
 TOKEN = "s3cret"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_peer_checkpoint(tmp_path_factory.mktemp("nixl-ckpt"))
-
-
-@pytest.fixture(scope="module")
-def manifest(checkpoint: Path) -> Manifest:
-    return Manifest.from_json((checkpoint / MANIFEST_NAME).read_bytes(), where=str(checkpoint))
 
 
 @pytest.fixture

@@ -22,26 +22,16 @@ import pytest
 
 from peers import SeedPeer, copy_checkpoint, write_peer_checkpoint
 from preheat.checkpoint.digest import file_digest
-from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+from preheat.checkpoint.manifest import Manifest
 from preheat.core.errors import CacheError, SourceError, SourceNotFoundError
 from preheat.peer.pull import PeerOptions, pull_from_peers
 from preheat.peer.registry import FileRegistry, PeerEntry
 from preheat.store.cache import ModelCache
 from preheat.store.pull import PullResult, pull
 from preheat.testing.fileserver import FileServer
-from test_cache import mounted_tmpfs
+from tmpfs import mounted_tmpfs
 
 PIECE = 256 * 1024
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_peer_checkpoint(tmp_path_factory.mktemp("peer-ckpt"))
-
-
-@pytest.fixture(scope="module")
-def manifest(checkpoint: Path) -> Manifest:
-    return Manifest.from_json((checkpoint / MANIFEST_NAME).read_bytes(), where=str(checkpoint))
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +45,6 @@ def plain_peer(checkpoint: Path) -> Iterator[SeedPeer]:
 def origin(checkpoint: Path) -> Iterator[FileServer]:
     with FileServer(checkpoint) as server:
         yield server
-
-
-@pytest.fixture
-def cache(tmp_path: Path) -> ModelCache:
-    return ModelCache(tmp_path / "cache")
 
 
 def free_port() -> int:

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from commands import cli
 from peers import write_peer_checkpoint
 from preheat.core.errors import ConfigError, RegistryError
 from preheat.peer.registry import FileRegistry, Heartbeat, PeerEntry, RedisRegistry, Registry, open_registry
-from redisserver import RedisServer, free_port
+from preheat.testing.ports import free_port
+from preheat.testing.redisserver import RedisServer
 
 IDENTITY = "xxh3-128:" + "ab" * 16
 
@@ -172,6 +174,22 @@ def test_a_heartbeat_survives_a_registry_outage(tmp_path: Path) -> None:
 def test_unknown_registry_urls_are_refused(url: str) -> None:
     with pytest.raises(ConfigError):
         open_registry(url)
+
+
+@pytest.mark.parametrize(("url", "kind"), [
+    ("redis://127.0.0.1:6379/0", RedisRegistry),
+    ("rediss://127.0.0.1:6380/0", RedisRegistry),
+    ("unix:///run/redis/redis.sock", RedisRegistry),  # a Redis on a local socket
+    ("file:///shared/registry", FileRegistry),
+])
+def test_each_registry_scheme_opens_its_kind(url: str, kind: type) -> None:
+    assert isinstance(open_registry(url), kind)  # nothing is dialled until the registry is used
+
+
+def test_serve_refuses_a_registry_it_could_not_open_before_loading_anything(tmp_path: Path) -> None:
+    done = cli("serve", str(tmp_path / "no-model"), "--port", "0", "--registry", "s3://bucket/registry")
+    assert done.returncode != 0
+    assert "--registry 's3://bucket/registry': use redis://host:port[/db] or file:///shared/dir" in done.stderr
 
 
 # A real full disk in a child process: RLIMIT_FSIZE caps the size of any file it writes, and with SIGXFSZ ignored

@@ -5,7 +5,7 @@
   the origin's credentials go only to that origin and the peer token only to peers.
 
 Servers are real: seed peers are ``python -m preheat.peer`` children or ``PeerServer``s, the origin a ``FileServer``,
-and the ``RecordingServer``s (test_peer_trust_redirects.py) record the ``Authorization`` header of every request.
+and the ``RecordingServer``s (tests/recording.py) record the ``Authorization`` header of every request.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from peers import SeedPeer, copy_checkpoint, write_peer_checkpoint
-from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+from peers import SeedPeer, copy_checkpoint
+from preheat.checkpoint.manifest import Manifest
 from preheat.core.errors import ConfigError, PreheatError, SourceNotFoundError
 from preheat.peer.access import is_loopback
 from preheat.peer.pull import PeerOptions, pull_from_peers
@@ -29,26 +29,11 @@ from preheat.peer.server import PeerServer
 from preheat.server.settings import ServeSettings
 from preheat.store.cache import ModelCache
 from preheat.testing.fileserver import FileServer
-from test_peer_trust_redirects import RecordingServer
+from recording import RecordingServer
 
 PIECE = 256 * 1024
 PEER_TOKEN = "peer-secret"
 ORIGIN_TOKEN = "origin-secret"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_peer_checkpoint(tmp_path_factory.mktemp("trust-ckpt"))
-
-
-@pytest.fixture(scope="module")
-def manifest(checkpoint: Path) -> Manifest:
-    return Manifest.from_json((checkpoint / MANIFEST_NAME).read_bytes(), where=str(checkpoint))
-
-
-@pytest.fixture
-def cache(tmp_path: Path) -> ModelCache:
-    return ModelCache(tmp_path / "cache")
 
 
 @pytest.fixture
@@ -61,6 +46,7 @@ def recorder() -> Iterator[RecordingServer]:
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("PREHEAT_HTTP_TOKEN", "PREHEAT_PEER_TOKEN", "PREHEAT_ORIGIN", "PREHEAT_REGISTRY", "PREHEAT_PEERS"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREHEAT_HTTP_TOKEN_HOSTS", "127.0.0.1")  # the origin token is for this host's origins
 
 
 def get(address: str, target: str, token: str | None = None) -> tuple[int, bytes]:

@@ -19,18 +19,15 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import strategies
 from preheat.core.errors import RegistryError
 from preheat.peer.registry import MAX_ENTRY_BYTES, FileRegistry, PeerEntry, RedisRegistry, valid_address
-from redisserver import RedisServer
+from preheat.testing.redisserver import RedisServer
 
 IDENTITY = "xxh3-128:" + "cd" * 16
 GOOD = {"identity": IDENTITY, "address": "10.0.0.9:9000", "name": "tiny", "expires": 4e9}
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
-    max_leaves=20,
-)
+json_values = strategies.json_values(20, allow_nonfinite=True)
 # Entries that are almost right: every field present or not, each a plausible value or any JSON at all.
 near_entries = st.fixed_dictionaries(
     {},

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from artifactkit import make_keypair
 from hostile import DEEP_JSON, ScriptedServer, always
 from preheat.core.errors import RefitError
 from preheat.engine import Engine, SamplingParams
@@ -231,7 +232,8 @@ def test_a_pull_whose_holder_dies_midway_resumes_from_one_that_has_the_version(k
     puller.start()
     time.sleep(0.5)
     slow.stop()  # dies mid-pull: its tensors not sent yet must come from elsewhere
-    with Publisher(NAME, registry=registry) as finished:  # a holder that has the whole version
+    # A holder that has the whole version: the same epoch and version (a replica that finished it, say).
+    with Publisher(NAME, registry=registry, epoch=manifest.epoch) as finished:
         finished.publish(weights, 1)
         puller.join(timeout=60)
         try:
@@ -275,13 +277,14 @@ def test_a_holder_that_dies_mid_tensor_is_not_taken_for_a_liar(kv_model: Path, r
         manifest = publisher.publish(weights, 1)
     needed = [e for e in manifest.tensors if e.name == "model.norm.weight"]
     dying, thread = cut_short_holder(manifest)
-    with Publisher(NAME, registry=registry) as finished:  # appears once the dying holder is gone
+    with Publisher(NAME, registry=registry, epoch=manifest.epoch) as finished:  # appears once the dying one is gone
         finished.publish(weights, 1)
         looks: list[int] = []
 
         def rediscover() -> Discovery:  # the registry lists only the dying holder for a while, then both
             looks.append(1)
-            return Discovery({dying: [1]} | ({finished.server.address: [1]} if len(looks) > 3 else {}))
+            key = [manifest.key]
+            return Discovery({dying: key} | ({finished.server.address: key} if len(looks) > 3 else {}))
 
         result = Pull(manifest, needed, rediscover, headers={}, poll_s=0.1).run([dying])
         thread.join(timeout=10)
@@ -495,6 +498,7 @@ def test_manifests_from_the_network_are_checked() -> None:
         with pytest.raises(RefitError, match="http://h/x"):
             VersionManifest.from_json(bad, where="http://h/x")
     assert good.identity != VersionManifest(NAME, 5, good.tensors).identity  # never one identity for two versions
+    assert good.identity != VersionManifest(NAME, 4, good.tensors, epoch=1).identity  # nor for two epochs
 
 
 def test_a_replica_two_versions_behind_fetches_every_tensor_it_lacks() -> None:
@@ -596,7 +600,7 @@ def test_on_cuda_both_swaps_give_the_fresh_replicas_logits(trainer: Trainer, kv_
     assert torch.equal(logits(engine, PROMPT.cuda()), want)
 
 
-def test_serve_settings_for_following(kv_model: Path, registry: str) -> None:
+def test_serve_settings_for_following(kv_model: Path, registry: str, tmp_path: Path) -> None:
     from preheat.core.errors import ConfigError
     from preheat.server.settings import ServeSettings
 
@@ -617,6 +621,19 @@ def test_serve_settings_for_following(kv_model: Path, registry: str) -> None:
         ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "compile": True}, {})
     with pytest.raises(ConfigError, match="PREHEAT_PEER_TOKEN"):  # not a replica that loads, then cannot follow
         ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "host": "0.0.0.0"}, {})
+    with pytest.raises(ConfigError, match="--refit-trust-key"):  # a fleet beyond this machine: versions are signed
+        ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "host": "0.0.0.0",
+                               "peer_token": "s3cret"}, {})  # fmt: skip
+    key = make_keypair(tmp_path / "keys", "trainer")
     shared = ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry, "host": "0.0.0.0",
-                                    "peer_token": "s3cret"}, {})  # fmt: skip
+                                    "peer_token": "s3cret", "refit_trust_key": [str(key.public)]}, {})  # fmt: skip
     assert shared.follow
+    assert (shared.refit_trust_key, shared.refit_max_jump) == ((str(key.public),), 1_000_000)
+    env = {"PREHEAT_REFIT_TRUST_KEY": str(key.public), "PREHEAT_REFIT_MAX_JUMP": "10"}
+    loopback = ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry}, env)
+    assert (loopback.refit_trust_key, loopback.refit_max_jump) == ((str(key.public),), 10)
+    with pytest.raises(ConfigError, match="private key"):  # the trainer's half, given by mistake
+        ServeSettings.resolve({"model": str(kv_model), "follow": True, "registry": registry,
+                               "refit_trust_key": [str(key.private)]}, {})  # fmt: skip
+    with pytest.raises(ConfigError, match="--refit-max-jump"):
+        ServeSettings.resolve({"model": str(kv_model), "refit_max_jump": 0}, {})

@@ -13,19 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from preheat.engine import Engine, SamplingParams
+from artifactkit import make_keypair
 from preheat.peer.registry import FileRegistry, PeerEntry
 from preheat.refit.protocol import TensorEntry, VersionManifest, head_identity, head_name
 from preheat.refit.server import RefitServer
 from preheat.router.cluster import ServerProcess
-from refit_trainer import NAME, Trainer
+from refit_trainer import COMPLETION, NAME, Trainer, refit
 from routing import running_router, wait_until
 from serving import Client
 
 pytestmark = pytest.mark.slow  # four processes (a trainer, three replicas) on a 2-core machine: ~45 s
-
-PROMPT = "The capital of France is"
-COMPLETION = {"model": NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
 
 
 Fleet = tuple[Trainer, list[Client], str, str]
@@ -49,26 +46,13 @@ def fleet(kv_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         trainer.close()
 
 
-def refit(client: Client, version: int) -> dict[str, object]:
-    answer = client.post("/v1/preheat/refit", {"version": version, "wait": True, "timeout": 60})
-    assert answer.status == 200, answer.body
-    status: dict[str, object] = answer.json()
-    return status
-
-
-def fresh_text(checkpoint: Path) -> str:
-    engine = Engine.from_checkpoint(str(checkpoint), max_model_len=256)
-    ids = engine.encode_prompt(PROMPT)
-    return "".join(s.text for s in engine.generate(ids, SamplingParams(max_tokens=6, temperature=0)))
-
-
 def test_replicas_serve_each_published_version_and_say_so(fleet: Fleet) -> None:
     trainer, clients, _, _ = fleet
     for client in clients:
         assert client.get("/health").json()["version"] == 0
         assert client.post("/v1/completions", COMPLETION).headers["X-Preheat-Version"] == "0"
     version, _, _ = trainer.publish(0.1)
-    want = fresh_text(trainer.reference(version))
+    want = trainer.answer(version)
     for client in clients:
         status = refit(client, version)
         assert status["version"] == version
@@ -94,7 +78,7 @@ def test_a_replica_that_cannot_verify_a_version_stays_and_refuses_when_too_stale
     for client in clients:
         refit(client, version)
     bogus = TensorEntry("model.norm.weight", "F32", (64,), 256, "xxh3-128:" + "ab" * 16)
-    liar_manifest = VersionManifest(NAME, version + 1, (bogus,))
+    liar_manifest = VersionManifest(NAME, version + 1, (bogus,), epoch=trainer.epoch)
 
     class Liar:
         name = NAME
@@ -156,7 +140,9 @@ def test_the_router_can_send_requests_only_to_replicas_on_the_newest_version(fle
 
 
 def test_a_replica_whose_refit_server_cannot_bind_still_serves(kv_model: Path, tmp_path: Path) -> None:
-    flags = ("--follow", "--registry", f"file://{tmp_path}", "--peer-host", "192.0.2.1", "--peer-token", "s3cret")
+    key = make_keypair(tmp_path / "keys", "trainer")  # a refit server beyond loopback: versions must be signed
+    flags = ("--follow", "--registry", f"file://{tmp_path}", "--peer-host", "192.0.2.1", "--peer-token", "s3cret",
+             "--refit-trust-key", str(key.public))  # fmt: skip
     replica = ServerProcess(str(kv_model), "--served-model-name", NAME, "--max-model-len", "256", *flags)
     try:
         replica.wait_ready(timeout=120)  # 192.0.2.1 (TEST-NET) is no address of this machine: the bind fails

@@ -12,12 +12,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import FUZZ, ScriptedServer, endless, huge_ints, json_values
+from hostile import ScriptedServer, endless
 from preheat.core.errors import JSONInputError, RouterError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.router.events import MAX_ANSWER_BYTES, KVEventPoller
 from preheat.router.index import KVIndex, KVUpdate, parse_update
 from preheat.router.upstream import Replica
+from strategies import FUZZ, huge_ints, json_values
 
 WHERE = "http://127.0.0.1:1"
 KEY = "0123456789abcdef" * 2

@@ -19,7 +19,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from enginewire import WirePublisher, load_frames, payloads
-from hostile import FUZZ
 from preheat.core.errors import EngineEventError, RouterError
 from preheat.http.metrics import Counter
 from preheat.kv.keys import chunk_keys
@@ -42,6 +41,7 @@ from preheat.router.upstream import Replica, parse_replica_spec
 from preheat.router.zmq_events import EngineEventSubscriber, engine_events_counter
 from routing import NAME, replica_of, running_router, start_replicas, wait_until
 from serving import Client
+from strategies import FUZZ
 
 BLOCK = 32
 PROMPT = [1000 + i for i in range(3 * BLOCK)]

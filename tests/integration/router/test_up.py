@@ -5,49 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from routing import NAME, start_up
 from serving import Client
-
-NAME = "tiny"
-
-
-def start_up(
-    model: Path, *extra: str, lines: list[str] | None = None, stderr: Path | None = None
-) -> tuple[subprocess.Popen[str], str, list[int], list[str]]:
-    """Run ``preheat up`` until it prints ``ready``; returns it, the router's URL, every child's pid and the
-    replicas' URLs (standby replicas' included, after the serving ones). ``lines``: gets what it printed on stdout
-    up to ``ready``; ``stderr``: a file for its stderr (its warnings and the children's log; a file, not a pipe,
-    so that nothing blocks once the test stops reading)."""
-    command = [sys.executable, "-m", "preheat", "up", str(model), "--replicas", "2", "--port", "0",
-               "--served-model-name", NAME, "--max-model-len", "256", *extra]  # fmt: skip
-    with contextlib.ExitStack() as files:
-        errors = files.enter_context(stderr.open("w")) if stderr is not None else subprocess.DEVNULL
-        up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
-    pids: list[int] = []
-    router = ""
-    replicas: list[str] = []
-    assert up.stdout is not None
-    for line in up.stdout:
-        if lines is not None:
-            lines.append(line.rstrip("\n"))
-        if found := re.match(r"(replica \d+|standby \d+|router): (\S+) \(pid (\d+)\)", line):
-            pids.append(int(found.group(3)))
-            router = found.group(2) if found.group(1) == "router" else router
-            replicas += [found.group(2)] if found.group(1) != "router" else []
-        if line.startswith("ready: "):
-            return up, router, pids, replicas
-    up.wait()
-    pytest.fail(f"preheat up exited with {up.returncode} before it was ready")
 
 
 @contextlib.contextmanager
@@ -113,6 +81,21 @@ def test_up_with_an_api_key_locks_the_router_and_every_replica(tiny_servable_mod
     assert locked == [401, 401, 401]
     assert opened.status == 200, opened.body
     assert health.status == 200
+    assert wait_gone(pids) == []
+
+
+def test_up_with_an_api_key_activates_a_standby_with_a_key_no_client_holds(tiny_servable_model: Path) -> None:
+    extra = ("--api-key", "sesame", "--replicas", "0", "--standby", "1")
+    with running_up(tiny_servable_model, *extra) as (up, router, pids, replicas):
+        body = {"model": NAME, "prompt": "Hello", "max_tokens": 2}
+        served = Client(router, api_key="sesame").post("/v1/completions", body)  # the router activates the standby
+        refused = Client(replicas[0], api_key="sesame").post("/v1/preheat/sleep", {"level": 1})
+        state = Client(replicas[0]).get("/health").json()["status"]
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    assert served.status == 200, served.body
+    assert (refused.status, refused.json()["error"]["code"]) == (403, "invalid_admin_key")
+    assert state == "ok"
     assert wait_gone(pids) == []
 
 

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import FUZZ, huge_ints, json_values, tricky_text
 from preheat.core.errors import APIError
 from preheat.router.cluster import ServerProcess
 from preheat.text.request import CHAT_ROLES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, GenerationRequest, parse_request
 from routing import NAME, running_router, start_replicas
 from serving import Client
+from strategies import FUZZ, huge_ints, json_values, tricky_text
 
 FIELDS = {
     "model": st.just(NAME) | tricky_text,

@@ -3,7 +3,6 @@ restarted one, and a missing or dying L2 only ever costs recomputation."""
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import time
@@ -13,24 +12,8 @@ from pathlib import Path
 import pytest
 
 from preheat.router.cluster import ServerProcess
-from redisserver import RedisServer
-from serving import Client
-
-WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"]
-
-
-def long_prompt(seed: int = 0, words: int = 300) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def complete(client: Client, prompt: str) -> tuple[str, int, int]:
-    """(text, prompt tokens, cached tokens) of a greedy completion."""
-    reply = client.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
-    assert reply.status == 200, reply.body
-    body = reply.json()
-    usage = body["usage"]
-    return body["choices"][0]["text"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+from preheat.testing.redisserver import RedisServer
+from serving import Client, complete, long_prompt
 
 
 def serve(model: Path, *kv: str) -> ServerProcess:

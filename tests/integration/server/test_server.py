@@ -22,9 +22,9 @@ from preheat.core.errors import ConfigError, HTTPClientError
 from preheat.router.cluster import ServerProcess
 from preheat.server.settings import ServeSettings
 from preheat.testing.fileserver import FileServer
+from preheat.testing.smollm2 import SmolLM2
 from preheat.testing.synthetic import make_tiny_servable_model
 from serving import Client, Gate
-from smollm2 import SmolLM2
 
 NAME = "tiny"
 MAX_LEN = 512

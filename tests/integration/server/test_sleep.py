@@ -27,8 +27,8 @@ from preheat.router.cluster import ServerProcess
 from preheat.server.sse import parse_events
 from preheat.store.cache import ModelCache
 from preheat.testing.fileserver import FileServer
+from preheat.testing.smollm2 import SmolLM2
 from serving import Client, Stream
-from smollm2 import SmolLM2
 
 NAME = "tiny"
 CHAT = [{"role": "user", "content": "Write a long story about the sea."}]

@@ -218,16 +218,17 @@ def test_an_unreachable_peer_leaves_the_replica_on_standby(kv_model: Path, tmp_p
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     allowed = tmp_path_factory.mktemp("allowed")
-    env = {**os.environ, "PREHEAT_API_KEY": "sekret"}
+    env = {**os.environ, "PREHEAT_API_KEY": "sekret", "PREHEAT_ADMIN_KEY": "admin-sekret"}
     with standby("--allow-model", str(allowed / "*"), env=env) as server:
         yield server, allowed
 
 
-def test_control_routes_need_the_api_key(guarded: tuple[ServerProcess, Path]) -> None:
+def test_control_routes_need_the_admin_key_and_the_api_key_is_not_it(guarded: tuple[ServerProcess, Path]) -> None:
     server, allowed = guarded
     for path in ("/v1/preheat/load", "/v1/preheat/sleep", "/v1/preheat/wake"):
-        reply = Client(server.url).post(path, {"model": str(allowed / "m")})
-        assert reply.status == 401, path
+        assert Client(server.url).post(path, {"model": str(allowed / "m")}).status == 401, path
+        reply = Client(server.url, api_key="sekret").post(path, {"model": str(allowed / "m")})
+        assert (reply.status, reply.json()["error"]["code"]) == (403, "invalid_admin_key"), path
     assert health(Client(server.url))["status"] == "standby"
 
 
@@ -237,7 +238,8 @@ def test_control_routes_need_the_api_key(guarded: tuple[ServerProcess, Path]) ->
 )
 def test_a_model_outside_allow_model_is_refused(guarded: tuple[ServerProcess, Path], model: str) -> None:
     server, allowed = guarded
-    reply = Client(server.url, api_key="sekret").post("/v1/preheat/load", {"model": model.format(allowed=allowed)})
+    admin = Client(server.url, api_key="admin-sekret")
+    reply = admin.post("/v1/preheat/load", {"model": model.format(allowed=allowed)})
     assert reply.status in (400, 403), reply.body
     assert health(Client(server.url))["status"] == "standby"
 
@@ -272,12 +274,14 @@ def test_without_allow_model_only_the_operators_model_is_allowed(kv_model: Path)
     assert refusal(str(kv_model.parent), settings.allowed_models) is not None
 
 
-def test_standby_needs_allow_model_and_a_key_beyond_loopback() -> None:
+def test_standby_needs_allow_model_and_an_admin_key_beyond_loopback() -> None:
     with pytest.raises(ConfigError, match="--allow-model"):
         ServeSettings.resolve({"standby": True}, {})
-    with pytest.raises(ConfigError, match="API_KEY"):
+    with pytest.raises(ConfigError, match="ADMIN_KEY"):
         ServeSettings.resolve({"standby": True, "allow_model": ["s3://m/*"], "host": "0.0.0.0"}, {})
-    env = {"PREHEAT_ALLOW_MODEL": "s3://m/*,/models/*", "PREHEAT_API_KEY": "k"}
+    with pytest.raises(ConfigError, match="ADMIN_KEY"):  # the API key alone never opens the control routes
+        ServeSettings.resolve({"standby": True, "allow_model": ["s3://m/*"], "host": "0.0.0.0", "api_key": "k"}, {})
+    env = {"PREHEAT_ALLOW_MODEL": "s3://m/*,/models/*", "PREHEAT_ADMIN_KEY": "k"}
     ok = ServeSettings.resolve({"standby": True, "host": "0.0.0.0"}, env)
     assert ok.allowed_models == ("s3://m/*", "/models/*")
 

@@ -7,7 +7,6 @@ import random
 import shutil
 import socket
 import ssl
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import preheat
-from conftest import WrittenCheckpoint, assert_same_tensors
+from checkpoints import WrittenCheckpoint, assert_same_tensors
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.core.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
 from preheat.http.ranges import parse_content_range, range_header
@@ -59,6 +58,7 @@ def server(served: Path) -> Iterator[FileServer]:
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("PREHEAT_HTTP_TOKEN", "PREHEAT_HTTP_TIMEOUT", "PREHEAT_HTTP_RETRIES"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREHEAT_HTTP_TOKEN_HOSTS", "127.0.0.1")  # the origin token is for this host's origins
 
 
 def transferred(before: TransferCounts) -> TransferCounts:
@@ -349,23 +349,6 @@ def test_token_is_not_sent_to_another_host_after_a_redirect(
 
 
 # -- HTTPS ------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (and its key), made with the openssl command."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a test certificate")
-    where = tmp_path_factory.mktemp("tls")
-    cert, key = where / "cert.pem", where / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 @pytest.fixture

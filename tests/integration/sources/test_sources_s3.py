@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import preheat
-from conftest import WrittenCheckpoint, assert_same_tensors
+from checkpoints import WrittenCheckpoint, assert_same_tensors
 from netfaults import FaultProxy
 from preheat.core.errors import CheckpointError, SourceAccessError, SourceError, SourceNotFoundError
 from preheat.sources import open_origin

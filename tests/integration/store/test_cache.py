@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import preheat
-from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest, build_manifest
+from commands import cli
+from origins import make_origin
+from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
 from preheat.core.errors import CacheError, CheckpointError, PreheatError
 from preheat.store import ModelCache
 from preheat.store.pull import pull, uri_key
 from preheat.testing.fileserver import Faults, FileServer
-from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
-
-MEDIUM = LlamaShape(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4)  # ~5 MB in bf16
-
-
-def make_origin(root: Path, *, seed: int = 0, manifest: bool = True, shape: LlamaShape = MEDIUM) -> Path:
-    """A checkpoint as an origin serves it: HF layout, plus preheat.json when ``manifest``."""
-    write_llama_checkpoint(root, shape, shards=2, seed=seed)
-    if manifest:
-        (root / MANIFEST_NAME).write_bytes(build_manifest(str(root)).to_json())
-    return root
+from preheat.testing.synthetic import LlamaShape
+from pulls import kill_pull_after, spawn_pull
+from tmpfs import mounted_tmpfs
 
 
 def assert_loads_like(entry: str, origin: Path) -> None:
@@ -44,11 +33,6 @@ def assert_loads_like(entry: str, origin: Path) -> None:
 @pytest.fixture
 def origin_dir(tmp_path: Path) -> Path:
     return make_origin(tmp_path / "origin")
-
-
-@pytest.fixture
-def cache(tmp_path: Path) -> ModelCache:
-    return ModelCache(tmp_path / "cache")
 
 
 def test_pull_from_a_directory_publishes_a_verified_entry(origin_dir: Path, cache: ModelCache) -> None:
@@ -157,17 +141,6 @@ def test_rm_refuses_an_entry_in_use_and_removes_it_once_free(origin_dir: Path, c
     assert cache.lookup(result.key) is None
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "preheat.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def test_cli_pull_ls_gc_rm_warm(origin_dir: Path, tmp_path: Path) -> None:
     env = {"PREHEAT_CACHE_DIR": str(tmp_path / "cli-cache")}
     pulled = cli("pull", str(origin_dir), "--json", env=env)
@@ -208,49 +181,6 @@ def test_cli_cache_ls_shows_whole_keys_uris_and_paths_on_a_narrow_terminal(tmp_p
     assert "…" not in listed.stdout
 
 
-def _journal_bytes(cache_root: Path, chunk: int) -> int:
-    journals = list((cache_root / "partial").glob("*/.journal"))
-    if not journals:
-        return 0
-    return sum(1 for line in journals[0].read_text().splitlines() if '"pin"' not in line) * chunk
-
-
-def kill_pull_after(url: str, cache_root: Path, nbytes: float, *, threads: int, chunk: int) -> None:
-    """Run ``preheat pull URL`` in another process and SIGKILL it once its journal records ``nbytes`` (or after 60 s),
-    leaving its partial files and journal as a crash would."""
-    proc = spawn_pull(url, cache_root, threads=threads, chunk=str(chunk), quiet=True)
-    deadline = time.monotonic() + 60
-    while _journal_bytes(cache_root, chunk) < nbytes and time.monotonic() < deadline:
-        assert proc.poll() is None, "the pull finished before it could be interrupted"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-
-def spawn_pull(url: str, cache_root: Path, *, threads: int, chunk: str, quiet: bool = False) -> subprocess.Popen[str]:
-    """``preheat pull URL --json`` as a separate process (output discarded when ``quiet``, else captured)."""
-    out = subprocess.DEVNULL if quiet else subprocess.PIPE
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "preheat.cli",
-            "pull",
-            url,
-            "--cache-dir",
-            str(cache_root),
-            "--threads",
-            str(threads),
-            "--chunk-bytes",
-            chunk,
-            "--json",
-        ],
-        stdout=out,
-        stderr=out,
-        text=True,
-    )
-
-
 def test_killed_pull_resumes_fetching_only_missing_chunks(origin_dir: Path, tmp_path: Path) -> None:
     cache_root = tmp_path / "cache"
     chunk = 128 * 1024
@@ -276,18 +206,6 @@ def test_concurrent_pulls_download_once_and_share(origin_dir: Path, tmp_path: Pa
     total = max(d["bytes_total"] for d in docs)  # the processes that waited and shared report no transfer at all
     assert sum(d["bytes_fetched"] for d in docs) == total  # one process downloaded, two shared
     assert sent < total * 1.1  # the origin served the model once (plus manifests)
-
-
-@contextlib.contextmanager
-def mounted_tmpfs(path: Path, options: str) -> Iterator[None]:
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_disk_full_is_a_clear_error_and_leaves_no_partial_files(origin_dir: Path, tmp_path: Path) -> None:

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from commands import cli
+from origins import make_origin
 from preheat.core import durable
 from preheat.store import ModelCache
 from preheat.store.pull import JOURNAL, pull
-from test_cache import cli, make_origin
-from test_store_resume import CHUNK, PullInterruptedError, interrupt_at
+from pulls import CHUNK, PullInterruptedError, interrupt_at
 
 Event = tuple[str, str, str]  # operation, path, detail
 

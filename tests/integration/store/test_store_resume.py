@@ -6,45 +6,19 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from origins import assert_entry_holds, new_version, weight_files
 from preheat.core.errors import SourceChangedError
 from preheat.sources.http import HTTPOrigin
 from preheat.store import ModelCache, journal
 from preheat.store.pull import pull
 from preheat.testing.fileserver import FileServer
-from preheat.testing.synthetic import write_llama_checkpoint
-from test_cache import MEDIUM, kill_pull_after, make_origin
-
-CHUNK = 128 * 1024
-
-
-class PullInterruptedError(Exception):
-    """Raised from a pull's progress callback: the pull stops there, leaving its partial files and journal."""
-
-
-def interrupt_at(fraction: float) -> Callable[[int, int], None]:
-    def progress(done: int, total: int) -> None:
-        if done >= total * fraction:
-            raise PullInterruptedError
-
-    return progress
-
-
-def weight_files(root: Path) -> list[Path]:
-    return sorted(root.glob("*.safetensors"))
-
-
-def new_version(origin: Path, seed: int) -> dict[str, bytes]:
-    """Other weights of the same shapes (so every file keeps its size), as an upload would write them."""
-    fresh = origin.parent / f"{origin.name}-v{seed}"
-    write_llama_checkpoint(fresh, MEDIUM, shards=2, seed=seed)
-    return {p.name: p.read_bytes() for p in weight_files(fresh)}
+from pulls import CHUNK, PullInterruptedError, interrupt_at, kill_pull_after
 
 
 def replace_files(origin: Path, files: dict[str, bytes]) -> None:
@@ -53,16 +27,6 @@ def replace_files(origin: Path, files: dict[str, bytes]) -> None:
         assert len(data) == (origin / name).stat().st_size  # the nasty case: same size, other bytes
         (origin / f".{name}.upload").write_bytes(data)
         os.replace(origin / f".{name}.upload", origin / name)
-
-
-def assert_entry_holds(entry: str, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        assert (Path(entry) / name).read_bytes() == data, f"{name} is not exactly the origin's current version"
-
-
-@pytest.fixture
-def hf_origin(tmp_path: Path) -> Path:
-    return make_origin(tmp_path / "hf", manifest=False)
 
 
 def test_killed_pull_of_a_changed_origin_publishes_only_the_new_bytes(hf_origin: Path, tmp_path: Path) -> None:

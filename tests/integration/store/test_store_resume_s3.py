@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from origins import assert_entry_holds, new_version
 from preheat.store import ModelCache
 from preheat.store.pull import pull
+from pulls import CHUNK, PullInterruptedError, interrupt_at
 from s3moto import BUCKET, moto_s3
-from test_cache import make_origin
-from test_store_resume import CHUNK, PullInterruptedError, assert_entry_holds, interrupt_at, new_version
 
 URI = f"s3://{BUCKET}/hf"
 
@@ -31,11 +31,6 @@ def upload(client: Any, origin: Path, replaced: dict[str, bytes] | None = None) 
     for path in origin.iterdir():
         data = (replaced or {}).get(path.name) or path.read_bytes()
         client.put_object(Bucket=BUCKET, Key=f"hf/{path.name}", Body=data)
-
-
-@pytest.fixture
-def hf_origin(tmp_path: Path) -> Path:
-    return make_origin(tmp_path / "hf", manifest=False)
 
 
 def test_s3_resume_over_a_replaced_object_publishes_only_the_new_bytes(

@@ -174,6 +174,33 @@ def test_resolve_path_refuses_escapes(tree: Path) -> None:
             resolve_path(root, escape)
 
 
+def test_dot_files_and_dot_directories_are_never_served(tree: Path, server: FileServer) -> None:
+    (tree / ".env").write_bytes(b"API_KEY=never-served")
+    (tree / ".git").mkdir()
+    (tree / ".git" / "config").write_bytes(b"[remote] never-served")
+    (tree / "sub" / ".journal").write_bytes(b"never-served")
+    os.symlink(tree / ".env", tree / "env-link")  # a visible name leading to a hidden file
+    for path in ("/.env", "/%2eenv", "/.git/config", "/sub/.journal", "/env-link", "/sub/../.env", "/./.env"):
+        status, _, body = request(server, path)
+        assert status in (403, 404), path  # 404 for the hidden, 403 for "..": neither says whether it exists
+        assert b"never-served" not in body, path
+    assert request(server, "/.env")[0] == 404
+    assert request(server, "/.env", method="HEAD")[0] == 404
+    assert request(server, "/sub/inner.bin")[2] == b"inner"  # beside them, the rest is served
+
+
+def test_a_lenient_origin_resolves_dot_segments_inside_its_root_only(tree: Path) -> None:
+    (tree / "public").mkdir()
+    with FileServer(tree, faults=Faults(resolve_dot_segments=True)) as lenient:
+        assert request(lenient, "/public/%2e%2e/sub/inner.bin")[2] == b"inner"  # what an allow-list must not miss
+        assert request(lenient, "/public/../data.bin")[2] == DATA
+        status, _, body = request(lenient, "/%2e%2e/%2e%2e/secret.txt")  # never above the root: /secret.txt
+        assert status == 404
+        assert SECRET not in body
+        assert request(lenient, "/public/%2e%2e/.env")[0] == 404
+        assert lenient.stats.snapshot().targets[:2] == ("/public/%2e%2e/sub/inner.bin", "/public/../data.bin")
+
+
 # -- token ------------------------------------------------------------------------------------------------------------
 
 

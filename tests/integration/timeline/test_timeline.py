@@ -20,7 +20,7 @@ from preheat.cli.main import main
 from preheat.core.errors import ConfigError
 from preheat.core.timeline import Stage, Timeline
 from preheat.server.app import record_imports
-from preheat.timeline.report import Waterfall, render_text
+from preheat.timeline.waterfall import Waterfall, render_text
 
 # A cold start as a server records it (seconds from process start); ready at 3.6 s.
 SAMPLE = {

@@ -22,6 +22,7 @@ from artifactkit import KEY
 from preheat.artifacts import blobs as artifacts
 from preheat.artifacts.signing import SigningKey, TrustedKeys
 from preheat.core.errors import PeerError
+from strategies import json_values
 
 _PRIVATE = Ed25519PrivateKey.generate()
 SIGNER = SigningKey(
@@ -99,11 +100,7 @@ def test_a_mutated_blob_verifies_or_raises_peer_error(raw: bytes) -> None:
     _within_memory_bound(check, len(raw))
 
 
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=20,
-)
+_JSON = json_values(20)
 
 
 @FUZZ

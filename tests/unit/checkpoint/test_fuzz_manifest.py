@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import FUZZ, huge_ints, json_values
 from preheat.checkpoint.manifest import FileRecord, Manifest, QuantInfo, TensorRecord, TPInfo, rank_dir
 from preheat.checkpoint.safetensors import MAX_DIMS, MAX_INT
 from preheat.core.errors import CheckpointError
+from strategies import FUZZ, huge_ints, json_values
 
 WHERE = "http://origin/ckpt/preheat.json"
 DIGEST = "xxh3-128:" + "ab" * 16

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import FUZZ, huge_ints, json_values, tricky_text
 from preheat.checkpoint import dtypes
 from preheat.checkpoint.safetensors import (
     MAX_DIMS,
@@ -24,6 +23,7 @@ from preheat.checkpoint.safetensors import (
     parse_header,
 )
 from preheat.core.errors import CheckpointError
+from strategies import FUZZ, huge_ints, json_values, tricky_text
 
 WHERE = "fuzz.safetensors"
 dims = st.lists(st.integers(0, 8) | huge_ints() | st.booleans() | st.floats(), max_size=4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import preheat
-from conftest import WrittenCheckpoint, page_bound, same_bytes
+from checkpoints import WrittenCheckpoint, page_bound, same_bytes
 from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.tp import TPPlan, rank_slice
 from preheat.checkpoint.writer import save_file

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import FUZZ
 from preheat.core.backoff import Backoff
 from preheat.core.errors import ConfigError
+from strategies import FUZZ
 
 
 @st.composite

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import FUZZ, TRICKY, containers, depth, json_values
 from preheat.core.errors import JSONInputError
 from preheat.core.jsonsafe import MAX_DEPTH, brackets, containers_exceed, depth_exceeds, loads_bounded, nesting_depth
+from strategies import FUZZ, TRICKY, containers, depth, json_values
 
 LIMIT = 1 << 20
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import WrittenCheckpoint
+from checkpoints import WrittenCheckpoint
 from preheat.checkpoint.header import CheckpointFile
 from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.safetensors import PREFIX_BYTES, encode_header, parse_header

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import strategies
 from kvchunks import FP, chunk, expect, key, same
 from preheat.core.errors import CorruptChunkError, KVError
 from preheat.kv import chunkfile, mac
@@ -28,11 +29,7 @@ ORIGINALS = {
 }
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
-    max_leaves=25,
-)
+json_values = strategies.json_values(25, allow_nonfinite=True)
 
 
 def reader(kv_dtype: str, keyed: bool) -> chunkfile.Expect:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import preheat
-from conftest import WrittenCheckpoint, assert_same_tensors, same_bytes, write
+from checkpoints import WrittenCheckpoint, assert_same_tensors, same_bytes, write
 from preheat.checkpoint.writer import save_file
 from preheat.core.errors import ConfigError, DeviceError
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from preheat.core.errors import PlanError
-from preheat.core.timeline import Timeline
+from preheat.core.timeline import Timeline, TimelineDocument
 from preheat.plan.coldstart import PHASES, ColdStart
-from preheat.timeline.report import Waterfall
+from preheat.timeline.waterfall import Waterfall
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "traces"
 
 
-def _timeline(*stages: tuple[str, float, float], platform: bool = False) -> dict[str, object]:
+def _timeline(*stages: tuple[str, float, float], platform: bool = False) -> TimelineDocument:
     timeline = Timeline(1000.0, origin_source="PREHEAT_T0" if platform else "process start")
     for name, start, end in stages:
         timeline.add(name, start, end)

@@ -20,6 +20,7 @@ from preheat.plan.traces import (
     read_arrays,
     with_tokens,
 )
+from strategies import token_ids
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "traces"
 
@@ -181,7 +182,7 @@ def test_shipped_samples_stay_small() -> None:
     assert sum(p.stat().st_size for p in EXAMPLES.iterdir()) < 1_000_000
 
 
-_ids = st.lists(st.integers(0, 2**32 - 1), max_size=40)
+_ids = token_ids(max_size=40)
 _odd_ids = st.lists(st.one_of(st.integers(-5, 2**33), st.floats(allow_nan=False), st.booleans(), st.text()), max_size=5)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
 
 from preheat.core import env as envs
 from preheat.core.errors import ConfigError
@@ -22,9 +21,9 @@ LOAD_FORMAT = "preheat"
 SUPPORTED_VLLM = ("0.32", "0.33")
 MODES = ("auto", "mmap", "read", "direct")
 
-# Each option's variable (core/env.py declares them; Any: variables of several value types). ``source`` has none:
-# it names the weights of one model, which belongs beside MODEL.
-VARIABLES: dict[str, envs.Variable[Any]] = {
+# Each option's variable (core/env.py declares them). ``source`` has none: it names the weights of one model, which
+# belongs beside MODEL.
+VARIABLES: dict[str, envs.Variable[object]] = {
     "registry": envs.REGISTRY,
     "origin": envs.ORIGIN,
     "threads": envs.THREADS,

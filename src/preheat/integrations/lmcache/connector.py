@@ -10,7 +10,7 @@ LMCache configuration (YAML, or ``LMCACHE_*`` variables)::
       remote_storage_plugin.preheat.class_name: PreheatConnector
       remote_storage_plugin.preheat.url: fs:///shared/kv         # or redis://host:6379/0
       remote_storage_plugin.preheat.max_bytes: 200GiB             # fs:// quota (optional)
-      remote_storage_plugin.preheat.model_identity: org/model@rev # optional, defaults to LMCache's model name
+      remote_storage_plugin.preheat.model_identity: org/model@rev # optional; default: the checkpoint's identity
       remote_storage_plugin.preheat.secret_file: /etc/kv.secret   # optional fleet MAC (docs/kv-cache.md)
 
 LMCache builds the connector itself (``ConnectorManager`` → ``cls(loop=..., local_cpu_backend=...,
@@ -31,11 +31,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from preheat.core.errors import CorruptChunkError
-from preheat.integrations.store_settings import StoreSettings
+from preheat.integrations.store_settings import StoreSettings, namespace_model
 from preheat.kv.store import BlobStore, Namespace
 from preheat.kv.warm import WarmReport, warm_into
 
@@ -52,7 +52,38 @@ _VALUE_MARGIN = 64 << 10  # bytes a stored value may exceed one full chunk by (L
 _LMCACHE_KEYS = frozenset({"module_path", "class_name"})  # LMCache's own keys of a plugin, read by its loader
 
 
-def settings_from(extra: Mapping[str, Any] | None, name: str = PLUGIN) -> StoreSettings:  # Any: LMCache's config
+# LMCache's objects as this module uses them (LMCache is not installed where preheat is type-checked, and these name
+# only what is read here). Its config (LMCacheEngineConfig) is an ``object``: only getattr'd, with defaults.
+class EngineMetadata(Protocol):
+    """LMCache's ``LMCacheEngineMetadata``: what the namespace is keyed by."""
+
+    model_name: str
+    kv_shape: Sequence[int]
+    chunk_size: int
+    use_mla: bool
+    world_size: int
+
+    def get_dtypes(self) -> Iterable[object]: ...  # torch dtypes
+
+    def get_shapes(self) -> Iterable[Iterable[int]]: ...  # torch.Size values
+
+
+class CPUBackend(Protocol):
+    """LMCache's ``LocalCPUBackend``: where values read from the store are allocated, and warmed into."""
+
+    metadata: EngineMetadata
+    config: object  # handed to RemoteConnector's constructor as it is
+
+    def get_full_chunk_size_bytes(self) -> int: ...
+
+    def allocate(self, shapes: object, dtypes: object, fmt: object) -> MemoryObj | None: ...  # RemoteMetadata's
+
+    def contains(self, key: CacheEngineKey) -> bool: ...
+
+    def submit_put_task(self, key: CacheEngineKey, memory_obj: MemoryObj) -> object: ...
+
+
+def settings_from(extra: Mapping[str, object] | None, name: str = PLUGIN) -> StoreSettings:
     """The connector's part of LMCache's ``extra_config`` (keys ``remote_storage_plugin.<name>.<field>``, fields as
     ``StoreSettings``); ``ConfigError`` for a missing URL, a bad value or an unknown field.
 
@@ -65,7 +96,7 @@ def settings_from(extra: Mapping[str, Any] | None, name: str = PLUGIN) -> StoreS
     return StoreSettings.from_mapping(mine, where=f"LMCache extra_config {prefix}*", others=_LMCACHE_KEYS)
 
 
-def namespace_for(metadata: Any, config: Any, model_identity: str | None = None) -> Namespace:  # Any: LMCache's
+def namespace_for(metadata: EngineMetadata, config: object, model_identity: str | None = None) -> Namespace:
     """The store namespace of an LMCache engine: its model identity, and everything that changes what a memory
     object's bytes mean (KV shape and dtype, chunk size, MLA, serde, saving partial chunks)."""
     dtypes = [str(d).removeprefix("torch.") for d in metadata.get_dtypes()]
@@ -79,10 +110,11 @@ def namespace_for(metadata: Any, config: Any, model_identity: str | None = None)
         "remote_serde": str(getattr(config, "remote_serde", "naive")),
         "world_size": int(metadata.world_size),
     }
-    return Namespace(model=model_identity or str(metadata.model_name), engine=ENGINE, layout=layout)
+    model = namespace_model(model_identity, metadata.model_name, ENGINE)
+    return Namespace(model=model, engine=ENGINE, layout=layout)
 
 
-def open_for(local_cpu_backend: Any, config: Any, name: str = PLUGIN) -> BlobStore:  # Any: LMCache's objects
+def open_for(local_cpu_backend: CPUBackend, config: object, name: str = PLUGIN) -> BlobStore:
     """The blob store an LMCache engine with this config and CPU backend writes to."""
     settings = settings_from(getattr(config, "extra_config", None), name)
     namespace = namespace_for(local_cpu_backend.metadata, config, settings.model_identity)
@@ -97,8 +129,8 @@ class _Connector:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        local_cpu_backend: Any,  # Any: LMCache's LocalCPUBackend
-        config: Any,  # Any: LMCache's LMCacheEngineConfig
+        local_cpu_backend: CPUBackend,
+        config: object,  # LMCache's LMCacheEngineConfig
         plugin_name: str | None = None,
     ) -> None:
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)  # type: ignore[call-arg]
@@ -142,7 +174,7 @@ class _Connector:
         """The memory object stored under ``key``, read into one LMCache allocates, or None (a miss)."""
         from lmcache.v1.protocol import RemoteMetadata
 
-        allocated: list[Any] = []
+        allocated: list[MemoryObj] = []
         meta_bytes = self.remote_metadata_bytes
 
         def allocate(n: int, peek: bytes) -> list[memoryview] | None:
@@ -196,7 +228,7 @@ def connector_class() -> type:
                                                                      "__doc__": __doc__})
 
 
-def warm(connector: Any, *, max_bytes: int | None = None, max_entries: int | None = None) -> WarmReport:
+def warm(connector: _Connector, *, max_bytes: int | None = None, max_entries: int | None = None) -> WarmReport:
     """Pre-load the hottest values of ``connector``'s store (a ``PreheatConnector``) into LMCache's local CPU
     backend, most recently used first, within ``max_bytes`` (default: what the backend's allocator can take) and
     ``max_entries``; call it once the engine is built, before the replica takes traffic. Values that do not fit,

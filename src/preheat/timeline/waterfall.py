@@ -1,11 +1,12 @@
-"""Reading a cold-start timeline back: the waterfall, idle accelerator time and its cost, and the text table.
+"""A recorded cold start read back as values: the waterfall, idle accelerator time and its cost, and the text table.
 
-The timeline format is the one ``preheat.core.timeline.Timeline.to_dict`` writes and every server serves at
+Pure: a parsed timeline document in, values and text out (``fetch`` gets the document from a server or a file). The
+timeline format is the one ``preheat.core.timeline.Timeline.to_dict`` writes and every server serves at
 ``/v1/preheat/timeline`` (docs/server.md). The rule for idle time: every second from the origin (process start, or
 ``PREHEAT_T0`` when the platform passed the pod's creation time) to the ``ready`` mark counts as idle accelerator
 time, because the accelerator is allocated and billed but serves nothing. A timeline without ``ready`` (a server that
-never became ready) is idle for its whole length. The pictures are drawn above this module: ``timeline_svg``
-(inline-SVG HTML) and ``timeline_plot`` (the ``--plot`` file, HTML or PNG).
+never became ready) is idle for its whole length. The pictures are drawn above this module: ``svg`` (inline-SVG
+HTML) and ``plot`` (the ``--plot`` file, HTML or PNG).
 """
 
 from __future__ import annotations
@@ -13,13 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from preheat.core import env
-from preheat.core.errors import JSONInputError, PlanError, SourceError
-from preheat.core.jsonsafe import loads_bounded, read_bounded
+from preheat.core.errors import PlanError
 from preheat.core.timeline import Stage
 
-TIMELINE_PATH = "/v1/preheat/timeline"
-MAX_TIMELINE_BYTES = 16 * 1024 * 1024  # a timeline is a few kB; a larger answer is not one
 BAR_WIDTH = 32
 
 
@@ -119,36 +116,6 @@ class Waterfall:
                 for r in self.rows
             ],
         }
-
-
-def fetch(source: str, *, api_key: str | None = None, timeout: float = 10.0) -> object:
-    """The timeline JSON from a server URL (its ``/v1/preheat/timeline``) or from a file."""
-    if source.startswith(("http://", "https://")):
-        from http.client import responses
-
-        from preheat.core.errors import HTTPClientError
-        from preheat.http.client import Timeouts, request
-
-        url = source if source.rstrip("/").endswith(TIMELINE_PATH) else source.rstrip("/") + TIMELINE_PATH
-        key = api_key or env.get(env.API_KEY)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        try:
-            answer = request(url, timeouts=Timeouts.within(timeout), headers=headers, max_body=MAX_TIMELINE_BYTES)
-        except HTTPClientError as exc:
-            raise SourceError(f"cannot fetch the timeline: {exc}") from None
-        if answer.status != 200:
-            hint = " (pass --api-key or PREHEAT_API_KEY)" if answer.status == 401 else ""
-            raise SourceError(f"{url}: HTTP {answer.status} {responses.get(answer.status, '')}{hint}")
-        try:  # bounded: the URL may be any server, and json.loads raised RecursionError on 64 KiB of "["
-            return loads_bounded(answer.body, max_bytes=MAX_TIMELINE_BYTES)
-        except JSONInputError as exc:
-            raise SourceError(f"{url}: cannot fetch the timeline ({exc})") from None
-    try:
-        return read_bounded(source, max_bytes=MAX_TIMELINE_BYTES)
-    except OSError as exc:
-        raise SourceError(f"{source}: cannot read ({exc.strerror})") from None
-    except JSONInputError as exc:
-        raise PlanError(f"{source}: cannot read the timeline ({exc})") from None
 
 
 # -- text ----------------------------------------------------------------------------------------------------------

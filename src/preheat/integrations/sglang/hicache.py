@@ -10,9 +10,10 @@ SGLang configuration::
             "url": "fs:///shared/kv", "max_bytes": "200GiB"}'
 
 Optional keys beside ``url``: ``max_bytes`` (``fs://`` quota), ``ttl_s`` (Redis expiry after the last read),
-``secret_file`` (fleet MAC, docs/kv-cache.md), ``model_identity`` (``repo@revision``; defaults to SGLang's model
-name). SGLang builds the backend itself (``StorageBackendFactory`` → ``cls(storage_config, kwargs)``). Each value
-is one HiCache page as SGLang's host pool hands it over (its flat bytes), stored by ``preheat.kv.store`` under
+``secret_file`` (fleet MAC, docs/kv-cache.md), ``model_identity`` (``repo@revision``; defaults to the
+checkpoint's content identity, else SGLang's model name with a warning: ``store_settings.namespace_model``).
+SGLang builds the backend itself (``StorageBackendFactory`` → ``cls(storage_config, kwargs)``). Each value is one
+HiCache page as SGLang's host pool hands it over (its flat bytes), stored by ``preheat.kv.store`` under
 SGLang's own page hash in a namespace of the model identity, the engine and the layout (TP/PP/CP/DCP rank and
 size, MLA, page-first layout; and, once SGLang registers its host pool, the pool's dtype, page size, layout and KV
 geometry), so another model's or another rank's pages never answer. A damaged page, a dead Redis, a full disk are
@@ -34,10 +35,10 @@ import ctypes
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from preheat.core.errors import ConfigError
-from preheat.integrations.store_settings import StoreSettings
+from preheat.integrations.store_settings import StoreSettings, namespace_model
 from preheat.kv.blob_reads import exactly
 from preheat.kv.store import DEFAULT_MAX_VALUE, BlobStore, Namespace
 
@@ -52,7 +53,29 @@ _SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interfac
 _PAGE_MARGIN = 64 << 10  # bytes a stored page may exceed the host pool's page by before it is refused unread
 
 
-def settings_from(extra: Mapping[str, Any] | None) -> StoreSettings:  # Any: SGLang's JSON
+# SGLang's objects as this module reads them (SGLang is not installed where preheat is type-checked, and these name
+# only what is read here; what is getattr'd with a default is left out).
+class StorageConfig(Protocol):
+    """SGLang's ``HiCacheStorageConfig``: the rank's shard, the page layout, and preheat's extra config."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    is_mla_model: bool
+    is_page_first_layout: bool
+    model_name: str | None
+    extra_config: Mapping[str, object] | None
+
+
+class HostPool(Protocol):
+    """SGLang's host KV pool (``HostKVCache``): its flat page bounds a stored page (a pool that cannot make one
+    raises, and the default bound stays); its geometry is read by ``pool_layout`` with getattr."""
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor: ...
+
+
+def settings_from(extra: Mapping[str, object] | None) -> StoreSettings:
     """preheat's part of ``--hicache-storage-backend-extra-config``; ``ConfigError`` for a missing URL, an unknown
     key, a bad value or ``"interface_v1"`` (this backend does not implement the zero-copy methods).
 
@@ -66,7 +89,7 @@ def settings_from(extra: Mapping[str, Any] | None) -> StoreSettings:  # Any: SGL
     return StoreSettings.from_mapping(extra, where="SGLang HiCache extra config", others=_SGLANG_KEYS)
 
 
-def storage_layout(config: Any) -> dict[str, object]:  # Any: SGLang's HiCacheStorageConfig
+def storage_layout(config: StorageConfig) -> dict[str, object]:
     """What of SGLang's storage config changes a page's bytes: the shard (TP, PP, attention CP, DCP) and the
     page layout. MLA KV is the same on every TP rank (SGLang's own file backend shares it too), so its TP rank is
     left out."""
@@ -82,7 +105,7 @@ def storage_layout(config: Any) -> dict[str, object]:  # Any: SGLang's HiCacheSt
     return layout
 
 
-def pool_layout(pool: Any) -> dict[str, object]:  # Any: SGLang's HostKVCache
+def pool_layout(pool: object) -> dict[str, object]:  # SGLang's HostKVCache, read with getattr
     """What of SGLang's host pool changes a page's bytes: dtype, page size, layout and KV geometry (whatever
     attributes the pool has)."""
     out: dict[str, object] = {"pool": type(pool).__name__}
@@ -96,19 +119,19 @@ def pool_layout(pool: Any) -> dict[str, object]:  # Any: SGLang's HostKVCache
     return out
 
 
-def namespace_for(config: Any, settings: StoreSettings, pool: Any = None) -> Namespace:  # Any: SGLang's
+def namespace_for(config: StorageConfig, settings: StoreSettings, pool: object = None) -> Namespace:
     """The store namespace of one SGLang rank: the model identity, ``sglang-hicache`` and the page layout
     (``storage_layout``, plus ``pool_layout`` once the host pool is known)."""
-    model = settings.model_identity or config.model_name
-    if not model:
+    if not settings.model_identity and not config.model_name:
         raise ConfigError("SGLang HiCache: no model name in the storage config; set \"model_identity\"")
+    model = namespace_model(settings.model_identity, config.model_name, ENGINE)
     layout = storage_layout(config)
     if pool is not None:
         layout["host_pool"] = pool_layout(pool)
     return Namespace(model=str(model), engine=ENGINE, layout=layout)
 
 
-def _page_bytes(pool: Any) -> int | None:  # Any: SGLang's HostKVCache
+def _page_bytes(pool: HostPool) -> int | None:
     try:
         page = pool.get_dummy_flat_data_page()
         return int(page.numel() * page.element_size())
@@ -148,7 +171,7 @@ def _byte_array(nbytes: int) -> type[ctypes.Array[ctypes.c_char]]:
 class _Backend:
     """What ``PreheatHiCacheStorage`` does (it adds SGLang's ``HiCacheStorage`` as a base when first looked up)."""
 
-    def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:  # Any: SGLang's
+    def __init__(self, storage_config: StorageConfig, kwargs: Mapping[str, object] | None = None) -> None:
         self.storage_config = storage_config
         self.settings = settings_from(storage_config.extra_config)
         self.store: BlobStore = self.settings.open(namespace_for(storage_config, self.settings), DEFAULT_MAX_VALUE)
@@ -156,7 +179,7 @@ class _Backend:
 
     # -- SGLang's interface ------------------------------------------------------------------------------------------
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:  # Any: SGLang's HostKVCache
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
         """SGLang hands over its host pool before any I/O: its dtype and geometry join the namespace, and a stored
         page may be at most one of its pages."""
         super().register_mem_pool_host(mem_pool_host)  # type: ignore[misc]
@@ -167,22 +190,24 @@ class _Backend:
         log.info("SGLang HiCache storage: preheat %s (host pool %s)", self.store.describe(),
                  type(mem_pool_host).__name__)
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+    # SGLang's signatures; target_sizes and extra_info are not used (a page's size is its target's).
+    def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes: object = None
+            ) -> torch.Tensor | None:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Sequence[torch.Tensor | None] | None = None,
+                  target_sizes: object = None) -> list[torch.Tensor | None]:
         """Each page read into its target tensor (HiCache's flat dummy page), or None: absent, damaged, of
         another size, storage down. Without targets, a new uint8 tensor per page. The pages of a batch are read
         on the store's ``io_threads`` threads (``kv/fanout.py``), each straight into its own target. Never raises
         into HiCache's prefetch thread: what fails is a miss."""
-        targets: Sequence[Any] = target_locations if target_locations is not None else [None] * len(keys)
+        targets = target_locations if target_locations is not None else [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
-        flat: list[tuple[int, str, Any, memoryview]] = []  # (position, key, target, its bytes): read in one batch
+        flat: list[tuple[int, str, torch.Tensor, memoryview]] = []  # (position, key, target, its bytes): one batch
         for i, (key, target) in enumerate(zip(keys, targets, strict=False)):
             try:
                 view = _cpu_bytes(target) if target is not None else None
-                if view is not None:  # HiCache's flat page: read straight into it, with the batch
+                if view is not None and target is not None:  # HiCache's flat page: straight into it, with the batch
                     flat.append((i, key, target, view))
                 else:
                     out[i] = self._get_one(key, target)
@@ -199,7 +224,7 @@ class _Backend:
                 out[i] = target
         return out
 
-    def _get_one(self, key: str, target: Any) -> torch.Tensor | None:
+    def _get_one(self, key: str, target: torch.Tensor | None) -> torch.Tensor | None:
         """A page without a flat CPU target: into a new tensor (no target), or read then copied (a strided or
         device target)."""
         import torch
@@ -215,11 +240,12 @@ class _Backend:
         page.copy_(buffer)
         return page
 
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+    def set(self, key: str, value: Any = None,  # Any: SGLang's signature; a None page fails in batch_set (logged)
+            target_location: object = None, target_sizes: object = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
+                  target_locations: object = None, target_sizes: object = None) -> bool:
         """Store every page (tensors from the host pool); True only when all of them are stored (HiCache stops
         backing up the rest of the request on False)."""
         if values is None or len(values) != len(keys):
@@ -234,7 +260,7 @@ class _Backend:
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: object = None) -> int:
         """How many leading pages are stored (a page is only usable after every page before it)."""
         try:
             return self.store.prefix_length(keys)

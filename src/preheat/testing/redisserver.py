@@ -1,15 +1,15 @@
-"""A real ``redis-server`` child on a free loopback port, for the KV L2 (and peer registry) tests.
+"""A real ``redis-server`` child on a free loopback port, for the KV L2 (and peer registry) tests and the KV store
+benchmark.
 
 ``RedisServer`` can be stopped and started again on the same port (to test a Redis that dies and comes back), and
-can require a password (``AUTH``) or speak only TLS (a self-signed certificate for 127.0.0.1, made here).
-Tests that need one skip when ``redis-server`` is not installed (CI installs it: .ci/run).
+can require a password (``AUTH``) or speak only TLS (a self-signed certificate for 127.0.0.1, from
+``preheat.testing.certs``).
+Tests that need one skip when ``redis-server`` is not installed (CI installs it: .ci/run); a benchmark gets a
+``ConfigError`` (``preheat.testing.needs``).
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-import os
 import shutil
 import socket
 import ssl
@@ -18,13 +18,9 @@ import tempfile
 import time
 from urllib.parse import quote
 
-import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from preheat.testing.certs import self_signed_certificate
+from preheat.testing.needs import unavailable
+from preheat.testing.ports import free_port
 
 
 class RedisServer:
@@ -34,7 +30,7 @@ class RedisServer:
     def __init__(self, port: int | None = None, *, password: str | None = None, tls: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+            unavailable("redis-server is not installed (apt-get install redis-server)")
         self.binary = binary
         self.port = port or free_port()
         self.password = password
@@ -84,34 +80,3 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
-
-
-def self_signed_certificate(directory: str) -> tuple[str, str]:
-    """(certificate, key) PEM files for 127.0.0.1 in ``directory``: the certificate is its own CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = os.path.join(directory, "redis.crt"), os.path.join(directory, "redis.key")
-    with open(cert_path, "wb") as handle:
-        handle.write(cert.public_bytes(serialization.Encoding.PEM))
-    with open(key_path, "wb") as handle:
-        handle.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    return cert_path, key_path
