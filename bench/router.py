@@ -163,7 +163,7 @@ def start_router(replicas: list[str], policy: str, model: str, chunk_tokens: int
 
 
 def run_config(name: str, policy: str, shared_l2: bool, model: str, args: argparse.Namespace) -> Result:
-    tiers = ["--kv-l1", args.kv_l1, "--kv-chunk-tokens", str(args.chunk_tokens), "--max-model-len", "4096"]
+    tiers = ["--kv-l1", args.kv_l1, "--kv-chunk-tokens", str(args.kv_chunk_tokens), "--max-model-len", "4096"]
     with tempfile.TemporaryDirectory(prefix="preheat-bench-l2-") as l2:
         if shared_l2:
             tiers += ["--kv-l2", f"fs://{l2}"]
@@ -172,7 +172,7 @@ def run_config(name: str, policy: str, shared_l2: bool, model: str, args: argpar
         try:
             for replica in replicas:
                 replica.wait_ready()
-            router = start_router([r.url for r in replicas], policy, model, args.chunk_tokens)
+            router = start_router([r.url for r in replicas], policy, model, args.kv_chunk_tokens)
             time.sleep(0.5)  # the router's first health checks and KV polls
             assert router.url is not None
             result = run_workload(router.url, name, args)
