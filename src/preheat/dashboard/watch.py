@@ -17,6 +17,7 @@ from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.prom import Metrics, parse, total
 from preheat.dashboard.state import ReplicaRow, StateDocument, TokenRate, decisions, document, replica_entry
 from preheat.http.client import Timeouts, request
+from preheat.http.control import TIMELINE_ROUTE
 
 MAX_METRICS = 4 * 1024 * 1024  # a replica's /metrics is tens of KiB
 MAX_TIMELINE = 1024 * 1024  # a timeline is a few KiB
@@ -123,7 +124,7 @@ class FleetWatcher:
             rate.observe(now, total(got.metrics, "preheat_generated_tokens_total"))
             if got.timeline_stale(now):
                 answer = request(
-                    url + "/v1/preheat/timeline", timeouts=timeouts, headers=self.headers, max_body=MAX_TIMELINE
+                    url + TIMELINE_ROUTE, timeouts=timeouts, headers=self.headers, max_body=MAX_TIMELINE
                 )
                 if answer.status == 200:
                     timeline = loads_bounded(answer.body, max_bytes=MAX_TIMELINE, max_depth=16)

@@ -14,6 +14,7 @@ from preheat.doctor.check import Check, DoctorOptions
 from preheat.doctor.coldstart import analyze_timeline
 from preheat.doctor.findings import Finding
 from preheat.doctor.kvtiers import analyze_kv, parse_metrics
+from preheat.http.control import TIMELINE_ROUTE
 
 MAX_BODY = 16 * 1024 * 1024
 
@@ -84,7 +85,7 @@ def check_health(options: DoctorOptions, bound_s: float) -> list[Finding]:
 
 def check_replica_timeline(options: DoctorOptions, bound_s: float) -> list[Finding]:
     assert options.url is not None
-    path = "/v1/preheat/timeline"
+    path = TIMELINE_ROUTE
     try:
         status, body = get(options.url, path, options, bound_s)
     except SourceError as exc:

@@ -37,10 +37,14 @@ from urllib.parse import unquote, urlsplit
 
 from preheat.http.server import check_bearer
 
-CONTROL_ROUTES = ("/v1/preheat/load", "/v1/preheat/sleep", "/v1/preheat/wake", "/v1/preheat/refit")
+# preheat's own routes on every replica, named here once (servers, the router, the doctor and the dashboard).
+LOAD_ROUTE, SLEEP_ROUTE = "/v1/preheat/load", "/v1/preheat/sleep"
+WAKE_ROUTE, REFIT_ROUTE = "/v1/preheat/wake", "/v1/preheat/refit"
+TIMELINE_ROUTE, TOKENIZER_ROUTE = "/v1/preheat/timeline", "/v1/preheat/tokenizer"
+CONTROL_ROUTES = (LOAD_ROUTE, SLEEP_ROUTE, WAKE_ROUTE, REFIT_ROUTE)
 CONTROL_PREFIX = "/v1/preheat/"
 # The only routes under CONTROL_PREFIX a router forwards: they read, never change, what a replica runs.
-FORWARDED = frozenset({"/v1/preheat/timeline", "/v1/preheat/tokenizer"})
+FORWARDED = frozenset({TIMELINE_ROUTE, TOKENIZER_ROUTE})
 JSON = "application/json"
 # Loopback names a client on this host may use, whatever address the server is bound to.
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

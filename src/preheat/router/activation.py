@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from preheat.core.errors import ColdStartError, ConnectError, HTTPClientError, JSONInputError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.http.client import Response, Timeouts, request
+from preheat.http.control import LOAD_ROUTE, TIMELINE_ROUTE, WAKE_ROUTE
 from preheat.router.capacity import SLEEPING, STANDBY, Cold, rank_cold
 from preheat.router.metrics import RouterMetrics
 from preheat.router.upstream import Replica
 
 log = logging.getLogger("preheat.router")
-LOAD_PATH, WAKE_PATH, TIMELINE_PATH = "/v1/preheat/load", "/v1/preheat/wake", "/v1/preheat/timeline"
 POLL_SECONDS = 0.05  # /health while a replica comes up: the first request waits on it
 CONTROL_SECONDS = 10.0  # the load and wake routes answer at once (202): they only start the work
 RETRY_FAILED_AFTER = 30.0  # a replica whose cold start failed is not tried again before this many seconds
@@ -181,18 +181,18 @@ class ColdStarter:
         body: dict[str, object] = {"model": model, "wait": False}
         if self.settings.served_model_name:
             body["served_model_name"] = self.settings.served_model_name
-        answer = self._post(replica, LOAD_PATH, body)
+        answer = self._post(replica, LOAD_ROUTE, body)
         code = _error_code(answer)
         if answer.status == 403:
             raise ColdStartError(f"refused {model}: {_message(answer)}", refused=code == "model_not_allowed")
         if answer.status not in (200, 202) and code not in ("is_loading", "is_ready"):
-            raise ColdStartError(f"{LOAD_PATH} answered {answer.status}: {_message(answer)}")
+            raise ColdStartError(f"{LOAD_ROUTE} answered {answer.status}: {_message(answer)}")
         self._until_ready(replica, waiting=("loading", "warming", "standby"), gone=STANDBY)
 
     def _wake(self, replica: Replica) -> None:
-        answer = self._post(replica, WAKE_PATH, {"wait": False})
+        answer = self._post(replica, WAKE_ROUTE, {"wait": False})
         if answer.status not in (200, 202) and _error_code(answer) not in ("is_waking", "is_ready"):
-            raise ColdStartError(f"{WAKE_PATH} answered {answer.status}: {_message(answer)}")
+            raise ColdStartError(f"{WAKE_ROUTE} answered {answer.status}: {_message(answer)}")
         self._until_ready(replica, waiting=("waking", "sleeping"), gone=SLEEPING)
 
     def _post(self, replica: Replica, path: str, body: dict[str, object]) -> Response:
@@ -251,11 +251,11 @@ class ColdStarter:
             return
         try:
             answer = request(
-                replica.url + TIMELINE_PATH, timeouts=Timeouts.within(CONTROL_SECONDS), headers=self.read_headers,
+                replica.url + TIMELINE_ROUTE, timeouts=Timeouts.within(CONTROL_SECONDS), headers=self.read_headers,
                 max_body=16 * MAX_ANSWER,
             )  # fmt: skip
         except HTTPClientError as exc:
-            log.debug("%s%s: %s", replica.url, TIMELINE_PATH, exc)
+            log.debug("%s%s: %s", replica.url, TIMELINE_ROUTE, exc)
             return
         replica.wake_seconds = wake_cost(_json(answer.body)) if answer.status == 200 else None
 

@@ -31,7 +31,7 @@ from preheat.core.errors import APIError, ConfigError, PreheatError
 from preheat.core.procs import listening_line
 from preheat.core.timeline import Timeline, process_start_time
 from preheat.dashboard.login import Login
-from preheat.http.control import CONTROL_ROUTES, control_refusal, request_of
+from preheat.http.control import CONTROL_ROUTES, TIMELINE_ROUTE, TOKENIZER_ROUTE, control_refusal, request_of
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer, sigterm_interrupts
 from preheat.http.tls import use_fleet
@@ -51,7 +51,6 @@ MAX_BODY = MAX_BODY_BYTES
 GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 # The model's tokenizer files, for a router started with --model @replicas (docs/router.md): it then reads prompts
 # exactly as this replica does.
-TOKENIZER_ROUTE = "/v1/preheat/tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
@@ -98,7 +97,7 @@ class Handler(TrackedHandler):
 
     def route(self) -> str:
         path = self.path.split("?", 1)[0]
-        known = ("/health", "/metrics", "/v1/models", "/v1/preheat/timeline", TOKENIZER_ROUTE, *GENERATION_ROUTES,
+        known = ("/health", "/metrics", "/v1/models", TIMELINE_ROUTE, TOKENIZER_ROUTE, *GENERATION_ROUTES,
                  *CONTROL_ROUTES)  # fmt: skip
         return path if path in known else "other"  # bounded label values: never the raw path
 
@@ -145,7 +144,7 @@ class Handler(TrackedHandler):
                 for model in models["data"]:  # type: ignore[attr-defined]  # models_list's own list of dicts
                     model["version"] = self.state.refit.version or 0
             self.send_json(200, models)
-        elif path == "/v1/preheat/timeline":
+        elif path == TIMELINE_ROUTE:
             self.send_json(200, self.state.timeline.to_dict())
         elif path == "/v1/kv/events":
             self.kv_events()

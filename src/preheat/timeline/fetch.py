@@ -13,8 +13,8 @@ from http.client import responses
 from preheat.core import env
 from preheat.core.errors import HTTPClientError, JSONInputError, PlanError, SourceError
 from preheat.core.jsonsafe import loads_bounded, read_bounded
+from preheat.http.control import TIMELINE_ROUTE
 
-TIMELINE_PATH = "/v1/preheat/timeline"
 MAX_TIMELINE_BYTES = 16 * 1024 * 1024  # a timeline is a few kB; a larger answer is not one
 
 
@@ -35,7 +35,7 @@ def _from_server(source: str, *, api_key: str | None, timeout: float) -> object:
     # Imported here: the HTTP client brings ssl (~0.1 s), which reading a file does not need.
     from preheat.http.client import Timeouts, request
 
-    url = source if source.rstrip("/").endswith(TIMELINE_PATH) else source.rstrip("/") + TIMELINE_PATH
+    url = source if source.rstrip("/").endswith(TIMELINE_ROUTE) else source.rstrip("/") + TIMELINE_ROUTE
     key = api_key or env.get(env.API_KEY)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
