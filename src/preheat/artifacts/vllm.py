@@ -43,7 +43,7 @@ from preheat.artifacts import blobs as artifacts
 from preheat.artifacts.blobs import Verified, device_arch, key_hex
 from preheat.artifacts.signing import SigningKey
 from preheat.artifacts.store import ArtifactStore, find
-from preheat.checkpoint import manifest as mf
+from preheat.checkpoint.layout import read_manifest
 from preheat.core import env
 from preheat.core.errors import ConfigError, PeerError
 
@@ -167,12 +167,11 @@ def model_identity(model: str) -> str | None:
     code depends on the architecture, not the weights' values); None for a hub name."""
     if not os.path.isdir(model):
         return None
-    manifest = os.path.join(model, mf.MANIFEST_NAME)
     config = os.path.join(model, "config.json")
     try:
-        if os.path.exists(manifest):
-            with open(manifest, "rb") as handle:
-                return mf.Manifest.from_json(handle.read(), where=manifest).identity
+        found = read_manifest(model)
+        if found is not None:
+            return found.identity
         with open(config, "rb") as handle:
             return "config.json:xxh3-128:" + xxhash.xxh3_128_hexdigest(handle.read())
     except OSError as exc:

@@ -27,6 +27,7 @@ import torch
 
 from preheat.checkpoint import dtypes, torch_dtypes
 from preheat.checkpoint.digest import digest_bytes
+from preheat.checkpoint.layout import read_manifest
 from preheat.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -366,8 +367,7 @@ def _verify(
         raise CheckpointError(f"{tmp}: unexpected content appeared while converting: {unexpected[:3]}", path=tmp)
     path = os.path.join(tmp, MANIFEST_NAME)
     write_bytes(path, manifest.to_json())
-    with open(path, "rb") as handle:
-        reread = Manifest.from_json(handle.read(), where=path)
-    if reread.identity != manifest.identity:
+    reread = read_manifest(tmp)
+    if reread is None or reread.identity != manifest.identity:
         raise CheckpointError(f"{path}: read back with a different identity; the manifest was not stored intact")
     return reread

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+from preheat.checkpoint import layout
 from preheat.checkpoint import manifest as mf
 from preheat.core import env
 from preheat.core.errors import CheckpointError, ConfigError, PreheatError
@@ -33,10 +34,9 @@ log = logging.getLogger("preheat.peer")
 
 def read_manifest(root: str) -> mf.Manifest:
     """The checkpoint's ``preheat.json``, or one built now for a directory without one (every file hashed once)."""
-    path = os.path.join(root, mf.MANIFEST_NAME)
-    if os.path.exists(path):
-        with open(path, "rb") as handle:
-            return mf.Manifest.from_json(handle.read(), where=path)
+    manifest = layout.read_manifest(root)
+    if manifest is not None:
+        return manifest
     try:
         return mf.build_manifest(root)
     except PreheatError as exc:

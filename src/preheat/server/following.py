@@ -9,7 +9,6 @@ refuses generation requests while more than ``--max-staleness`` versions behind.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,15 +29,10 @@ VERSION_HEADER = "X-Preheat-Version"
 def base_digests(path: str) -> dict[str, str]:
     """Per-tensor digests of the loaded checkpoint (its ``preheat.json``); {} without one: the first version then
     brings every tensor."""
-    from preheat.checkpoint.manifest import MANIFEST_NAME, Manifest
+    from preheat.checkpoint.layout import read_manifest
 
-    where = os.path.join(path, MANIFEST_NAME)
-    try:
-        with open(where, "rb") as handle:
-            manifest = Manifest.from_json(handle.read(), where=where)
-    except FileNotFoundError:
-        return {}
-    if manifest.tp_world_size != 1:
+    manifest = read_manifest(path)
+    if manifest is None or manifest.tp_world_size != 1:
         return {}
     return {t.name: t.digest for t in manifest.tensors}
 
