@@ -50,9 +50,10 @@ Every exception class of preheat is defined here, and every ``PreheatError`` is 
         GoneError
         ForbiddenPathError
 
-    Signals, not errors (below PreheatError's tree, never exported, never seen outside the KV file tier):
-        Reframe
-        _NoRoomError
+    Signals, not errors (below PreheatError's tree, never exported, never seen outside the path that raises them):
+        Reframe                     the KV file tier
+        _NoRoomError                the KV file tier
+        DirectIOUnsupported         the loader's O_DIRECT reads
 """
 
 from __future__ import annotations
@@ -307,9 +308,10 @@ class ForbiddenPathError(PreheatError):
 
 
 # -- signals ---------------------------------------------------------------------------------------------------------
-# Not errors: nothing failed. Each tells the KV file tier's read path to read a file another way, is raised and caught
-# inside that path (kv/fs.py, kv/blob_reads.py) and never reaches a caller of preheat. So they are no PreheatError
-# (an `except PreheatError`/`except KVError` meant for failures must never swallow one) and not exported.
+# Not errors: nothing failed. Each tells a read path to read a file another way, is raised and caught inside that path
+# (the KV file tier: kv/fs.py, kv/blob_reads.py; the loader: io/reads.py, loader/load.py) and never reaches a caller of
+# preheat. So they are no PreheatError (an `except PreheatError`/`except KVError` meant for failures must never swallow
+# one) and not exported.
 
 
 class Reframe(Exception):  # noqa: N818  # a signal to read the file another way, not an error
@@ -319,3 +321,13 @@ class Reframe(Exception):  # noqa: N818  # a signal to read the file another way
 
 class _NoRoomError(Exception):  # private to the KV file tier, whose read path counts it as a miss
     """``read_split``'s caller had no memory for the value: a miss, nothing wrong with the file."""
+
+
+class DirectIOUnsupported(Exception):  # noqa: N818  # a signal to read the file without O_DIRECT, not an error
+    """The filesystem refused O_DIRECT for ``path`` (EINVAL when opening it, or at a page-aligned read into page-aligned
+    memory: ramfs, some FUSE mounts). Raised by the readers for direct jobs only; the loader reads the checkpoint again
+    with buffered reads and says so in the report."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path}: the filesystem does not support O_DIRECT")
+        self.path = path

@@ -86,7 +86,7 @@ class StagedReader:
             lo = round_down(op.file_offset, PAGE)
             hi = round_up(op.file_offset + op.length, PAGE)
             # Read up to the op's last byte at least (a shorter file is an error), the rest of the page if present.
-            read_at_least(source, view[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path)
+            read_at_least(source, view[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path, direct=True)
             cursor, got = op.file_offset - lo, hi - lo
         else:
             read_at_least(source, view[: op.length], op.file_offset, op.length, path=job.path)

@@ -11,6 +11,7 @@ every useful byte range once it has landed.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -19,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from preheat.core.errors import CheckpointError
+from preheat.core.errors import CheckpointError, DirectIOUnsupported
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer, round_down, round_up
 from preheat.sources.base import Source
 from preheat.sources.local import LocalFile
@@ -55,6 +56,19 @@ class ReadOp:
     @property
     def useful_bytes(self) -> int:
         return sum(length for dest, length in self.pieces if dest != DISCARD)
+
+
+def split_extents(extents: Iterable[Extent], at: int) -> tuple[list[Extent], list[Extent]]:
+    """The file bytes of ``extents`` before ``at`` and from ``at`` on (an extent across ``at`` is cut in two)."""
+    before: list[Extent] = []
+    after: list[Extent] = []
+    for e in extents:
+        head = min(max(at - e.file_offset, 0), e.length)
+        if head:
+            before.append(Extent(e.file_offset, head, e.dest_offset))
+        if e.length > head:
+            after.append(Extent(e.file_offset + head, e.length - head, e.dest_offset + head))
+    return before, after
 
 
 def _gap_is_free(end: int, start: int, page: int) -> bool:
@@ -261,11 +275,11 @@ class ParallelReader:
             dest, length = first
             padded = round_up(length, PAGE)
             # Every byte of the op is required: a file shorter than the op is an error, never a zero-filled tail.
-            return read_at_least(source, view[dest : dest + padded], op.file_offset, length, path=job.path)
+            return read_at_least(source, view[dest : dest + padded], op.file_offset, length, path=job.path, direct=True)
         lo = round_down(op.file_offset, PAGE)
         hi = round_up(op.file_offset + op.length, PAGE)
         bounce = self._bounce(hi - lo)
-        read_at_least(source, bounce[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path)
+        read_at_least(source, bounce[: hi - lo], lo, op.file_offset + op.length - lo, path=job.path, direct=True)
         cursor = op.file_offset - lo
         for dest, length in op.pieces:
             if dest != DISCARD:
@@ -309,6 +323,8 @@ def _open(path: str, *, direct: bool, scattered: bool = False) -> int:
             f"{path}: file not found (it was removed after the load was planned)", path=path
         ) from None
     except OSError as exc:
+        if direct and exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT (ramfs, some FUSE mounts)
+            raise DirectIOUnsupported(path) from None
         raise CheckpointError(f"{path}: cannot open: {exc.strerror}", path=path) from None
     if scattered and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -344,10 +360,13 @@ def readv_all(source: Source, op: ReadOp, view: memoryview, scratch: memoryview,
     return total
 
 
-def _readv(source: Source, buffers: list[memoryview], offset: int, *, path: str) -> int:
+def _readv(source: Source, buffers: list[memoryview], offset: int, *, path: str, direct: bool = False) -> int:
     try:
         return source.readv(offset, buffers)
     except OSError as exc:
+        if direct and exc.errno == errno.EINVAL:
+            # Offset, length and memory are page-aligned by construction: the filesystem refuses O_DIRECT reads.
+            raise DirectIOUnsupported(path) from None
         raise CheckpointError(f"{path}: read failed at byte {offset}: {exc.strerror}", path=path) from None
 
 
@@ -363,11 +382,16 @@ def _advance(buffers: list[memoryview], consumed: int) -> list[memoryview]:
     return buffers
 
 
-def read_at_least(source: Source, target: memoryview, offset: int, want: int, *, path: str) -> int:
-    """Read at least ``want`` bytes into ``target`` (which may be longer: O_DIRECT reads whole pages)."""
+def read_at_least(
+    source: Source, target: memoryview, offset: int, want: int, *, path: str, direct: bool = False
+) -> int:
+    """Read at least ``want`` bytes into ``target`` (which may be longer: O_DIRECT reads whole pages).
+
+    ``direct``: ``source`` was opened with O_DIRECT, so EINVAL means the filesystem refuses it
+    (``DirectIOUnsupported``), not a failed read."""
     done = 0
     while done < want:
-        got = _readv(source, [target[done:]], offset + done, path=path)
+        got = _readv(source, [target[done:]], offset + done, path=path, direct=direct)
         if got == 0:
             raise CheckpointError(
                 f"{path}: file ended at byte {offset + done} while {want - done} more bytes were expected; "
@@ -379,9 +403,11 @@ def read_at_least(source: Source, target: memoryview, offset: int, want: int, *,
 
 
 def direct_io_supported(path: str) -> bool:
-    """True when ``path`` can be opened with O_DIRECT and read at an aligned offset (tmpfs and some FUSE cannot).
-    The page read into is an anonymous mapping (page-aligned), not a torch buffer: ``preheat doctor`` asks too, and
-    must not pay torch's import inside its time bound."""
+    """True when ``path`` can be opened with O_DIRECT and read at an aligned offset (ramfs and some FUSE cannot).
+    ``preheat doctor`` asks; a load does not, since this reads a page from disk that the load then reads again: its
+    direct reads raise ``DirectIOUnsupported`` instead, and it reads again buffered. The page read into is an
+    anonymous mapping (page-aligned), not a torch buffer: the doctor must not pay torch's import inside its time
+    bound."""
     if not hasattr(os, "O_DIRECT"):
         return False
     try:

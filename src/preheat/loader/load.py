@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -36,13 +36,13 @@ from preheat.checkpoint.manifest import MANIFEST_NAME
 from preheat.checkpoint.tp import TPPlan, rank_slice
 from preheat.core import env
 from preheat.core.config import LoaderSettings, format_bytes
-from preheat.core.errors import CacheError, CheckpointError, ConfigError, DeviceError
+from preheat.core.errors import CacheError, CheckpointError, ConfigError, DeviceError, DirectIOUnsupported
 from preheat.io.buffers import PAGE, host_buffer, round_down, round_up
 from preheat.io.files import ensure_size
 from preheat.io.gds import gds_status, run_gds
 from preheat.io.pipeline import StagedReader
 from preheat.io.premap import Premapped
-from preheat.io.reads import Extent, FileJob, ParallelReader, gather, plan_ops
+from preheat.io.reads import Extent, FileJob, ParallelReader, gather, plan_ops, split_extents
 from preheat.io.tuning import IOTuning, tune
 from preheat.sources.base import is_uri
 
@@ -479,6 +479,11 @@ class _Progress:
         self.callback, self.total, self.done = callback, total, 0
         self._lock = threading.Lock()
 
+    def restart(self) -> None:
+        """The read starts over (O_DIRECT refused: buffered now); the bytes counted so far land again."""
+        with self._lock:
+            self.done = 0
+
     def __call__(self, nbytes: int) -> None:
         if self.callback is not None:
             with self._lock:
@@ -499,9 +504,6 @@ def _load_read(
     checks: VerifyPlan,
 ) -> LoadResult:
     direct = mode == "direct"
-    if direct and not _direct_ok(plans, report):
-        direct = False
-        report.mode = "read"
     t0 = time.perf_counter()
     buffers: list[torch.Tensor] = []
     for plan in plans:
@@ -509,40 +511,49 @@ def _load_read(
             buffers.append(torch.empty(plan.buffer_bytes, dtype=torch.uint8, device=device))
         else:
             buffers.append(host_buffer(plan.buffer_bytes, align=PAGE if direct else 64))
-    digests = [
-        TensorDigests(expected, path=p.file.path, source=report.source) if expected else None
-        for p, expected in zip(plans, checks.files, strict=True)
-    ]
-    jobs = [
-        FileJob(
-            p.file.path,
-            plan_ops(p.extents, chunk_bytes=chunk_bytes),
-            buf,
-            p.needed_size,
-            direct=direct,
-            scattered=not p.whole,
-            open_source=p.file.open_source if p.file.origin is not None else None,
-            landing=digest,
-        )
-        for p, buf, digest in zip(plans, buffers, digests, strict=True)
-    ]
     t1 = time.perf_counter()
     report.stages["allocate"] = t1 - t0
     if mode == "gds":
         status = gds_status()
         if status.compat_mode:
             report.notes.append(status.detail)
-        report.bytes_read = run_gds(jobs, threads=threads, chunk_bytes=chunk_bytes, progress=progress)
-        t2 = t3 = time.perf_counter()
-    elif device.type == "cuda":
-        reader = StagedReader(device, threads, chunk_bytes=chunk_bytes, progress=progress)
-        report.bytes_read = reader.run(jobs)
-        t2 = time.perf_counter()
+
+    def read(direct: bool) -> list[TensorDigests | None]:
+        """Read every file into its buffer; returns the digests checked as the bytes landed (new ones each call, so
+        that a retry never hashes a byte twice). Sets ``report.bytes_read``."""
+        digests = [
+            TensorDigests(expected, path=p.file.path, source=report.source) if expected else None
+            for p, expected in zip(plans, checks.files, strict=True)
+        ]
+        jobs = [
+            job
+            for p, buf, digest in zip(plans, buffers, digests, strict=True)
+            for job in _file_jobs(p, buf, digest, direct=direct, chunk_bytes=chunk_bytes)
+        ]
+        if mode == "gds":
+            report.bytes_read = run_gds(jobs, threads=threads, chunk_bytes=chunk_bytes, progress=progress)
+        elif device.type == "cuda":
+            report.bytes_read = StagedReader(device, threads, chunk_bytes=chunk_bytes, progress=progress).run(jobs)
+        else:
+            report.bytes_read = ParallelReader(threads, chunk_bytes=chunk_bytes, progress=progress).run(jobs)
+        return digests
+
+    # No O_DIRECT probe beforehand: a probe reads a page from disk that the load then reads again. A filesystem
+    # without O_DIRECT refuses the open (or the first read) of a direct job instead, with DirectIOUnsupported, and
+    # the load starts over with buffered reads into the same buffers.
+    try:
+        digests = read(direct)
+    except DirectIOUnsupported as exc:
+        note = f"O_DIRECT is not supported for {exc.path}; fell back to buffered reads"
+        log.warning("%s", note)
+        report.notes.append(note)
+        report.mode = "read"
+        progress.restart()
+        digests = read(False)
+    t2 = time.perf_counter()
+    if device.type == "cuda" and mode != "gds":
         torch.cuda.synchronize(device)
-        t3 = time.perf_counter()
-    else:
-        report.bytes_read = ParallelReader(threads, chunk_bytes=chunk_bytes, progress=progress).run(jobs)
-        t2 = t3 = time.perf_counter()
+    t3 = time.perf_counter()
     report.stages["read"] = t2 - t1
     if t3 > t2:
         report.stages["device_sync"] = t3 - t2
@@ -556,16 +567,38 @@ def _load_read(
     return result
 
 
-def _direct_ok(plans: list[FilePlan], report: LoadReport) -> bool:
-    from preheat.io.reads import direct_io_supported
+def _file_jobs(
+    plan: FilePlan, buf: torch.Tensor, digest: TensorDigests | None, *, direct: bool, chunk_bytes: int
+) -> list[FileJob]:
+    """The read jobs of one file: one, or for O_DIRECT two, so that no page is read from disk twice.
 
-    for plan in plans:
-        if not direct_io_supported(plan.file.path):
-            note = f"O_DIRECT is not supported for {plan.file.path}; fell back to buffered reads"
-            log.warning("%s", note)
-            report.notes.append(note)
-            return False
-    return True
+    Reading the header put the file's first pages in the page cache, and the last of them usually holds the first
+    tensor bytes too. O_DIRECT bypasses the cache, so it would fetch that page again: the bytes before the first page
+    boundary after the header are read buffered instead (a cache hit; one page from disk if it was evicted, with
+    readahead off so that nothing past it comes along), and O_DIRECT reads from that boundary on. Listed in file order,
+    so a checksum that needs a tensor's bytes in order gets them as before.
+    """
+    source = plan.file.open_source if plan.file.origin is not None else None
+    scattered = not plan.whole
+
+    def job(extents: Sequence[Extent], *, direct: bool, scattered: bool) -> FileJob:
+        ops = plan_ops(extents, chunk_bytes=chunk_bytes)
+        return FileJob(
+            plan.file.path,
+            ops,
+            buf,
+            plan.needed_size,
+            direct=direct,
+            scattered=scattered,
+            open_source=source,
+            landing=digest,
+        )
+
+    if not direct:
+        return [job(plan.extents, direct=False, scattered=scattered)]
+    cached, rest = split_extents(plan.extents, round_up(plan.file.header.data_start, PAGE))
+    jobs = [job(cached, direct=False, scattered=True)] if cached else []
+    return [*jobs, job(rest, direct=True, scattered=scattered)]
 
 
 def _view(buf: torch.Tensor, placed: PlacedTensor, path: str) -> torch.Tensor:

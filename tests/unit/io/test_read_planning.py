@@ -17,11 +17,22 @@ from preheat.checkpoint.header import CheckpointFile
 from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.safetensors import PREFIX_BYTES, encode_header, parse_header
 from preheat.core.config import parse_size
-from preheat.core.errors import ConfigError
+from preheat.core.errors import CheckpointError, ConfigError, DirectIOUnsupported
 from preheat.io.buffers import PAGE, as_memoryview, host_buffer
 from preheat.io.pipeline import StagedReader
-from preheat.io.reads import DISCARD, MAX_IOV, Extent, FileJob, ParallelReader, ReadOp, plan_ops
+from preheat.io.reads import (
+    DISCARD,
+    MAX_IOV,
+    Extent,
+    FileJob,
+    ParallelReader,
+    ReadOp,
+    plan_ops,
+    read_at_least,
+    split_extents,
+)
 from preheat.loader.load import plan_file
+from preheat.sources.local import LocalFile
 from preheat.testing.synthetic import LlamaShape
 
 Layout = tuple[list[Extent], int, int]  # extents, file size, destination size
@@ -141,6 +152,19 @@ def test_no_op_has_more_pieces_than_iov_max(data: st.DataObject, page: int, max_
     assert apply_ops(ops, contents, dest_size)[0] == copy_extents(extents, contents, dest_size)
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), page=PAGES)
+def test_split_extents_keeps_every_byte_on_its_side_of_the_cut(data: st.DataObject, page: int) -> None:
+    extents, file_size, dest_size = data.draw(layouts(page))
+    at = data.draw(st.integers(0, file_size))
+    before, after = split_extents(extents, at)
+    assert all(e.length > 0 and e.file_offset + e.length <= at for e in before)
+    assert all(e.length > 0 and e.file_offset >= at for e in after)
+    contents = pattern(file_size)
+    assert copy_extents(before + after, contents, dest_size) == copy_extents(extents, contents, dest_size)
+    assert sum(e.length for e in before + after) == sum(e.length for e in extents)
+
+
 def test_neighbours_within_a_page_become_one_read() -> None:
     ops = plan_ops([Extent(0, 100, 0), Extent(150, 100, 100)], chunk_bytes=1 << 20, page=4096)
     assert ops == [ReadOp(0, ((0, 100), (DISCARD, 50), (100, 100)))]
@@ -256,6 +280,25 @@ def test_direct_read_of_the_file_tail_fits_an_exact_size_buffer(pattern_file: tu
     extents = [Extent(len(contents) - tail, tail, PAGE)]
     got = read_into_zeros(READERS[reader], path, extents, PAGE + tail, chunk=1 << 20, direct=True)
     assert got == bytes(PAGE) + contents[-tail:]
+
+
+def test_an_o_direct_read_the_kernel_refuses_is_a_signal_to_read_buffered(pattern_file: tuple[str, bytes]) -> None:
+    """EINVAL from a read on an O_DIRECT descriptor means the filesystem will not do it (the loader then reads
+    buffered); from any other read it is a failed read. A real refusal: an O_DIRECT read into misaligned memory."""
+    path, _ = pattern_file
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip(f"{path}: this filesystem has no O_DIRECT at all")
+    misaligned = as_memoryview(host_buffer(2 * PAGE, align=PAGE))[1 : 1 + PAGE]
+    source = LocalFile.from_fd(path, fd)
+    try:
+        with pytest.raises(DirectIOUnsupported):
+            read_at_least(source, misaligned, 0, PAGE, path=path, direct=True)
+        with pytest.raises(CheckpointError, match="read failed at byte 0"):
+            read_at_least(source, misaligned, 0, PAGE, path=path)
+    finally:
+        source.close()
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
