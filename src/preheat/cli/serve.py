@@ -66,7 +66,9 @@ TIMELINE_HELP = """\
 Print a cold-start timeline as a waterfall: each stage's start, end, duration, bytes and GB/s, the total, and the
 idle accelerator time before the server was ready, priced at --gpu-cost-per-hour.
 
-SOURCE is a server (http://host:port, its /v1/preheat/timeline is fetched) or a JSON file saved from one.
+SOURCE is a server (http://host:port, its /v1/preheat/timeline is fetched: preheat serve, or vllm serve with preheat
+installed beside it), a JSON file saved from one, or a directory of vLLM's per-process start-up records
+(PREHEAT_VLLM_STARTUP: its latest start, merged; one record file: the start it belongs to).
 Idle rule: every second from the origin (process start, or PREHEAT_T0) to the 'ready' mark counts as idle
 accelerator time: the accelerator is allocated but serves nothing.
 
@@ -74,6 +76,7 @@ examples:
   preheat timeline http://127.0.0.1:8000
   preheat timeline timeline.json --gpu-cost-per-hour 4 --plot waterfall.html
   curl -s localhost:8000/v1/preheat/timeline > t.json && preheat timeline t.json --json
+  preheat timeline "$TMPDIR/preheat-vllm-startup-$(id -u)"     # vllm serve's last start, every process merged
 """
 
 DEMO_HELP = """\

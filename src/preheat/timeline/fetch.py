@@ -1,21 +1,28 @@
-"""Getting a recorded cold start: the timeline JSON from a server's ``/v1/preheat/timeline`` or from a file.
+"""Getting a recorded cold start: the timeline JSON from a server's ``/v1/preheat/timeline``, from a file, or merged
+from a directory of process records (a vLLM start: ``PREHEAT_VLLM_STARTUP``, ``merge``).
 
-The I/O beside ``waterfall`` (pure): a URL is asked through ``preheat.http`` (with the API key, from the argument or
-``PREHEAT_API_KEY``), a file is read through ``core.jsonsafe``; either is bounded, since the URL may be any server.
+The I/O beside ``waterfall`` and ``merge`` (pure): a URL is asked through ``preheat.http`` (with the API key, from the
+argument or ``PREHEAT_API_KEY``), a file is read through ``core.jsonsafe``; either is bounded, since the URL may be any
+server. A directory's records are merged (the latest run); a single process record is merged with the records beside
+it, for the run it belongs to.
 
     waterfall = Waterfall.from_dict(fetch("http://replica:8000"), where="http://replica:8000")
 """
 
 from __future__ import annotations
 
+import os
 from http.client import responses
 
 from preheat.core import env
 from preheat.core.errors import HTTPClientError, JSONInputError, PlanError, SourceError
 from preheat.core.jsonsafe import loads_bounded, read_bounded
 from preheat.http.control import TIMELINE_ROUTE
+from preheat.timeline.merge import ProcessRecord, is_record, merge, parse_record
 
 MAX_TIMELINE_BYTES = 16 * 1024 * 1024  # a timeline is a few kB; a larger answer is not one
+MAX_RECORD_BYTES = 1024 * 1024  # a process record is a few kB
+MAX_RECORDS = 4096  # a directory shared by many starts: the newest records are read
 
 
 def fetch(source: str, *, api_key: str | None = None, timeout: float = 10.0) -> object:
@@ -23,12 +30,43 @@ def fetch(source: str, *, api_key: str | None = None, timeout: float = 10.0) -> 
     cannot be had, ``PlanError`` when a file holds no JSON."""
     if source.startswith(("http://", "https://")):
         return _from_server(source, api_key=api_key, timeout=timeout)
+    if os.path.isdir(source):
+        return merge(records_in(source))
     try:
-        return read_bounded(source, max_bytes=MAX_TIMELINE_BYTES)
+        data = read_bounded(source, max_bytes=MAX_TIMELINE_BYTES)
     except OSError as exc:
         raise SourceError(f"{source}: cannot read ({exc.strerror})") from None
     except JSONInputError as exc:
         raise PlanError(f"{source}: cannot read the timeline ({exc})") from None
+    if is_record(data):  # one process's record: merged with its run, from the records beside it
+        record = parse_record(data, where=source)
+        return merge(records_in(os.path.dirname(os.path.abspath(source))), member=record["pid"])
+    return data
+
+
+def records_in(directory: str) -> list[ProcessRecord]:
+    """The process records (``*.json`` of ``merge.RECORD_KIND``) in ``directory``, newest ``MAX_RECORDS``; files of
+    another kind are skipped, a malformed record is a ``PlanError`` naming it, and ``PlanError`` when there is none."""
+    try:
+        with os.scandir(directory) as entries:
+            files = [(e.stat().st_mtime, e.path) for e in entries if e.name.endswith(".json") and e.is_file()]
+    except OSError as exc:
+        raise SourceError(f"{directory}: cannot list ({exc.strerror})") from None
+    records = []
+    for _, path in sorted(files, reverse=True)[:MAX_RECORDS]:
+        try:
+            data = read_bounded(path, max_bytes=MAX_RECORD_BYTES)
+        except FileNotFoundError:  # removed since the listing (a pruned old record)
+            continue
+        except OSError as exc:
+            raise SourceError(f"{path}: cannot read ({exc.strerror})") from None
+        except JSONInputError as exc:
+            raise PlanError(f"{path}: cannot read the process record ({exc})") from None
+        if is_record(data):
+            records.append(parse_record(data, where=path))
+    if not records:
+        raise PlanError(f"{directory}: no process records (vLLM writes them with preheat installed beside it)")
+    return records
 
 
 def _from_server(source: str, *, api_key: str | None, timeout: float) -> object:

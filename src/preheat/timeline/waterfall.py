@@ -48,6 +48,16 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Unobserved:
+    """A stage the timeline could not show (a merged multi-process start, ``timeline.merge``): ``unknown`` when it
+    cannot be observed here, ``not_run`` when this start skipped it; never given a number."""
+
+    name: str
+    status: str
+    why: str
+
+
+@dataclass(frozen=True)
 class Waterfall:
     """A timeline's stages in start order, with the numbers the report prints."""
 
@@ -55,6 +65,7 @@ class Waterfall:
     origin: float
     origin_source: str
     total: float
+    unknown: tuple[Unobserved, ...] = ()
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "timeline") -> Waterfall:
@@ -70,7 +81,13 @@ class Waterfall:
             rows.append(Row.from_stage(stage))
         rows.sort(key=lambda r: (r.start, r.end))
         total = float(data.get("total") or max((r.end for r in rows), default=0.0))
-        return cls(rows, float(data.get("origin") or 0.0), str(data.get("origin_source", "process start")), total)
+        unknown = []
+        for i, entry in enumerate(data.get("unknown") or []):
+            if not isinstance(entry, dict):
+                raise PlanError(f"{where}: unknown stage {i} is not an object")
+            unknown.append(Unobserved(str(entry.get("name")), str(entry.get("status")), str(entry.get("why", ""))))
+        origin, source = float(data.get("origin") or 0.0), str(data.get("origin_source", "process start"))
+        return cls(rows, origin, source, total, tuple(unknown))
 
     @property
     def ready(self) -> float | None:
@@ -115,6 +132,7 @@ class Waterfall:
                 }
                 for r in self.rows
             ],
+            "unknown": [{"name": u.name, "status": u.status, "why": u.why} for u in self.unknown],
         }
 
 
@@ -129,8 +147,12 @@ def _bar(row: Row, total: float, width: int = BAR_WIDTH) -> str:
     return " " * left + "█" * (right - left)
 
 
+# Detail keys the table leaves out (--json has them): long paths, pids, and what the layout shows (nesting, gaps).
+_HIDDEN = ("path", "pid", "within", "gap")
+
+
 def _detail(row: Row, width: int = 60) -> str:
-    parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.detail.items() if k != "path"]
+    parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.detail.items() if k not in _HIDDEN]
     text = ", ".join(parts)
     return text if len(text) <= width else text[: width - 1] + "…"  # --json has every detail in full
 
@@ -143,7 +165,8 @@ def render_text(waterfall: Waterfall, *, gpu_cost_per_hour: float = 32.0) -> str
         gbps = f"{r.gbps:.2f}" if r.gbps is not None else ""
         size = _bytes(r.nbytes) if r.nbytes else ""
         bar = _bar(r, waterfall.total)
-        lines.append((r.name, f"{r.start:.3f}", f"{r.end:.3f}", f"{r.duration:.3f}", size, gbps, bar, _detail(r)))
+        name = f"  {r.name}" if "within" in r.detail else r.name  # nested: inside the stage above, not in the sum
+        lines.append((name, f"{r.start:.3f}", f"{r.end:.3f}", f"{r.duration:.3f}", size, gbps, bar, _detail(r)))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     right = {1, 2, 3, 4, 5}
 
@@ -159,6 +182,8 @@ def render_text(waterfall: Waterfall, *, gpu_cost_per_hour: float = 32.0) -> str
     text.append(f"ready            {ready:.3f} s" if ready is not None else "ready            never (no 'ready' mark)")
     if waterfall.ttft is not None:
         text.append(f"first token      {waterfall.ttft:.3f} s after the first request arrived")
+    for u in waterfall.unknown:
+        text.append(f"{u.status:<16} {u.name}: {u.why}")
     text.append(
         f"idle accelerator {waterfall.idle_seconds:.3f} s = ${waterfall.idle_cost(gpu_cost_per_hour):.4f} "
         f"at ${gpu_cost_per_hour:g}/h (origin -> ready)"

@@ -1,7 +1,9 @@
-"""``vllm serve MODEL --load-format preheat`` (docs/integrations.md).
+"""``vllm serve MODEL --load-format preheat``, and vLLM's whole start on preheat's timeline (docs/integrations.md).
 
 vLLM calls ``register()`` in every process it starts, through the ``vllm.general_plugins`` entry point in
-pyproject.toml. Importing this package never imports vLLM: ``register()`` does, and only there is vLLM needed.
+pyproject.toml. Importing this package never imports vLLM: ``register()`` does, and only there is vLLM needed. Besides
+the loader, ``register()`` installs the start-up hooks (``startup_hooks``): every vLLM process, with any load format,
+records its stages for ``preheat timeline`` (``PREHEAT_VLLM_STARTUP=off`` turns that off).
 
     vllm serve /models/llama --load-format preheat \\
         --model-loader-extra-config '{"source": "preheat://llama", "registry": "redis://reg:6379"}'
@@ -10,6 +12,7 @@ pyproject.toml. Importing this package never imports vLLM: ``register()`` does, 
 from __future__ import annotations
 
 import logging
+import time
 
 from preheat.core.errors import ConfigError
 from preheat.integrations.vllm.options import ALLOWED, LOAD_FORMAT, SUPPORTED_VLLM, LoadOptions, parse_options
@@ -26,13 +29,30 @@ def register() -> None:
     other load formats; the supported-version check happens when ``--load-format preheat`` is used."""
     if LOAD_FORMAT in _registered:
         return
+    entered = time.time()  # the end of this process's imports on the start-up timeline
     try:
-        import vllm  # noqa: F401  # only to tell "no vLLM" from "a vLLM we do not fit"
+        import vllm  # only to tell "no vLLM" from "a vLLM we do not fit"
     except ImportError as exc:
         raise ConfigError(
             f"preheat's --load-format {LOAD_FORMAT} plugs into vLLM, which is not installed here ({exc}): "
             f"pip install 'vllm=={SUPPORTED_VLLM[-1]}.*'"
         ) from None
+    try:
+        _register_loader()
+    finally:
+        _record_startup(str(getattr(vllm, "__version__", "unknown")), entered)
+
+
+def _record_startup(version: str, entered: float) -> None:
+    try:
+        from preheat.integrations.vllm.startup_hooks import install
+
+        install(version, entered=entered)
+    except Exception as exc:  # the start-up timeline observes vLLM: nothing in it may stop vLLM from starting
+        log.warning("preheat: vLLM's start-up timeline is off in this process (%s: %s)", type(exc).__name__, exc)
+
+
+def _register_loader() -> None:
     try:
         from vllm.model_executor.model_loader import register_model_loader
 

@@ -20,6 +20,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from preheat.core.errors import CheckpointError
 from preheat.core.timeline import Timeline
+from preheat.integrations.vllm import startup
 from preheat.integrations.vllm.options import check_vllm_version, parse_options
 from preheat.integrations.vllm.resolve import resolve
 from preheat.integrations.vllm.session import load_for_engine
@@ -48,6 +49,7 @@ class PreheatModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unty
             # nn.Module.__getattr__ types attributes as Tensor | Module; every vLLM model defines load_weights.
             return model.load_weights(weights)  # type: ignore[operator]
 
+        timeline = Timeline.from_env()
         outcome = load_for_engine(
             model_config.model,
             self.options,
@@ -55,7 +57,9 @@ class PreheatModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unty
             rank=rank,
             world_size=world_size,
             model_weights=_weights_uri(model_config),
+            timeline=timeline,
         )
+        _on_startup_timeline(timeline)
         took = outcome.seconds.get("weight_load", 0.0) + outcome.seconds.get("weight_handoff", 0.0)
         # The line vLLM's own loaders print, so logs and benchmarks compare like with like (a pull is not in it).
         logger.info(
@@ -76,6 +80,22 @@ class PreheatModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unty
                     path=outcome.path,
                     tensor=missing[0],
                 )
+
+
+# The load's stages as they nest inside ``weight_load`` on vLLM's start-up timeline (startup.CATALOGUE).
+_NESTED = {"fetch": "weights_fetch", "weight_load": "weights_read", "weight_handoff": "weights_handoff"}
+
+
+def _on_startup_timeline(timeline: Timeline) -> None:
+    recorder = startup.current()
+    if recorder is None:
+        return
+    for stage in timeline.stages():
+        name = _NESTED.get(stage.name)
+        if name is not None and stage.end is not None:
+            detail = {k: v for k, v in stage.detail.items() if k in ("cache", "mode", "verified", "read_bytes", "uri")}
+            start, end = timeline.origin + stage.start, timeline.origin + stage.end
+            recorder.stage(name, start, end, nbytes=stage.nbytes, detail=detail)
 
 
 def _weights_uri(model_config: ModelConfig) -> str:
