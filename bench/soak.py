@@ -1,25 +1,35 @@
 """Fault soak: a router, 3 replicas and two L2 stores under steady load, while a scheduler breaks them on purpose.
 
     python bench/soak.py [--duration 150] [--seed 0] [--users 6] [--model tiny|smollm2|DIR] [--json out.json]
-                         [--faults replica_kill,replica_stop,redis_kill,l2_truncate,l2_corrupt,l2_forge] [--mac]
+                         [--faults replica_kill,replica_stop,hostile_replica,redis_kill,l2_truncate,l2_corrupt,
+                                   rogue_publisher,l2_forge] [--mac]
 
 The fleet, all on 127.0.0.1, every process in its own process group:
 
 - replicas 1 and 2 share an ``fs://`` L2 directory, replica 3 uses a ``redis-server`` L2; each has a small L1
-  (``--kv-l1``, about two system prompts' K/V), so chunks keep moving between the tiers;
-- one ``preheat router`` (``--policy kv`` by default) in front of them;
+  (``--kv-l1``, about two system prompts' K/V), so chunks keep moving between the tiers; each follows the weight
+  versions a trainer in this process publishes (``--follow``, a ``file://`` registry, ``--refit-trust-key``: its
+  versions are the model's own weights, so every version answers alike);
+- one ``preheat router`` (``--policy kv`` by default) in front of them, and of a hostile replica that is out of
+  rotation (its ``/health`` says 503) except during a ``hostile_replica`` fault;
 - a reference replica with no KV tier, which answers every distinct prompt once before the soak and is then stopped.
 
 Load: ``--users`` client threads, each sending one request after another for ``--duration`` seconds: a chat of one
 of ``--systems`` long shared system prompts plus one of the ``--questions`` short questions (seeded choices), greedy,
 ``--max-tokens`` tokens, streamed with probability ``--stream-share`` (else a plain JSON answer).
 
-Faults, after a fault-free first ``--calm`` share of the run, on two seeded schedulers that run side by side:
+Faults, after a fault-free first ``--calm`` share of the run, on three seeded schedulers that run side by side:
 
-- replicas (one replica at a time): ``replica_kill`` (SIGKILL, restarted on the same port at once, then waited for
-  until the router has it in rotation again) and ``replica_stop`` (SIGSTOP for 1-5 s, then SIGCONT);
+- replicas (one fault at a time): ``replica_kill`` (SIGKILL, restarted on the same port at once, then waited for
+  until the router has it in rotation again), ``replica_stop`` (SIGSTOP for 1-5 s, then SIGCONT) and
+  ``hostile_replica`` (the hostile replica says it is healthy for 2-5 s and answers each request the router sends it
+  with a 1 TiB Content-Length, a first event that never ends, or a stream cut mid-event: refusals the router must
+  retry on another replica before the client hears anything, and count; bench/soak_attacks.py);
 - storage: ``redis_kill`` (SIGKILL, down for 0.5-3 s, restarted empty on the same port), ``l2_truncate`` and
   ``l2_corrupt`` (1-3 chunk files of the ``fs://`` L2 cut short, or one byte of each flipped, in place);
+- publishers: ``rogue_publisher`` (under the trainer's name, version 10**17 with a zeroed q_proj signed by another
+  key and 10**17+1 unsigned, then the trainer's next version; the fault lasts until every replica serves the
+  trainer's: the rogues must be counted as liars and never served);
 - on request only (``--faults``): ``l2_forge``, 1-3 chunk files rewritten as an attacker with write access to the
   store would: every K/V value negated and the checksum fixed. Nothing but a fleet secret catches that, so without
   ``--mac`` (the replicas share a ``--kv-secret-file``) answers differ: the negative control that shows the
@@ -44,8 +54,10 @@ Every answer is classified:
 
 Reported: requests per class for the fault-free phase and the fault phase, p50 and p99 TTFT (streamed requests:
 request sent -> first event) in each phase and their ratio, faults injected per kind, the router's retries and
-ejections, and the replicas' KV counters (hits per tier, corrupt chunks caught). Exit status 1 when any answer
-differed or failed, or a fault kind was never injected.
+ejections, the replicas' KV counters (hits per tier, corrupt chunks caught), the hostile replica's answers beside the
+router's refusals of them (``preheat_router_refused_answers_total``), and the versions served beside the lies counted
+(``preheat_refit_lies_total``). Exit status 1 when any answer differed or failed, a fault kind was never injected,
+a hostile answer was not refused and counted, or a rogue version was served or not counted as a lie.
 """
 
 from __future__ import annotations
@@ -64,8 +76,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from soak_attacks import HOSTILE_MODES
 from soak_clients import Outcome, Prompt, Users, brief, detail, judge, make_prompts, phase_stats, references, run_users
-from soak_fleet import ACCIDENTS, FAULT_KINDS, START_TIMEOUT, Fleet, FleetConfig, Scheduler, kv_counters, metrics
+from soak_fleet import (
+    DEFAULT_KINDS,
+    FAULT_KINDS,
+    START_TIMEOUT,
+    Fleet,
+    FleetConfig,
+    Scheduler,
+    kv_counters,
+    metrics,
+    served_version,
+)
 
 FAULT_LABELS = {
     "replica_kill": "replica SIGKILL, restarted",
@@ -74,6 +97,8 @@ FAULT_LABELS = {
     "l2_truncate": "fs:// L2 chunk files truncated",
     "l2_corrupt": "fs:// L2 chunk files, one byte flipped",
     "l2_forge": "fs:// L2 chunks forged (K/V negated, checksum fixed)",
+    "hostile_replica": "hostile replica in rotation 2-5 s (answers the router must refuse)",
+    "rogue_publisher": "rogue publishers (zeroed q_proj, far version; other key, unsigned), then the trainer's next",
 }
 EXTRA_FAULT_SECONDS = 120.0  # how far the fault phase may run past --duration to inject every kind once
 
@@ -131,6 +156,9 @@ def soak(
         for incarnation in [*replica.counters, kv_counters(replica.url)]:
             for name, value in incarnation.items():
                 counters[name] = counters.get(name, 0.0) + value
+    hostile = fleet.hostile
+    refused = {k: v for k, v in router_metrics.items() if k.startswith("preheat_router_refused_answers_total")}
+    assert fleet.trainer is not None
     return {
         "phases": stats,
         "ttft_ratio": {q: ratio(stats["faults"][f"ttft_{q}_s"], stats["calm"][f"ttft_{q}_s"]) for q in ("p50", "p99")},
@@ -145,11 +173,27 @@ def soak(
             "errors": {k: v for k, v in router_metrics.items() if k.startswith("preheat_router_errors_total")},
         },
         "kv": counters,
+        "hostile": {
+            "answered": {mode: hostile.answered[mode] for mode in HOSTILE_MODES},
+            "refused": {code: refused_by(refused, hostile.url, code) for code in HOSTILE_MODES.values()},
+            "refused_from_honest_replicas": sum(v for k, v in refused.items() if hostile.url not in k),
+        },
+        "refit": {
+            "trainer_version": fleet.trainer.version,
+            "served": {r.url: served_version(r.url) for r in fleet.replicas},
+            "lies": counters.get("refit_lies", 0.0),
+            "rogue_tensors_served": fleet.trainer.rogue_tensors_served,
+        },
         "problems": [detail(o, t0) for o in outcomes if o.verdict in ("differ", "failed")],
         "cuts": [detail(o, t0) for o in outcomes if o.verdict == "cut"],
         "requests": [brief(o, t0) for o in sorted(outcomes, key=lambda o: o.started)],
         "references": {key: asdict(answer) for key, answer in refs.items()},
     }
+
+
+def refused_by(refused: dict[str, float], replica: str, code: str) -> float:
+    """The router's count of answers from ``replica`` it refused with ``code``."""
+    return sum(v for k, v in refused.items() if f'code="{code}"' in k and f'replica="{replica}"' in k)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -192,18 +236,34 @@ def table(report: dict[str, Any]) -> str:  # Any: the JSON report
         f"{kv.get('corrupt_l2', 0):.0f} corrupt L2 chunks caught, {kv.get('errors_l2', 0):.0f} L2 errors; "
         f"fleet back in rotation at the end: {'yes' if report['recovered'] else 'NO'}",
     ]
+    hostile, refit = report["hostile"], report["refit"]
+    if sum(hostile["answered"].values()):
+        answered = ", ".join(f"{n} {mode}" for mode, n in hostile["answered"].items())
+        counted = ", ".join(f"{n:.0f} {code}" for code, n in hostile["refused"].items())
+        lines.append(f"hostile replica: answered {answered}; router refused and counted {counted}")
+    if "rogue_publisher" in report["faults"]:
+        versions = sorted({str(v) for v in refit["served"].values()})
+        lines.append(
+            f"refit: replicas serve version {', '.join(versions)} (the trainer's: {refit['trainer_version']}); "
+            f"{refit['lies']:.0f} lies counted; tensors the rogues served: {refit['rogue_tensors_served']}"
+        )
     return "\n".join(lines)
 
 
 def passed(report: dict[str, Any]) -> bool:  # Any: the JSON report
-    total = report["phases"]["total"]
+    """No answer differed or failed, every fault kind struck and the fleet recovered; the attacks were caught: each
+    hostile answer refused and counted by the router, the rogue versions counted as lies and never served."""
+    total, hostile, refit, faults = report["phases"]["total"], report["hostile"], report["refit"], report["faults"]
     return (
         total["differ"] == 0
         and total["failed"] == 0
-        and all(report["faults"].values())
+        and all(faults.values())
         and report["recovered"]
         and not report["fault_errors"]
-    )
+        and all(hostile["refused"][code] == hostile["answered"][mode] for mode, code in HOSTILE_MODES.items())
+        and ("rogue_publisher" not in faults or (refit["lies"] > 0 and refit["rogue_tensors_served"] == 0
+                                                 and set(refit["served"].values()) == {refit["trainer_version"]}))
+    )  # fmt: skip
 
 
 def model_dir(spec: str, workdir: Path) -> str:
@@ -265,8 +325,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--faults",
         type=kinds,
-        default=ACCIDENTS,
-        help=f"comma-separated fault kinds (default: {','.join(ACCIDENTS)}; also l2_forge, which only --mac stops)",
+        default=DEFAULT_KINDS,
+        help=f"comma-separated fault kinds (default: {','.join(DEFAULT_KINDS)}; also l2_forge, which only --mac stops)",
     )
     parser.add_argument("--mac", action="store_true", help="the replicas share a fleet secret (--kv-secret-file)")
     parser.add_argument("--workdir", default=None, help="keep the L2, the model and children.log here")
@@ -288,7 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 model = model_dir(args.model, workdir)
                 prompts = make_prompts(args.seed, args.systems, args.system_words, args.questions)
-                config = FleetConfig(model, args.policy, args.kv_l1, args.chunk_tokens, args.max_model_len, args.mac)
+                config = FleetConfig(
+                    model, args.policy, args.kv_l1, args.chunk_tokens, args.max_model_len, args.mac, args.seed
+                )
                 fleet = Fleet(workdir, config)
                 report = soak(fleet, prompts, args, say)
             finally:

@@ -31,14 +31,19 @@ import xxhash
 
 from preheat.core.errors import PreheatError
 from preheat.core.procs import Child, pdeathsig
+from soak_attacks import MAX_EVENT_BYTES, HostileReplica, Trainer
 from soak_clients import Fault
 
 T = TypeVar("T")
 HOST = "127.0.0.1"
-REPLICA_KINDS = ("replica_kill", "replica_stop")
+REPLICA_KINDS = ("replica_kill", "replica_stop", "hostile_replica")
 STORAGE_KINDS = ("redis_kill", "l2_truncate", "l2_corrupt", "l2_forge")
-FAULT_KINDS = REPLICA_KINDS + STORAGE_KINDS
-ACCIDENTS = FAULT_KINDS[:-1]  # l2_forge is an attack: only a fleet secret (--mac) stops it, by design
+PUBLISHER_KINDS = ("rogue_publisher",)
+FAULT_KINDS = REPLICA_KINDS + STORAGE_KINDS + PUBLISHER_KINDS
+# Every kind but l2_forge, an attack that only a fleet secret (--mac) stops, by design; the hostile replica and the
+# rogue publisher are stopped by what every fleet has (the router's bounds, --refit-trust-key).
+DEFAULT_KINDS = tuple(k for k in FAULT_KINDS if k != "l2_forge")
+NAME = "soak"  # the served model name, and the name the trainer publishes versions under
 _PREFIX = struct.Struct("<8sII")  # a KV chunk's magic, version, header length (docs/kv-cache.md)
 _TAG_BYTES = 32  # the keyed tag after the payload of a version-2 chunk
 START_TIMEOUT = 180.0  # a replica's start on a busy machine: a hang bound, not a speed target
@@ -71,13 +76,25 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def kv_counters(url: str) -> dict[str, float]:
-    """The replica's KV hits, corrupt chunks and errors per tier (zeros when it does not answer)."""
+    """The replica's KV hits, corrupt chunks and errors per tier, and the refit holders it caught lying (zeros when
+    it does not answer)."""
     m = metrics(url)
-    return {
+    out = {
         f"{name}_{tier}": m.get(f'preheat_kv_{name}_total{{tier="{tier}"}}', 0.0)
         for name in ("hits", "corrupt", "errors")
         for tier in ("l1", "l2")
     }
+    out["refit_lies"] = sum(v for k, v in m.items() if k.startswith("preheat_refit_lies_total"))
+    return out
+
+
+def served_version(url: str) -> int | None:
+    """The weights version the replica serves (``/health``), None before its first or when it does not answer."""
+    try:
+        version = get_json(url + "/health").get("version")
+    except (OSError, ValueError):
+        return None
+    return version if isinstance(version, int) else None
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float) -> None:
@@ -183,6 +200,7 @@ class FleetConfig:
     chunk_tokens: int
     max_model_len: int
     mac: bool = False  # give the replicas a fleet secret (--kv-secret-file): they load only chunks signed with it
+    seed: int = 0  # the hostile replica's choices
 
 
 class Fleet:
@@ -206,6 +224,9 @@ class Fleet:
         self.replicas: list[Replica] = []
         self.reference: Child | None = None
         self.router: Child | None = None
+        self.registry = f"file://{workdir / 'registry'}"  # where the replicas find the trainer's versions
+        self.trainer: Trainer | None = None
+        self.hostile = HostileReplica(config.seed)  # listed by the router from the start, out of rotation
 
     def echo(self, line: str) -> None:
         with self._lock:
@@ -237,9 +258,11 @@ class Fleet:
         """Start Redis, the reference replica and the 3 replicas (their loads overlap); wait until all answer."""
         c = self.config
         self.redis.start()
-        common = ["serve", c.model, "--host", HOST, "--served-model-name", "soak", "--max-model-len",
+        common = ["serve", c.model, "--host", HOST, "--served-model-name", NAME, "--max-model-len",
                   str(c.max_model_len)]  # fmt: skip
-        tiers = ["--kv-l1", c.kv_l1, "--kv-chunk-tokens", str(c.chunk_tokens)]
+        self.trainer = Trainer(NAME, c.model, self.registry, self.workdir)
+        follow = ["--registry", self.registry, "--follow", "--refit-trust-key", self.trainer.public_key]
+        tiers = [*follow, "--kv-l1", c.kv_l1, "--kv-chunk-tokens", str(c.chunk_tokens)]
         if c.mac:
             secret = self.workdir / "kv-secret"
             secret.write_text(os.urandom(32).hex() + "\n")
@@ -256,12 +279,13 @@ class Fleet:
             replica.args += ["--port", replica.url.rsplit(":", 1)[1]]  # a restart comes back at the same URL
         for url in [self.reference.wait_address(START_TIMEOUT), *(r.url for r in self.replicas)]:
             wait_healthy(url)
+        self.hostile.twin = self.replicas[0].url
 
     def start_router(self) -> str:
         c = self.config
-        replicas = [x for r in self.replicas for x in ("--replica", r.url)]
+        replicas = [x for r in self.replicas for x in ("--replica", r.url)] + ["--replica", self.hostile.url]
         args = ["router", *replicas, "--policy", c.policy, "--model", c.model, "--kv-chunk-tokens", str(c.chunk_tokens),
-                "--host", HOST, "--port", "0"]  # fmt: skip
+                "--max-event-bytes", str(MAX_EVENT_BYTES), "--host", HOST, "--port", "0"]  # fmt: skip
         self.router = self.spawn("router", args)
         url = self.router.wait_address(START_TIMEOUT)
         self.wait_in_rotation(url, [r.url for r in self.replicas])
@@ -273,6 +297,19 @@ class Fleet:
             return set(urls) <= healthy
 
         wait_until(ready, f"the router to have {', '.join(urls)} in rotation", timeout)
+
+    def wait_out_of_rotation(self, router: str, url: str, timeout: float = 60.0) -> None:
+        def out() -> bool:
+            return not any(
+                r["url"] == url and r["healthy"] for r in get_json(router + "/health", timeout=2)["replicas"]
+            )
+
+        wait_until(out, f"the router to take {url} out of rotation", timeout)
+
+    def wait_for_version(self, version: int, timeout: float = START_TIMEOUT) -> None:
+        """Until every replica serves ``version`` (a replica restarted meanwhile loads and follows it again)."""
+        wait_until(lambda: all(served_version(r.url) == version for r in self.replicas),
+                   f"every replica to serve version {version}", timeout)  # fmt: skip
 
     def stop_reference(self) -> None:
         if self.reference is not None:
@@ -318,6 +355,9 @@ class Fleet:
         for replica in self.replicas:
             replica.child = None
         self.redis.kill(last=True)
+        self.hostile.close()
+        if self.trainer is not None:
+            self.trainer.close()
         self.spawner.close()  # last: its thread's exit sends PDEATHSIG, which must find nothing alive
         with self._lock:
             self.log.close()
@@ -325,14 +365,15 @@ class Fleet:
 
 # -- faults -------------------------------------------------------------------------------------------------------
 class Scheduler:
-    """Two seeded fault tracks in threads, one fault at a time each: replicas (``REPLICA_KINDS``) and storage
-    (``STORAGE_KINDS``). Each runs its kinds in a shuffled order, cycle after cycle, a 0.5-2 s gap before each.
+    """Three seeded fault tracks in threads, one fault at a time each: replicas (``REPLICA_KINDS``), storage
+    (``STORAGE_KINDS``) and publishers (``PUBLISHER_KINDS``). Each runs its kinds in a shuffled order, cycle after
+    cycle, a 0.5-2 s gap before each.
 
     After ``phase_over`` a track stops once it injected each of its kinds at least once; ``hard_stop`` stops it
     whatever it did. A fault in progress always finishes its recovery first (restart, SIGCONT, Redis back).
     """
 
-    def __init__(self, fleet: Fleet, router: str, seed: int, kinds: Sequence[str] = ACCIDENTS) -> None:
+    def __init__(self, fleet: Fleet, router: str, seed: int, kinds: Sequence[str] = DEFAULT_KINDS) -> None:
         self.fleet, self.router, self.seed, self.kinds = fleet, router, seed, tuple(kinds)
         self.faults: list[Fault] = []
         self.errors: list[str] = []
@@ -345,9 +386,12 @@ class Scheduler:
             "l2_truncate": lambda rng: self.damage_l2(rng, "l2_truncate"),
             "l2_corrupt": lambda rng: self.damage_l2(rng, "l2_corrupt"),
             "l2_forge": lambda rng: self.damage_l2(rng, "l2_forge"),
+            "hostile_replica": self.hostile_replica,
+            "rogue_publisher": self.rogue_publisher,
         }
         tracks = [(name, [k for k in kinds if k in self.kinds]) for name, kinds in
-                  (("replicas", REPLICA_KINDS), ("storage", STORAGE_KINDS))]  # fmt: skip
+                  (("replicas", REPLICA_KINDS), ("storage", STORAGE_KINDS),
+                   ("publishers", PUBLISHER_KINDS))]  # fmt: skip
         self._threads = [
             threading.Thread(target=self._track, args=(name, kinds), name=f"faults {name}", daemon=True)
             for name, kinds in tracks
@@ -413,6 +457,41 @@ class Scheduler:
         finally:
             self.fleet.signal(replica, signal.SIGCONT)
         self.fleet.wait_in_rotation(self.router, [replica.url])
+        return True
+
+    def hostile_replica(self, rng: random.Random) -> bool:
+        """The hostile replica says it is healthy for 2-5 s (longer, up to 30 s, until the router sent it a request):
+        every request it gets is answered with something the router must refuse and retry elsewhere. False when the
+        router sent it nothing."""
+        hostile, at = self.fleet.hostile, time.monotonic()
+        before = hostile.total()
+        hostile.hostile.set()
+        try:
+            hold, most = at + rng.uniform(2.0, 5.0), at + 30.0
+            while time.monotonic() < most and not self.hard_stop.is_set():
+                if time.monotonic() >= hold and hostile.total() > before:
+                    break
+                time.sleep(0.1)
+        finally:
+            hostile.hostile.clear()
+        self.fleet.wait_out_of_rotation(self.router, hostile.url)
+        answered = hostile.total() - before
+        if answered:
+            self._record(Fault("hostile_replica", f"{hostile.url} ({answered} answers)", at, time.monotonic() - at))
+        return answered > 0
+
+    def rogue_publisher(self, rng: random.Random) -> bool:
+        """Rogues publish a far version with a zeroed q_proj (one signed by another key, one unsigned), the trainer
+        its next version; waits until every replica serves the trainer's, then the rogues go."""
+        trainer, at = self.fleet.trainer, time.monotonic()
+        assert trainer is not None
+        try:
+            rogue, honest = trainer.rogue_then_honest()
+            index = self._record(Fault("rogue_publisher", f"versions {rogue}, {rogue + 1}; trainer {honest}", at))
+            self.fleet.wait_for_version(honest)
+            self._lasted(index, time.monotonic() - at)
+        finally:
+            trainer.close_rogues()
         return True
 
     def redis_kill(self, rng: random.Random) -> bool:

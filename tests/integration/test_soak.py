@@ -1,8 +1,9 @@
 """The fault soak, short: ``bench/soak.py`` itself, for about 40 s with a fixed seed (docs: the script's docstring).
 
 A router, 3 replicas (two on an ``fs://`` L2, one on Redis) and a steady load of 4 users, while replicas are
-SIGKILLed and SIGSTOPped, Redis is killed and restarted, and L2 chunk files are truncated and corrupted. The soak runs
-once for the module; each test asserts one promise on its report. No timing is asserted: the soak only has to finish.
+SIGKILLed and SIGSTOPped, Redis is killed and restarted, L2 chunk files are truncated and corrupted, a hostile
+replica joins the rotation, and rogue publishers offer weight versions under the trainer's name. The soak runs once
+for the module; each test asserts one promise on its report. No timing is asserted: the soak only has to finish.
 """
 
 from __future__ import annotations
@@ -62,9 +63,29 @@ def test_every_cut_answer_is_explained_by_a_kill_of_its_replica(report: dict[str
 
 
 def test_every_fault_kind_was_injected(report: dict[str, Any]) -> None:
-    assert set(report["faults"]) == {"replica_kill", "replica_stop", "redis_kill", "l2_truncate", "l2_corrupt"}
+    assert set(report["faults"]) == {"replica_kill", "replica_stop", "hostile_replica", "redis_kill", "l2_truncate",
+                                     "l2_corrupt", "rogue_publisher"}  # fmt: skip
     assert all(n >= 1 for n in report["faults"].values()), report["faults"]
     assert not report["fault_errors"]
+
+
+def test_every_hostile_answer_was_refused_retried_and_counted(report: dict[str, Any]) -> None:
+    """The hostile replica's answers never reached a client (no request failed, above); each is one refusal in the
+    router's /metrics, under the code of its kind, and no honest replica's answer was refused."""
+    hostile = report["hostile"]
+    assert sum(hostile["answered"].values()) > 0
+    codes = {"too_large": "answer_too_large", "endless_event": "event_too_large", "cut": "replica_failed"}
+    assert {codes[m]: float(n) for m, n in hostile["answered"].items()} == hostile["refused"], hostile
+    assert hostile["refused_from_honest_replicas"] == 0
+    assert report["router"]["retries"] >= sum(hostile["answered"].values())
+
+
+def test_rogue_versions_were_counted_as_lies_and_never_served(report: dict[str, Any]) -> None:
+    refit = report["refit"]
+    assert refit["lies"] > 0
+    assert refit["rogue_tensors_served"] == 0  # refused from the manifest: not one rogue tensor was pulled
+    assert set(refit["served"].values()) == {refit["trainer_version"]}, refit
+    assert refit["trainer_version"] >= 2  # the trainer published again after the rogues, and every replica took it
 
 
 def test_the_caches_were_in_use_during_the_faults(report: dict[str, Any]) -> None:

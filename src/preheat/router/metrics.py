@@ -29,6 +29,11 @@ class RouterMetrics:
         )
         self.ejections = Counter("preheat_router_ejections_total", "Times a replica was taken out of rotation.")
         self.errors = Counter("preheat_router_errors_total", "Requests the router answered with an error itself.")
+        self.refused = Counter(
+            "preheat_router_refused_answers_total",
+            "Replica answers the router refused before relaying a byte (answer_too_large, event_too_large, "
+            "replica_failed), by replica and code; the request was retried on another replica when one was left.",
+        )
         self.overhead = Histogram(
             "preheat_router_overhead_seconds",
             "Seconds a request spends in the router itself (routing, forwarding), excluding the replica's time.",
@@ -62,8 +67,8 @@ class RouterMetrics:
             self._index,
         )
         self._all: list[Series] = [
-            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.overhead, up, flight, index,
-            self.activations, self.wakes, self.activation_seconds, self.wake_seconds,
+            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.refused, self.overhead, up,
+            flight, index, self.activations, self.wakes, self.activation_seconds, self.wake_seconds,
         ]  # fmt: skip
 
     def _up(self) -> Samples:

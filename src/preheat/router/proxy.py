@@ -2,9 +2,13 @@
 
 Bodies pass through byte for byte: a non-streaming answer is relayed with its Content-Length, a streamed one chunk
 by chunk as the replica writes its chunks (one server-sent event each), so tokens reach the client as they are made.
-Sizes the replica chooses are bounded: a non-streaming answer over ``max_answer_bytes`` is a 502
-``answer_too_large`` (refused unread when its Content-Length says so), a server-sent event over ``max_event_bytes``
-ends its stream with an ``event_too_large`` error event; both are counted in ``preheat_router_errors_total``.
+Sizes the replica chooses are bounded: a non-streaming answer over ``max_answer_bytes`` is refused
+(``answer_too_large``, unread when its Content-Length says so), and so is a server-sent event over
+``max_event_bytes`` (``event_too_large``). Nothing goes out to the client before a plain answer is whole or a stream's
+first event is (``first_look``), so a refusal there is retried on another replica, as a failure is, and the client
+hears of it (a 502) only when no other replica can take the request; a later event over the bound ends its stream
+with an ``event_too_large`` error event. Each refusal is counted in ``preheat_router_refused_answers_total``, each
+error answered in ``preheat_router_errors_total``.
 
 Authentication: with an API key (``--api-key``) every route but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer <key>``; a request without it is answered 401 before its body is read, tokenized, indexed or
@@ -12,9 +16,10 @@ sent anywhere. With ``--replica-api-key`` the router presents its own key to the
 Control routes (load, sleep, wake, refit: ``preheat.http.control.is_control_path``) are never forwarded, however
 spelt: the router answers 404 itself, so its key (or its place in front of the replicas) never grants control.
 
-Failures: a request that fails before the replica sent anything (refused, reset, closed) ejects that replica and is
-retried once on another; one that fails after (the replica died mid-answer) gets a clear error: a 502 when nothing
-was sent yet, else a final ``data: {"error": ...}`` event and ``[DONE]``, as the replica itself ends a failed stream.
+Failures: a request that fails before the client got anything (the connection refused, reset or closed, the answer
+cut before it was whole or before its first event) ejects that replica and is retried once on another; one that
+fails after (the replica died mid-stream) ends with a final ``data: {"error": ...}`` event and ``[DONE]``, as the
+replica itself ends a failed stream.
 A replica that answers a 503 saying it is not serving (asleep, on standby, draining: capacity.refused_code) never
 started the request: it is ejected and the request goes to another replica.
 
@@ -315,7 +320,7 @@ class RouterHandler(TrackedHandler):
         try:
             reason = "retry" if exchange.tries > 1 else exchange.decision.reason
             ending = Ending(over, _once(count))
-            self.relay(replica, exchange.conn, exchange.response, reason, ending, body=exchange.body)
+            self.relay(replica, exchange.conn, exchange.response, reason, ending, head=exchange.head)
         finally:
             over()  # when the relay ended some other way (an exception)
 
@@ -355,16 +360,9 @@ class RouterHandler(TrackedHandler):
             try:
                 conn, response = replica.send(method, self.path, body, headers)
             except UpstreamError as exc:
-                replica.end(None)
                 failed.append(replica)
-                if generation:
-                    router.policy.answered(request, replica.url, ok=False)
-                if exc.before_first_byte:
-                    router.set_health(replica, False, str(exc))
-                if exc.before_first_byte and len(failed) == 1:
-                    router.metrics.retries.inc()
+                if self.retry_failed(replica, exc, failed, request if generation else None):
                     continue
-                self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
                 return None
             early = self.read_refusal(conn, response)
             if isinstance(early, str):  # not serving: nothing started there, so it goes elsewhere
@@ -375,10 +373,16 @@ class RouterHandler(TrackedHandler):
                 router.set_health(replica, False, f"answered 503 {early}")
                 router.metrics.retries.inc()
                 continue
+            head = self.first_look(replica, conn, response, early)
+            if isinstance(head, Refused):  # nothing of it went out: another replica may answer in its place
+                failed.append(replica)
+                if self.retry_refused(replica, head, failed, request if generation else None):
+                    continue
+                return None
             if generation:
                 # Learnt only from a 2xx, before the client hears of it (its next request may share the prefix).
                 router.policy.answered(request, replica.url, ok=200 <= response.status < 300)
-            return Exchange(replica, decision, conn, response, sent, tries, early)
+            return Exchange(replica, decision, conn, response, sent, tries, head)
 
     def no_replica(self, failed: Sequence[Replica]) -> None:
         """The 503 of a request no replica can take: why cold starts failed, else the last refusal as the replica
@@ -396,6 +400,102 @@ class RouterHandler(TrackedHandler):
             why = "no healthy replica"
         self.send_error_json(503, f"{why}; retry later", "service_unavailable", "no_replica")
 
+    def retry_failed(
+        self, replica: Replica, exc: UpstreamError, failed: Sequence[Replica], request: RouteRequest | None
+    ) -> bool:
+        """A replica that could not be asked: ejected when it failed before its first byte, and True when the
+        request goes to another (its first failure), else the client gets a 502. ``request``: as for
+        ``retry_refused``."""
+        router = self.server.router
+        replica.end(None)
+        if request is not None:
+            router.policy.answered(request, replica.url, ok=False)
+        if exc.before_first_byte:
+            router.set_health(replica, False, str(exc))
+        if exc.before_first_byte and len(failed) == 1:
+            router.metrics.retries.inc()
+            return True
+        self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
+        return False
+
+    def retry_refused(
+        self, replica: Replica, refused: Refused, failed: Sequence[Replica], request: RouteRequest | None
+    ) -> bool:
+        """Count an answer refused before its first byte went out; True when the request may go to another replica
+        (its first refusal, and one is left), else the client gets the refusal as a 502. ``request``: the
+        generation request, whose policy learns of the failure."""
+        router = self.server.router
+        replica.end(None)
+        router.metrics.refused.inc(replica=replica.url, code=refused.code)
+        if request is not None:
+            router.policy.answered(request, replica.url, ok=False)
+        if refused.code == "replica_failed":  # it broke mid-answer: out, as a replica that refused the connection
+            router.set_health(replica, False, refused.message)
+        if len(failed) == 1 and router.healthy(exclude=failed):
+            router.metrics.retries.inc()
+            return True
+        self.send_error_json(502, refused.message, "server_error", refused.code)
+        return False
+
+    def first_look(
+        self,
+        replica: Replica,
+        conn: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        early: bytes | None,
+    ) -> Head | Refused:
+        """Read what must be judged before the answer's headers go out, so that a refusal can still be retried: a
+        plain answer whole (``early``: its body when ``read_refusal`` read it), a stream of server-sent events up to
+        its first whole event. Sizes are the replica's choice, so each is bounded, and what is refused is left
+        unread (the connection closed)."""
+        if response.chunked:
+            if (response.getheader("Content-Type") or "").startswith("text/event-stream"):
+                return self.first_events(replica, conn, response)
+            return Head()  # another kind of stream: relayed as it comes
+        limit = self.server.router.max_answer_bytes
+        body = early
+        try:
+            if body is None and (response.length or 0) <= limit:
+                # Without a Content-Length (read to the close), at most one byte past the limit is read.
+                body = response.read() if response.length is not None else response.read(limit + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            message = f"replica {replica.url} failed while answering: {type(exc).__name__}: {exc}"
+            return Refused("replica_failed", message)
+        if body is None or len(body) > limit:
+            conn.close()  # its body left unread
+            message = (
+                f"replica {replica.url} answered more than the router relays ({limit} bytes, "
+                "--max-answer-bytes); ask for less (max_tokens, logprobs) or raise the limit"
+            )
+            return Refused("answer_too_large", message)
+        return Head(body=body)
+
+    def first_events(
+        self, replica: Replica, conn: http.client.HTTPConnection, response: http.client.HTTPResponse
+    ) -> Head | Refused:
+        """A stream of server-sent events read up to its first whole event (or its end), each byte scanned once."""
+        framer, limit = EventFramer(), self.server.router.max_event_bytes
+        while True:
+            try:
+                data = response.read1(65536)
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                message = f"replica {replica.url} failed before its first event: {type(exc).__name__}: {exc}"
+                return Refused("replica_failed", message)
+            if not data:
+                return Head(events=framer.end(), framer=framer, ended=True)
+            ready = framer.push(data)
+            if ready:
+                return Head(events=ready, framer=framer)
+            if framer.held > limit:
+                conn.close()  # the replica stops generating; nothing of the event went out
+                message = (
+                    f"replica {replica.url} sent a server-sent event longer than the router relays ({limit} bytes, "
+                    "--max-event-bytes)"
+                )
+                return Refused("event_too_large", message)
+
     def relay(
         self,
         replica: Replica,
@@ -404,49 +504,28 @@ class RouterHandler(TrackedHandler):
         reason: str,
         ending: Ending,
         *,
-        body: bytes | None = None,
+        head: Head,
     ) -> None:
         """Send the replica's answer to the client, calling ``ending.over()`` once the replica's part is over and
-        ``ending.count(status)`` just before the client's last byte. ``body``: the answer's body when it was read
-        already (``read_refusal``)."""
+        ``ending.count(status)`` just before the client's last byte. ``head``: what ``first_look`` read of it."""
         headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_HEADERS]
         headers += [(REPLICA_HEADER, replica.url), (REASON_HEADER, reason)]
-        if not response.chunked:
-            limit = self.server.router.max_answer_bytes
-            try:
-                if body is None and (response.length or 0) <= limit:
-                    # Without a Content-Length (read to the close), at most one byte past the limit is read.
-                    body = response.read() if response.length is not None else response.read(limit + 1)
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                ending.count(502)
-                message = f"replica {replica.url} failed while answering: {type(exc).__name__}: {exc}"
-                self.send_error_json(502, message, "server_error", "replica_failed")
-                return
-            if body is None or len(body) > limit:
-                conn.close()  # its body left unread
-                ending.count(502)
-                message = (
-                    f"replica {replica.url} answered more than the router relays ({limit} bytes, "
-                    "--max-answer-bytes); ask for less (max_tokens, logprobs) or raise the limit"
-                )
-                self.send_error_json(502, message, "server_error", "answer_too_large")
-                return
+        if head.body is not None:
             replica.release(conn, response)
             self.send_response(response.status)
             for name, value in headers:
                 self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(head.body)))
             ending.count(response.status)  # end_headers() sends the headers: nothing has left yet
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(head.body)
             return
         self.send_response(response.status)
         for name, value in headers:
             self.send_header(name, value)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.stream(replica, conn, response, ending)
+        self.stream(replica, conn, response, ending, head)
 
     def stream(
         self,
@@ -454,14 +533,25 @@ class RouterHandler(TrackedHandler):
         conn: http.client.HTTPConnection,
         response: http.client.HTTPResponse,
         ending: Ending,
+        head: Head,
     ) -> None:
-        """Relay a chunked answer as the replica writes it. Server-sent events are relayed whole: a replica that
-        dies mid-event must not leave half an event in front of the error event that ends the stream. So an event
-        is held until its blank line arrives (``EventFramer``: each byte scanned once), and one growing past
-        ``max_event_bytes`` ends the stream with an error event."""
-        events = (response.getheader("Content-Type") or "").startswith("text/event-stream")
-        framer = EventFramer() if events else None
+        """Relay a chunked answer as the replica writes it, after the ``head`` that was read already. Server-sent
+        events are relayed whole: a replica that dies mid-event must not leave half an event in front of the error
+        event that ends the stream. So an event is held until its blank line arrives (``EventFramer``: each byte
+        scanned once), and one growing past ``max_event_bytes`` ends the stream with an error event."""
+        framer = head.framer
         limit = self.server.router.max_event_bytes
+        if head.events or head.ended:
+            if head.ended:
+                ending.count(response.status)
+            if (head.events and not self.write_chunk(head.events)) or (head.ended and not self.write_chunk(b"")):
+                conn.close()  # the client left
+                self.close_connection = True
+                ending.count(response.status)
+                return
+            if head.ended:
+                replica.release(conn, response)
+                return
         while True:
             try:
                 data = response.read1(65536)
@@ -540,9 +630,30 @@ class RouterHandler(TrackedHandler):
 
 
 @dataclass(frozen=True)
+class Head:
+    """What the router read of an answer before relaying any of it (``first_look``): a plain answer's whole
+    ``body``; a stream of server-sent events' first whole events (``events``), the ``framer`` holding what came after
+    them, and whether the stream ``ended`` there; nothing of any other stream."""
+
+    body: bytes | None = None
+    events: bytes = b""
+    framer: EventFramer | None = None
+    ended: bool = False
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An answer the router would not relay, refused before a byte of it went out: ``code`` (answer_too_large,
+    event_too_large, replica_failed) and the client's ``message`` if no other replica takes the request."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
 class Exchange:
     """A request sent and its answer's headers in: where (``replica``, ``decision``), on what (``conn``,
-    ``response``), when (``sent``), after how many ``tries``, and its ``body`` when it was read already."""
+    ``response``), when (``sent``), after how many ``tries``, and what was read of it already (``head``)."""
 
     replica: Replica
     decision: Decision
@@ -550,7 +661,7 @@ class Exchange:
     response: http.client.HTTPResponse
     sent: float
     tries: int
-    body: bytes | None
+    head: Head
 
 
 @dataclass(frozen=True)

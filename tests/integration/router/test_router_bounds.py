@@ -100,6 +100,7 @@ def get_all(url: str, path: str) -> tuple[int, bytes]:
 def test_a_48_mib_event_ends_its_stream_with_a_clear_error_and_is_never_held_whole() -> None:
     def one_huge_event(path: str) -> Answer:
         def pieces() -> Iterator[bytes]:
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'  # the stream has started: no other replica can take over
             yield b'data: {"choices": [{"text": "'
             for _ in range(48 * 16):
                 yield b"x" * 65536
@@ -118,6 +119,7 @@ def test_a_48_mib_event_ends_its_stream_with_a_clear_error_and_is_never_held_who
     error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     assert error["code"] == "event_too_large"
     assert "--max-event-bytes" in error["message"]
+    assert events[0] == b'data: {"choices": [{"text": "a"}]}'
     assert len(body) < 64 * 1024  # nothing of the huge event went out
     assert errors == 1
     assert grown[0] < 32 * 1024, f"the router grew by {grown[0]} KiB for one event"  # the old router: ~174 MB
@@ -135,10 +137,63 @@ def test_an_answer_over_the_cap_is_a_502_and_is_never_read() -> None:
         with peak_growth(pid) as grown:
             reply = Client(url).get("/v1/models")
         errors = Client(url).metric("preheat_router_errors_total", code="answer_too_large")
-    assert reply.status == 502
+        refused = Client(url).metric(
+            "preheat_router_refused_answers_total", code="answer_too_large", replica=hostile.url
+        )
+    assert reply.status == 502  # no other replica to take the request
     assert reply.json()["error"]["code"] == "answer_too_large"
     assert errors == 1
+    assert refused == 1
     assert grown[0] < 16 * 1024, f"the router grew by {grown[0]} KiB"
+
+
+HONEST_ANSWER = b'{"choices": [{"text": "honest"}]}'
+HONEST_EVENTS = b'data: {"choices": [{"text": "honest"}]}\n\ndata: [DONE]\n\n'
+
+
+def honest(path: str) -> Answer:
+    if path.startswith("/v1/stream"):
+        return 200, {"Content-Type": "text/event-stream"}, [HONEST_EVENTS]
+    return 200, {"Content-Type": "application/json", "Content-Length": str(len(HONEST_ANSWER))}, [HONEST_ANSWER]
+
+
+def refusals(path: str) -> Answer:
+    """Answers a router must refuse before relaying a byte: too large by Content-Length, a first event over the
+    bound, a stream cut before its first event."""
+    if path == "/v1/too-large":
+        return 200, {"Content-Type": "application/json", "Content-Length": str(1 << 40)}, [b"{"]
+    if path == "/v1/stream-huge-first":
+        return 200, {"Content-Type": "text/event-stream"}, (b"x" * 65536 for _ in range(64))  # 4 MiB, no event end
+    if path == "/v1/stream-cut":
+        return 200, {"Content-Type": "text/event-stream"}, cut_mid_event()
+    raise AssertionError(path)
+
+
+def cut_mid_event() -> Iterator[bytes]:
+    yield b'data: {"cho'
+    raise ConnectionAbortedError("cut")  # an OSError: ScriptedServer closes the connection, with no last chunk
+
+
+@pytest.mark.parametrize(
+    ("path", "code"),
+    [("/v1/too-large", "answer_too_large"), ("/v1/stream-huge-first", "event_too_large"),
+     ("/v1/stream-cut", "replica_failed")],
+)  # fmt: skip
+def test_an_answer_refused_before_its_first_byte_is_retried_on_another_replica(path: str, code: str) -> None:
+    with ScriptedServer(replica(refusals)) as hostile, ScriptedServer(replica(honest)) as good:
+        flags = ["--replica", good.url, "--policy", "round-robin", "--max-event-bytes", "1MiB"]
+        with router_in_front_of(hostile.url, *flags) as (_, url):
+            wait_until(lambda: all(r["healthy"] for r in Client(url).get("/health").json()["replicas"]),
+                       "both replicas in rotation", 60.0)  # fmt: skip
+            answers = [get_all(url, path) for _ in range(4)]
+            refused = Client(url).metric("preheat_router_refused_answers_total", replica=hostile.url, code=code)
+            retries = Client(url).metric("preheat_router_retries_total")
+            errors = Client(url).metric("preheat_router_errors_total", code=code)
+    honest_body = HONEST_EVENTS if path.startswith("/v1/stream") else HONEST_ANSWER
+    assert answers == [(200, honest_body)] * 4  # the client never saw the hostile replica's answer
+    assert [p for _, p in hostile.requests if p == path]  # it was asked, and refused
+    assert refused == len([p for _, p in hostile.requests if p == path]) == retries
+    assert errors == 0
 
 
 def test_a_stream_cut_anywhere_is_relayed_byte_for_byte() -> None:
