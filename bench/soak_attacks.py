@@ -81,11 +81,7 @@ class HostileReplica:
                         status, body = exc.code, exc.read()
                 except OSError:
                     status, body = 503, b"{}"
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_body(status, body)
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -111,7 +107,9 @@ class HostileReplica:
                 # No last chunk: the stream ends cut, mid-event.
 
             def send_json(self, status: int, doc: dict[str, str]) -> None:
-                body = json.dumps(doc).encode()
+                self.send_body(status, json.dumps(doc).encode())
+
+            def send_body(self, status: int, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

@@ -490,11 +490,7 @@ class RouterHandler(TrackedHandler):
                 return Head(events=ready, framer=framer)
             if framer.held > limit:
                 conn.close()  # the replica stops generating; nothing of the event went out
-                message = (
-                    f"replica {replica.url} sent a server-sent event longer than the router relays ({limit} bytes, "
-                    "--max-event-bytes)"
-                )
-                return Refused("event_too_large", message)
+                return Refused("event_too_large", event_too_large(replica, limit))
 
     def relay(
         self,
@@ -572,11 +568,7 @@ class RouterHandler(TrackedHandler):
                 if framer.held > limit:
                     conn.close()  # the replica stops generating; nothing of the event went out
                     ending.count(response.status)
-                    message = (
-                        f"replica {replica.url} sent a server-sent event longer than the router relays ({limit} "
-                        "bytes, --max-event-bytes)"
-                    )
-                    self.end_stream(message, "event_too_large", ready)
+                    self.end_stream(event_too_large(replica, limit), "event_too_large", ready)
                     return
             if (ready and not self.write_chunk(ready)) or (not data and not self.write_chunk(b"")):
                 conn.close()  # the client left: closing makes the replica stop generating for nobody
@@ -672,6 +664,14 @@ class Ending:
 
     over: Callable[[], None]
     count: Callable[[int], None]
+
+
+def event_too_large(replica: Replica, limit: int) -> str:
+    """The message of an event over ``--max-event-bytes``, refused first or ending a stream."""
+    return (
+        f"replica {replica.url} sent a server-sent event longer than the router relays ({limit} bytes, "
+        "--max-event-bytes)"
+    )
 
 
 def _once(action: Callable[P, None]) -> Callable[P, None]:
