@@ -38,6 +38,17 @@ WIDE = LlamaShape(
     num_key_value_heads=1,
 )
 
+# One layer of an MHA Llama at real widths (16 KV heads, hidden 2048, intermediate 5632): the shape whose TP ranks'
+# reads are checked against their page bound on a cold cache (tests/integration/loader/test_disk_reads.py).
+MHA_LAYER = LlamaShape(
+    vocab_size=251,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+)
+
 
 @dataclass(frozen=True)
 class WrittenCheckpoint:

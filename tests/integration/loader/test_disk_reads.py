@@ -18,23 +18,15 @@ import pytest
 import torch
 
 import preheat
-from checkpoints import assert_same_tensors, page_bound, write
+from checkpoints import MHA_LAYER, assert_same_tensors, page_bound, write
 from preheat.checkpoint.layout import open_checkpoint
 from preheat.checkpoint.manifest import MANIFEST_NAME, build_manifest
 from preheat.checkpoint.tp import rank_slice
 from preheat.io.buffers import PAGE
 from preheat.io.files import drop_page_cache
-from preheat.testing.synthetic import LlamaShape, write_llama_checkpoint
+from preheat.testing.synthetic import write_llama_checkpoint
 from tmpfs import mounted_tmpfs
 
-MHA_LAYER = LlamaShape(
-    vocab_size=251,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=1,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-)
 MODES = ["auto", "mmap", "read", "direct"]
 # ``mmap`` asks the kernel to read the rank's pages ahead (MADV_WILLNEED) and copies nothing until a page is touched.
 # On the VM these tests were written on, the kernel sometimes loses some of those pages before the first touch, which
