@@ -32,18 +32,31 @@ def _kvikio() -> ModuleType | None:
 
 
 def gds_status() -> GDSStatus:
-    """Whether kvikio is importable, a GPU is present, and whether true GDS (not compatibility mode) is active."""
+    """Whether kvikio is importable, a GPU is present, and whether true GDS (not compatibility mode) is active. Never
+    raises: a kvikio this code does not fit is reported as unavailable, with the reason (``auto`` then reads through
+    the pinned pipeline)."""
     kvikio = _kvikio()
     if kvikio is None:
         return GDSStatus(False, False, "kvikio is not installed (pip install kvikio-cu12 or kvikio-cu13)")
     if not torch.cuda.is_available():
         return GDSStatus(False, False, "no CUDA device")
     try:
-        compat = bool(kvikio.defaults.is_compat_mode_preferred())
-    except AttributeError:  # kvikio < 24.10 spelled it differently
-        compat = bool(getattr(kvikio.defaults, "compat_mode", lambda: False)())
+        defaults = _defaults(kvikio)
+        if hasattr(defaults, "is_compat_mode_preferred"):
+            compat = bool(defaults.is_compat_mode_preferred())
+        else:  # kvikio < 24.10 spelled it differently
+            compat = bool(defaults.compat_mode())
+    except Exception as exc:  # an unknown kvikio: no GDS, said why, never a failed load
+        version = getattr(kvikio, "__version__", "?")
+        return GDSStatus(False, False, f"kvikio {version} is not usable here ({type(exc).__name__}: {exc})")
     detail = "kvikio in compatibility mode (POSIX reads, no GDS driver)" if compat else "GPUDirect Storage via cuFile"
     return GDSStatus(True, compat, detail)
+
+
+def _defaults(kvikio: ModuleType) -> ModuleType:
+    """``kvikio.defaults``: a submodule that kvikio 26.x no longer imports with the package (seen on an H200 with
+    kvikio-cu13 26.10: ``module 'kvikio' has no attribute 'defaults'``)."""
+    return importlib.import_module(f"{kvikio.__name__}.defaults")
 
 
 def run_gds(jobs: Sequence[FileJob], *, threads: int, chunk_bytes: int, progress: Progress | None = None) -> int:
@@ -81,7 +94,7 @@ def run_gds(jobs: Sequence[FileJob], *, threads: int, chunk_bytes: int, progress
 
 
 def _set_threads(kvikio: ModuleType, threads: int) -> None:
-    defaults = kvikio.defaults
+    defaults = _defaults(kvikio)
     if hasattr(defaults, "set"):
         defaults.set("num_threads", threads)
     elif hasattr(defaults, "num_threads_reset"):
