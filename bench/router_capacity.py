@@ -1,0 +1,249 @@
+"""Router capacity: requests/s and latency through each router in front of an instant upstream, in ONE run.
+
+    python bench/router_capacity.py [--connections 16,256,2048] [--duration 10] [--json out.json]
+
+The upstream is nginx answering every request at once (two ports, two "replicas"), so what is measured is the
+router alone: its accept loop, parsing, policy, the relay and its connections to the replicas. Load comes from
+``wrk`` (2 threads, keep-alive, ``--timeout 2s``: a request slower than 2 s counts as a timeout) posting chat
+requests with 64 distinct prompts. Contenders, each started fresh as a new user would start it:
+
+- ``preheat router`` with each policy (``prefix`` and ``kv`` tokenize with SmolLM2's tokenizer);
+- vLLM's ``vllm-router`` (Rust) ``--policy cache_aware``;
+- SGLang's gateway ``smg launch`` (``sglang-router``, Rust) ``--policy cache_aware``.
+
+The peers live in a venv of their own (``.venv-routers``, made on first use from the package index, as
+bench/load.py's peers are installed beside it). Needs ``nginx`` and ``wrk`` (Debian: ``apt-get install
+nginx-light wrk``). Ratios are against smg at the same concurrency, in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from preheat.core.errors import HTTPClientError
+from preheat.http.client import Timeouts, request
+from preheat.testing.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_VENV = ROOT / ".venv-routers"
+PEERS = ("vllm-router==0.1.17", "sglang-router==0.3.2")
+ANSWER = (
+    '{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,'
+    '"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}'
+)
+MODELS = '{"object":"list","data":[{"id":"m","object":"model","owned_by":"bench"}]}'
+NGINX = """
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_buffer_size 64k;
+  server {{
+    listen 127.0.0.1:{port_a} backlog=4096; listen 127.0.0.1:{port_b} backlog=4096;
+    default_type application/json;
+    location = /v1/models {{ return 200 '{models}'; }}
+    location / {{ return 200 '{answer}'; }}
+  }}
+}}
+"""
+# 64 distinct chat prompts of ~40 words each, cycled by every wrk connection.
+WRK_SCRIPT = """
+local bodies = {}
+for i = 1, 64 do
+  local words = {}
+  for w = 1, 40 do words[w] = "word" .. ((i * 7 + w) % 97) end
+  bodies[i] = '{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"user ' .. i .. ': '
+    .. table.concat(words, " ") .. '"}]}'
+end
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, bodies[(n % 64) + 1])
+end
+"""
+
+
+@dataclass
+class Result:
+    router: str
+    connections: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    over_2s: int  # wrk's timeouts: requests that took longer than --timeout 2s (or never finished)
+    errors: int  # connect/read/write errors and non-2xx answers
+    requests: int
+
+
+def ensure_peers() -> Path:
+    """The peers' venv, made on first use (the loader benchmark installs its peers the same way)."""
+    if not (PEERS_VENV / "bin" / "smg").exists() or not (PEERS_VENV / "bin" / "vllm-router").exists():
+        print(f"installing {', '.join(PEERS)} into {PEERS_VENV} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+        subprocess.run([str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PEERS], check=True)
+    return PEERS_VENV / "bin"
+
+
+def start_nginx(workdir: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+    ports = [free_port(), free_port()]
+    conf = workdir / "nginx.conf"
+    conf.write_text(
+        NGINX.format(dir=workdir, port_a=ports[0], port_b=ports[1], answer=ANSWER, models=MODELS), encoding="utf-8"
+    )
+    proc = subprocess.Popen(["nginx", "-c", str(conf), "-g", "daemon off;"], stderr=subprocess.PIPE)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    wait_ready(urls[0] + "/health", proc)
+    return proc, urls
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}: {err}")
+        try:
+            if request(url, timeouts=Timeouts.within(1.0)).status == 200:
+                return
+        except HTTPClientError:  # not listening yet
+            time.sleep(0.1)
+            continue
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout:g} s")
+
+
+def router_command(name: str, port: int, upstreams: list[str], peers: Path, tokenizer: str) -> list[str]:
+    if name.startswith("preheat "):
+        policy = name.split()[1]
+        cmd = [str(ROOT / ".venv" / "bin" / "preheat"), "router", "--port", str(port), "--policy", policy]
+        for url in upstreams:
+            cmd += ["--replica", url]
+        if policy in ("prefix", "kv"):
+            cmd += ["--model", tokenizer]
+        return cmd
+    if name.startswith("vllm-router"):
+        return [str(peers / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                "--worker-urls", *upstreams, "--log-level", "warning"]  # fmt: skip
+    return [str(peers / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+            "--worker-urls", *upstreams, "--log-level", "warn"]  # fmt: skip
+
+
+def run_wrk(url: str, connections: int, duration: int, script: Path) -> tuple[float, float, float, int, int, int]:
+    out = subprocess.run(
+        ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--timeout", "2s", "--latency", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        timeout=duration + 60,
+        check=False,  # its numbers are parsed; a failed run shows as 0 requests
+    ).stdout
+    rps = float(_find(r"Requests/sec:\s+([\d.]+)", out) or 0)
+    total = int(_find(r"(\d+) requests in", out) or 0)
+    p50 = _ms(_find(r"\s50%\s+([\d.]+\w+)", out))
+    p99 = _ms(_find(r"\s99%\s+([\d.]+\w+)", out))
+    timeouts = int(_find(r"timeout (\d+)", out) or 0)
+    socket = sum(int(_find(rf"{kind} (\d+)", out) or 0) for kind in ("connect", "read", "write"))
+    non2xx = int(_find(r"Non-2xx or 3xx responses: (\d+)", out) or 0)
+    return rps, p50, p99, timeouts, socket + non2xx, total
+
+
+def _find(pattern: str, text: str) -> str | None:
+    match = re.search(pattern, text)
+    return match.group(1) if match else None
+
+
+def _ms(value: str | None) -> float:
+    if not value:
+        return float("nan")
+    number, unit = re.match(r"([\d.]+)(\w+)", value).groups()  # type: ignore[union-attr]  # wrk's own format
+    return float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--connections", default="16,256,2048", help="wrk connections, comma-separated")
+    parser.add_argument("--duration", type=int, default=10, help="seconds per (router, concurrency)")
+    parser.add_argument(
+        "--routers",
+        default="preheat round-robin,preheat least-load,preheat prefix,preheat kv,vllm-router cache_aware,"
+        "smg cache_aware",
+        help="contenders, comma-separated",
+    )
+    parser.add_argument("--json", help="also write the results as JSON here")
+    args = parser.parse_args()
+    for tool in ("nginx", "wrk"):
+        if shutil.which(tool) is None:
+            print(f"{tool} is not installed: apt-get install nginx-light wrk", file=sys.stderr)
+            return 2
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 2,048 connections need ~4,200 descriptors per side
+    peers = ensure_peers()
+    from preheat.testing.smollm2 import SmolLM2, cache_root
+
+    tokenizer = str(SmolLM2(cache_root()).path("bf16"))
+    connections = [int(c) for c in args.connections.split(",") if c]
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="router-capacity-") as tmp:
+        workdir = Path(tmp)
+        script = workdir / "chat.lua"
+        script.write_text(WRK_SCRIPT, encoding="utf-8")
+        nginx, upstreams = start_nginx(workdir)
+        try:
+            for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
+                port = free_port()
+                log = open(workdir / f"{name.replace(' ', '-')}.log", "wb")  # noqa: SIM115 - closed below
+                proc = subprocess.Popen(router_command(name, port, upstreams, peers, tokenizer), stdout=log,
+                                        stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"})  # fmt: skip
+                try:
+                    wait_ready(f"http://127.0.0.1:{port}/health", proc)
+                    time.sleep(1.0)  # the routers' first health checks of the replicas
+                    for c in connections:
+                        rps, p50, p99, over, errors, total = run_wrk(
+                            f"http://127.0.0.1:{port}", c, args.duration, script
+                        )
+                        results.append(Result(name, c, rps, p50, p99, over, errors, total))
+                        print(f"{name:26s} {c:5d} conns {rps:9.0f} req/s  p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  "
+                              f"over 2 s {over:6d}  errors {errors:6d}", file=sys.stderr)  # fmt: skip
+                except Exception as exc:  # one router failing must not hide the others
+                    print(f"{name}: {exc}", file=sys.stderr)
+                finally:
+                    proc.terminate()
+                    try:
+                        proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                    log.close()
+        finally:
+            nginx.terminate()
+            nginx.wait(10)
+    smg = {r.connections: r for r in results if r.router.startswith("smg")}
+    print(f"\ninstant upstream (nginx, 2 ports); wrk -t2, {args.duration} s each; {os.cpu_count()} cores shared by all")
+    print(f"{'router':26s} {'conns':>5s} {'req/s':>8s} {'x smg':>6s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99 x smg':>9s} "
+          f"{'over 2 s':>8s} {'errors':>6s}")  # fmt: skip
+    for r in results:
+        ref = smg.get(r.connections)
+        ratio = r.requests_per_s / ref.requests_per_s if ref and ref.requests_per_s else float("nan")
+        p99_ratio = r.p99_ms / ref.p99_ms if ref and ref.p99_ms else float("nan")
+        print(f"{r.router:26s} {r.connections:5d} {r.requests_per_s:8.0f} {ratio:6.2f} {r.p50_ms:8.2f} {r.p99_ms:8.2f} "
+              f"{p99_ratio:9.2f} {r.over_2s:8d} {r.errors:6d}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
