@@ -2,8 +2,9 @@
 
 vLLM keeps process-wide state (its distributed groups, the engine's threads), so each engine the tests start lives
 in a process of its own. The job: ``model``, ``load_format``, optional ``extra`` (``model_loader_extra_config``),
-``prompts``, ``max_tokens``, ``tp``. The last line printed is ``RESULT {...}``: the greedy token ids per prompt, or
-the error vLLM raised (its type and message).
+``prompts``, ``max_tokens``, ``tp``, ``reload`` (then the weights are zeroed and reloaded with vLLM's
+``reload_weights``, and the tokens of both are reported too). The last line printed is ``RESULT {...}``: the greedy
+token ids per prompt, or the error vLLM raised (its type and message).
 """
 
 from __future__ import annotations
@@ -46,7 +47,32 @@ def main() -> None:
         print("RESULT " + json.dumps({"error": str(exc), "type": type(exc).__name__}), flush=True)
         return
     tokens = [list(out.outputs[0].token_ids) for out in outputs]
-    print("RESULT " + json.dumps({"tokens": tokens, "seconds": time.time() - started}), flush=True)
+    result: dict[str, object] = {"tokens": tokens, "seconds": time.time() - started}
+    if job.get("reload"):
+        # What a level-2 wake does: the weights are gone (zeroed here), then vLLM's reload_weights asks the loader
+        # for them again (``get_all_weights``).
+        try:
+            llm.collective_rpc(_zero_weights)
+            result["zeroed"] = _greedy(llm, job["prompts"], params)
+            llm.collective_rpc("reload_weights")
+            result["reloaded"] = _greedy(llm, job["prompts"], params)
+        except Exception as exc:  # reported to the test, which asserts on it
+            result["reload_error"] = f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _zero_weights(worker: object) -> None:
+    """Run on each worker by ``collective_rpc``: every parameter of its model set to zero."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in worker.model_runner.get_model().parameters():  # type: ignore[attr-defined]  # a vLLM worker
+            parameter.zero_()
+
+
+def _greedy(llm: object, prompts: list[str], params: object) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]  # vLLM's LLM
+    return [list(out.outputs[0].token_ids) for out in outputs]
 
 
 if __name__ == "__main__":

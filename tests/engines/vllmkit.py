@@ -51,9 +51,13 @@ def run_engine(
     extra: Mapping[str, object] | None = None,
     tp: int = 1,
     env: dict[str, str] | None = None,
+    reload: bool = False,
 ) -> dict[str, Any]:  # Any: the driver's JSON
-    """Start vLLM on ``model`` in a child process, generate greedily from ``PROMPTS``; the driver's RESULT."""
+    """Start vLLM on ``model`` in a child process, generate greedily from ``PROMPTS``; the driver's RESULT
+    (``reload``: then zero the weights and reload them through vLLM's ``reload_weights``, vllm_driver.py)."""
     job = {"model": str(model), "load_format": load_format, "extra": extra, "prompts": PROMPTS, "tp": tp}
+    if reload:
+        job["reload"] = True
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(DRIVER), json.dumps(job)],

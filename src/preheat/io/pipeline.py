@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -46,14 +46,25 @@ class StagedReader:
         self._lanes: dict[int, _Lane] = {}
         self._lock = threading.Lock()
 
-    def run(self, jobs: Sequence[FileJob]) -> int:
-        """Execute all jobs; returns bytes read from files. Waits until every copy has landed."""
-        with OpenJobs(jobs) as opened, ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-stage") as pool:
+    def run(self, jobs: Sequence[FileJob], *, pool: ThreadPoolExecutor | None = None) -> int:
+        """Execute all jobs; returns bytes read from files. Waits until every copy has landed.
+
+        ``pool``: threads to run on, kept by the caller across runs (a bucketed load runs once per bucket), so each
+        thread keeps its lane, and the lane its pinned staging buffers and stream; default: a pool for this run."""
+        if pool is None:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-stage") as own:
+                return self.run(jobs, pool=own)
+        with OpenJobs(jobs) as opened:
             futures: list[Future[int]] = [
                 pool.submit(self._run_op, source, op, job) for job, source, _ in opened for op in job.ops
             ]
-            total = gather(futures, jobs)
-        self.synchronize()  # each lane's last copies may still be in flight on its stream
+            try:
+                total = gather(futures, jobs)
+            finally:
+                # A borrowed pool is not shut down here: wait for the ops still running, so that no thread writes
+                # into ``dest`` or reads a source after this returns (the caller frees the one, we close the other).
+                wait(futures)
+                self.synchronize()  # each lane's last copies may still be in flight on its stream
         return total
 
     def synchronize(self) -> None:

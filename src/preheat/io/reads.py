@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -230,14 +230,25 @@ class ParallelReader:
         self.progress = progress
         self._local = threading.local()
 
-    def run(self, jobs: Sequence[FileJob]) -> int:
-        """Execute every job; return the bytes read from files. Raises ``CheckpointError`` on any failure."""
-        with OpenJobs(jobs) as opened, ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-read") as pool:
+    def run(self, jobs: Sequence[FileJob], *, pool: ThreadPoolExecutor | None = None) -> int:
+        """Execute every job; return the bytes read from files. Raises ``CheckpointError`` on any failure.
+
+        ``pool``: threads to run on, kept by the caller across runs (a bucketed load runs once per bucket); default:
+        a pool for this run."""
+        if pool is None:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="preheat-read") as own:
+                return self.run(jobs, pool=own)
+        with OpenJobs(jobs) as opened:
             futures: list[Future[int]] = []
-            for job, source, size in opened:
-                view = as_memoryview(job.dest)
-                futures.extend(pool.submit(self._run_op, source, op, view, job, size) for op in job.ops)
-            return gather(futures, jobs)
+            try:
+                for job, source, size in opened:
+                    view = as_memoryview(job.dest)
+                    futures.extend(pool.submit(self._run_op, source, op, view, job, size) for op in job.ops)
+                return gather(futures, jobs)
+            finally:
+                # A borrowed pool is not shut down here: no op may still write into ``dest`` or read a source once
+                # this returns (the caller frees the one, OpenJobs closes the other).
+                wait(futures)
 
     def _run_op(self, source: Source, op: ReadOp, view: memoryview, job: FileJob, size: int) -> int:
         if job.direct:

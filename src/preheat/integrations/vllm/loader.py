@@ -2,12 +2,13 @@
 
 vLLM builds the model skeleton (``BaseModelLoader.load_model``), then calls ``load_weights(model, model_config)``;
 there the weights are resolved, loaded and checked by ``session.load_for_engine`` and handed to vLLM's own
-``model.load_weights``, whose parameter loaders shard them for this rank.
+``model.load_weights``, whose parameter loaders shard them for this rank: on CUDA in device buckets, on the CPU as a
+mapping (or in private buckets with the ``bucket`` option).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import vllm
@@ -23,7 +24,7 @@ from preheat.core.timeline import Timeline
 from preheat.integrations.vllm import startup
 from preheat.integrations.vllm.options import check_vllm_version, parse_options
 from preheat.integrations.vllm.resolve import resolve
-from preheat.integrations.vllm.session import load_for_engine
+from preheat.integrations.vllm.session import load_for_engine, weights_for_engine
 
 # Under "vllm.": vLLM configures its handler on the "vllm" logger only, so a logger outside it prints nothing.
 logger = init_logger("vllm.model_executor.model_loader.preheat")
@@ -42,6 +43,14 @@ class PreheatModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unty
         """Pull a remote source into the node cache (vLLM's engine never calls this; ``load_weights`` pulls too)."""
         resolve(model_config.model, self.options, Timeline.from_env(), model_weights=_weights_uri(model_config)).close()
 
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """What vLLM's ``reload_weights`` asks a loader for (a level-2 wake: the weights were discarded): every
+        tensor, resolved and checked as for the first load; without this method vLLM refuses to reload."""
+        rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        yield from weights_for_engine(
+            model_config.model, self.options, rank=rank, world_size=world_size, model_weights=_weights_uri(model_config)
+        )
+
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
@@ -58,6 +67,7 @@ class PreheatModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unty
             world_size=world_size,
             model_weights=_weights_uri(model_config),
             timeline=timeline,
+            device=_device(model),
         )
         _on_startup_timeline(timeline)
         took = outcome.seconds.get("weight_load", 0.0) + outcome.seconds.get("weight_handoff", 0.0)
@@ -93,9 +103,21 @@ def _on_startup_timeline(timeline: Timeline) -> None:
     for stage in timeline.stages():
         name = _NESTED.get(stage.name)
         if name is not None and stage.end is not None:
-            detail = {k: v for k, v in stage.detail.items() if k in ("cache", "mode", "verified", "read_bytes", "uri")}
+            detail = {
+                k: v
+                for k, v in stage.detail.items()
+                if k in ("cache", "mode", "verified", "read_bytes", "uri", "bucket")
+            }
             start, end = timeline.origin + stage.start, timeline.origin + stage.end
             recorder.stage(name, start, end, nbytes=stage.nbytes, detail=detail)
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where vLLM built the model's parameters: CUDA gets the bucketed hand-off (docs/integrations.md)."""
+    for parameter in model.parameters():
+        if parameter.device.type != "meta":
+            return parameter.device
+    return torch.device("cpu")
 
 
 def _weights_uri(model_config: ModelConfig) -> str:

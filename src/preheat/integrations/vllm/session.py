@@ -4,7 +4,8 @@ The engine's side is one callable, ``hand_off(iterable of (name, tensor))``, whi
 ``model.load_weights``; it is called only after every check passed, so an engine is never handed a tensor of a load
 that fails. Stages (``preheat timeline FILE``): ``fetch`` (a remote source pulled into the node cache),
 ``weight_load`` (map or read, and the digest checks) and ``weight_handoff`` (the engine copying into its parameters,
-which is when a mapping's pages are read), then the mark ``weights_ready``.
+which is when a mapping's pages are read), then the mark ``weights_ready``. On CUDA, and on the CPU with the
+``bucket`` option, the weights are handed over in buckets instead (``bucketed.py``), with the same stages.
 """
 
 from __future__ import annotations
@@ -12,20 +13,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from preheat.core import durable
 from preheat.core.timeline import Timeline
+from preheat.integrations.vllm.bucketed import load_bucketed, uses_buckets
 from preheat.integrations.vllm.options import LoadOptions
 from preheat.integrations.vllm.resolve import resolve
 from preheat.integrations.vllm.weights import prepare, read_bytes
+from preheat.loader.buckets import HandOff
 
 log = logging.getLogger("preheat.vllm")
-
-HandOff = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,22 @@ def load_for_engine(
     world_size: int = 1,
     model_weights: str = "",
     timeline: Timeline | None = None,
+    device: str | torch.device = "cpu",
 ) -> Outcome:
-    """Resolve MODEL's weights, load and check them, then hand them to the engine; the stages go on ``timeline``
-    (default ``Timeline.from_env()``) and, with ``options.timeline``, into that JSON file, also when the load fails
-    (the failing stage's ``detail.error`` says why)."""
+    """Resolve MODEL's weights, load and check them, then hand them to the engine (whose parameters live on
+    ``device``); the stages go on ``timeline`` (default ``Timeline.from_env()``) and, with ``options.timeline``, into
+    that JSON file, also when the load fails (the failing stage's ``detail.error`` says why)."""
     timeline = timeline or Timeline.from_env()
     try:
         return _load(
-            model, options, hand_off, rank=rank, world_size=world_size, model_weights=model_weights, timeline=timeline
+            model,
+            options,
+            hand_off,
+            rank=rank,
+            world_size=world_size,
+            model_weights=model_weights,
+            timeline=timeline,
+            device=torch.device(device),
         )
     finally:
         if options.timeline:
@@ -90,36 +99,19 @@ def _load(
     world_size: int,
     model_weights: str,
     timeline: Timeline,
+    device: torch.device,
 ) -> Outcome:
     resolved = resolve(model, options, timeline, model_weights=model_weights)
     try:
-        before = read_bytes()
-        with timeline.stage("weight_load", path=resolved.path, rank=rank, world_size=world_size) as stage:
-            try:
-                prepared = prepare(resolved.path, options, rank=rank, world_size=world_size)
-            except Exception as exc:
-                stage.detail["error"] = str(exc)
-                raise
-            report = prepared.tensors.report
-            stage.nbytes = report.bytes
-            stage.detail.update(
-                mode=report.mode, verified=report.verified, verified_tensors=report.verified_tensors, notes=report.notes
+        if uses_buckets(options, device):
+            bucketed = load_bucketed(
+                resolved.path, options, hand_off, device=device, rank=rank, world_size=world_size, timeline=timeline
             )
-        with timeline.stage("weight_handoff", tensors=len(prepared.tensors)) as stage:
-            try:
-                loaded = hand_off(prepared.items())
-            except Exception as exc:
-                stage.detail["error"] = str(exc)
-                raise
-            finally:
-                prepared.finish()
-            after = read_bytes()
-            if before is not None and after is not None:
-                # Bytes this process read from storage for the load and hand-off: a TP rank's share of the pages.
-                stage.detail["read_bytes"] = after - before
-            stage.nbytes = report.bytes
-        verified, count = report.verified, len(prepared.tensors)
-        del prepared  # the engine holds copies now: let the mappings go
+            loaded, verified, count = bucketed.loaded, bucketed.verified, bucketed.tensors
+        else:
+            loaded, verified, count = _load_mapped(
+                resolved.path, options, hand_off, rank=rank, world_size=world_size, timeline=timeline
+            )
     finally:
         resolved.close()
     timeline.mark("weights_ready")
@@ -135,6 +127,58 @@ def _load(
         "verified" if verified else "UNVERIFIED",
     )
     return Outcome(loaded, resolved.path, verified, count, seconds)
+
+
+def _load_mapped(
+    path: str, options: LoadOptions, hand_off: HandOff, *, rank: int, world_size: int, timeline: Timeline
+) -> tuple[object, bool, int]:
+    """The mapping (or one read of everything): checked whole, then handed over in one call."""
+    before = read_bytes()
+    with timeline.stage("weight_load", path=path, rank=rank, world_size=world_size) as stage:
+        try:
+            prepared = prepare(path, options, rank=rank, world_size=world_size)
+        except Exception as exc:
+            stage.detail["error"] = str(exc)
+            raise
+        report = prepared.tensors.report
+        stage.nbytes = report.bytes
+        stage.detail.update(
+            mode=report.mode, verified=report.verified, verified_tensors=report.verified_tensors, notes=report.notes
+        )
+    with timeline.stage("weight_handoff", tensors=len(prepared.tensors)) as stage:
+        try:
+            loaded = hand_off(prepared.items())
+        except Exception as exc:
+            stage.detail["error"] = str(exc)
+            raise
+        finally:
+            prepared.finish()
+        after = read_bytes()
+        if before is not None and after is not None:
+            # Bytes this process read from storage for the load and hand-off: a TP rank's share of the pages.
+            stage.detail["read_bytes"] = after - before
+        stage.nbytes = report.bytes
+    verified, count = report.verified, len(prepared.tensors)
+    del prepared  # the engine holds copies now: let the mappings go
+    return loaded, verified, count
+
+
+def weights_for_engine(
+    model: str, options: LoadOptions, *, rank: int = 0, world_size: int = 1, model_weights: str = ""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of MODEL's weights, resolved, loaded and checked as for a first load (a mapping, whatever the
+    ``bucket`` option: a reload hands the engine an iterator, and a bucket's views outlive no hand-off call), for an
+    engine that pulls weights itself: vLLM's ``reload_weights`` (a level-2 wake). The mapping and the resolved source
+    are let go when the iterator is exhausted or closed."""
+    resolved = resolve(model, options, Timeline.from_env(), model_weights=model_weights)
+    try:
+        prepared = prepare(resolved.path, options, rank=rank, world_size=world_size)
+        try:
+            yield from prepared.items()
+        finally:
+            prepared.finish()
+    finally:
+        resolved.close()
 
 
 def write_timeline(path: str, timeline: Timeline) -> None:

@@ -89,12 +89,7 @@ def _prepare_presharded(
 ) -> Prepared:
     """Rank ``rank`` of a ``preheat convert --tp N`` checkpoint: only its own files are opened, mapped, checked
     (``verify: true`` hashes them: the rank's bytes alone, since its files have their own digests) and faulted in."""
-    if world_size != parts:
-        raise ConfigError(
-            f"{path} was pre-sharded with `preheat convert --tp {parts}` and vLLM runs with tensor parallel size "
-            f"{world_size}: serve it with --tensor-parallel-size {parts}, or convert the model again with "
-            f"--tp {world_size} (or without --tp: any TP size then reads only its own pages)"
-        )
+    check_presharded_world(path, parts, world_size)
     checkpoint = open_checkpoint(path, rank=rank, world_size=world_size)  # this rank's headers, against the manifest
     assert checkpoint.manifest is not None  # a pre-sharded checkpoint is one because of its manifest
     check_engine_cut(checkpoint.manifest, world_size, path)
@@ -113,6 +108,16 @@ def _prepare_presharded(
     if mode == "mmap":  # the rank's files hold its bytes only: fault all of them in
         prepared.prefault = advise_pages(prepared, rank=0, world_size=1, threads=options.threads)
     return prepared
+
+
+def check_presharded_world(path: str, parts: int, world_size: int) -> None:
+    """Refuse a ``preheat convert --tp PARTS`` checkpoint served with another tensor-parallel size."""
+    if world_size != parts:
+        raise ConfigError(
+            f"{path} was pre-sharded with `preheat convert --tp {parts}` and vLLM runs with tensor parallel size "
+            f"{world_size}: serve it with --tensor-parallel-size {parts}, or convert the model again with "
+            f"--tp {world_size} (or without --tp: any TP size then reads only its own pages)"
+        )
 
 
 def advise_pages(prepared: Prepared, *, rank: int, world_size: int, threads: int | None = None) -> Prefault | None:
