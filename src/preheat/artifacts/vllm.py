@@ -9,6 +9,11 @@ vLLM (0.32/0.33 on torch >= 2.10) compiles the model with torch.compile and keep
 - ``<10 hex>/rank_<r>_<dp>/<prefix>/`` (``VLLM_USE_AOT_COMPILE=0`` with vLLM's own backend, the GPU default then):
   ``vllm_compile_cache.py``, ``cache_key_factors.json``, ``inductor_cache/``, ``triton_cache/``.
 
+Beside them, ``modelinfos/<module>-<class>.json`` is the model registry's answer about a model class (which
+interfaces it implements), computed on a cache miss in a helper Python process that imports vLLM (~5-8 s of
+``vllm serve``'s config stage on 2 cores, with or without compilation) and keyed inside the file by a hash of the
+model module's source: nothing node-specific, so it travels too, one file per unit.
+
 vLLM names each directory by a hash of what makes it valid: its environment variables (``envs.compile_factors``),
 ``VllmConfig.compute_hash()`` (vLLM's version, the model config: *including the model string as given to it*,
 dtype, max_model_len, quantization; the cache, parallel and compilation configs), the compiler's hash (torch
@@ -51,6 +56,7 @@ FORMAT = "vllm-compile-cache-1"
 SUPPORTED = ("0.32", "0.33")  # major.minor of vLLM whose cache layout and hashing this module was checked against
 COMPILE_DIR = "torch_compile_cache"
 AOT_DIR = "torch_aot_compile"
+MODELINFO_DIR = "modelinfos"  # the model registry's cached answers: one JSON file each, a unit of its own
 TRITON_DIR = "triton"  # payload prefix of a Triton cache packed from TRITON_CACHE_DIR (``--triton-cache``)
 _STAGING = ".preheat-install-"  # inside the cache root, so each unit is renamed into place on one filesystem
 _RANK = re.compile(r"rank_(\d+)_(\d+)")
@@ -207,14 +213,19 @@ def cache_key(
 
 def unit_of(name: str) -> str | None:
     """The unit a payload name belongs to (``torch_compile_cache/torch_aot_compile/H``, ``torch_compile_cache/H``,
-    ``triton/H``), None for the directories above units; ``PeerError`` for a name outside this layout."""
+    ``triton/H``, ``modelinfos/F.json``), None for the directories above units; ``PeerError`` for a name outside
+    this layout."""
     parts = posixpath.normpath(name).split("/")
     if parts[0] == COMPILE_DIR and len(parts) >= 2 and parts[1] == AOT_DIR:
         depth = 3
     elif parts[0] in (COMPILE_DIR, TRITON_DIR):
         depth = 2
+    elif parts[0] == MODELINFO_DIR:
+        if len(parts) > 2 or (len(parts) == 2 and not parts[1].endswith(".json")):
+            raise PeerError(f"payload member {name[:200]!r} is not a model-info file ({MODELINFO_DIR}/NAME.json)")
+        depth = 2
     else:
-        raise PeerError(f"payload member {name[:200]!r} is outside {COMPILE_DIR}/ and {TRITON_DIR}/")
+        raise PeerError(f"payload member {name[:200]!r} is outside {COMPILE_DIR}/, {MODELINFO_DIR}/ and {TRITON_DIR}/")
     if len(parts) < depth:
         return None
     if not _UNIT_NAME.fullmatch(parts[depth - 1]):
@@ -260,8 +271,8 @@ def check_ranks(units: dict[str, set[tuple[int, int]]], key: VllmCacheKey, *, wh
 
 
 def find_units(cache_root: str, triton_cache: str | None = None) -> list[tuple[str, str]]:
-    """``(unit name, path)`` of every compile-cache directory under ``cache_root`` (and, with ``triton_cache``, of
-    every entry of that Triton cache), sorted."""
+    """``(unit name, path)`` of every compile-cache directory and model-info file under ``cache_root`` (and, with
+    ``triton_cache``, of every entry of that Triton cache), sorted."""
     found: list[tuple[str, str]] = []
     compiled = os.path.join(cache_root, COMPILE_DIR)
     for parent, prefix in ((compiled, COMPILE_DIR), (os.path.join(compiled, AOT_DIR), f"{COMPILE_DIR}/{AOT_DIR}")):
@@ -270,6 +281,12 @@ def find_units(cache_root: str, triton_cache: str | None = None) -> list[tuple[s
             for n in _listdir(parent)
             if n != AOT_DIR and _UNIT_NAME.fullmatch(n) and os.path.isdir(os.path.join(parent, n))
         ]
+    infos = os.path.join(cache_root, MODELINFO_DIR)
+    found += [
+        (f"{MODELINFO_DIR}/{n}", os.path.join(infos, n))
+        for n in _listdir(infos)
+        if n.endswith(".json") and os.path.isfile(os.path.join(infos, n)) and not os.path.islink(os.path.join(infos, n))
+    ]
     if triton_cache:
         found += [(f"{TRITON_DIR}/{n}", os.path.join(triton_cache, n)) for n in _listdir(triton_cache)]
     return sorted(n for n in found if _UNIT_NAME.fullmatch(n[0].rsplit("/", 1)[1]))
@@ -299,8 +316,8 @@ def pack_cache(key: VllmCacheKey, cache_root: str, *, triton_cache: str | None =
     trees = find_units(cache_root, triton_cache)
     if not trees:
         raise ConfigError(
-            f"{cache_root}: no {COMPILE_DIR}/ directories to pack: run `vllm serve` (without --enforce-eager) with "
-            "VLLM_CACHE_ROOT set to it first, then pack"
+            f"{cache_root}: no {COMPILE_DIR}/ directories or {MODELINFO_DIR}/ files to pack: run `vllm serve` "
+            "(without --enforce-eager, for compiled code) with VLLM_CACHE_ROOT set to it first, then pack"
         )
     units = {name: _ranks_in(path) for name, path in trees}
     check_ranks(units, key, where=cache_root)
@@ -308,6 +325,8 @@ def pack_cache(key: VllmCacheKey, cache_root: str, *, triton_cache: str | None =
 
 
 def _ranks_in(path: str) -> set[tuple[int, int]]:
+    if not os.path.isdir(path):  # a model-info file
+        return set()
     return {(int(m.group(1)), int(m.group(2))) for m in map(_RANK.fullmatch, _listdir(path)) if m}
 
 
@@ -324,9 +343,9 @@ def install(verified: Verified, cache_root: str, *, where: str, triton_cache: st
 
     The payload is checked to be a vLLM compile cache (names in its layout only), extracted into a staging directory
     inside ``cache_root`` (``preheat.artifacts.blobs.install``: regular files and directories, ``data`` filter), and
-    each unit renamed into place whole, so vLLM never sees half a unit. A unit already there is kept: vLLM
-    wrote it here, or an earlier install did. Triton units go to ``triton_cache`` (``TRITON_CACHE_DIR``, else
-    ``~/.triton/cache``)."""
+    each unit (a directory, or a model-info file) renamed into place whole, so vLLM never sees half a unit. A unit
+    already there is kept: vLLM wrote it here, or an earlier install did. Triton units go to ``triton_cache``
+    (``TRITON_CACHE_DIR``, else ``~/.triton/cache``)."""
     units = units_of(artifacts.payload_names(verified.payload, where=where), where=where)
     os.makedirs(cache_root, exist_ok=True)
     _sweep_staging(cache_root)

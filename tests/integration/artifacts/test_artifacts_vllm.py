@@ -26,6 +26,7 @@ from preheat.core.errors import ConfigError, PeerError
 ENGINE = va.Engine(build="vllm", vllm="0.33.0", torch="2.13.0", triton=None, python="3.11")
 AOT = "torch_compile_cache/torch_aot_compile/" + "f3" * 32
 CLASSIC = "torch_compile_cache/0a1b2c3d4e"
+INFO = "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def key(model: Path) -> va.VllmCacheKey:
 
 def make_vllm_cache(root: Path) -> Path:
     """A cache root laid out as vLLM writes it: an AOT unit (Inductor cache with its locks, two ranks' saved
-    functions), a unit of vLLM's own backend, and the model-info cache that is not compiled code."""
+    functions), a unit of vLLM's own backend, and the model registry's cached answer (a file written atomically, so
+    a temporary file may sit beside it)."""
     aot = root / AOT
     (aot / "inductor_cache" / "iy").mkdir(parents=True)
     (aot / "inductor_cache" / "iy" / "kernel.main.so").write_bytes(bytes(range(256)) * 4)
@@ -55,7 +57,8 @@ def make_vllm_cache(root: Path) -> Path:
     (classic / "vllm_compile_cache.py").write_text("{}\n")
     (classic / "cache_key_factors.json").write_text('{"config_hash": "x"}\n')
     (root / "modelinfos").mkdir()
-    (root / "modelinfos" / "llama.json").write_text("{}")
+    (root / INFO).write_text('{"hash": "ab", "modelinfo": {"is_text_generation_model": true}}')
+    (root / "modelinfos" / "tmpx8k2.tmp").write_text("{")
     return root
 
 
@@ -126,14 +129,14 @@ def test_pack_without_vllm_installed_says_which_python_to_use(
 # -- the layout --------------------------------------------------------------------------------------------------
 
 
-def test_pack_takes_the_compile_caches_and_leaves_locks_and_model_info(tmp_path: Path, key: va.VllmCacheKey) -> None:
+def test_pack_takes_the_compile_caches_and_model_info_and_leaves_locks(tmp_path: Path, key: va.VllmCacheKey) -> None:
     root = make_vllm_cache(tmp_path / "vllm")
     packed = va.pack_cache(key, str(root))
-    assert packed.units == {AOT: {(0, 0), (1, 0)}, CLASSIC: {(0, 0)}}
+    assert packed.units == {AOT: {(0, 0), (1, 0)}, CLASSIC: {(0, 0)}, INFO: set()}
     target = tmp_path / "fresh"
     done = va.install(artifacts.built_here(key, packed.blob), str(target), where="test")
-    assert sorted(done.installed) == [CLASSIC, AOT]
-    want = {n: b for n, b in files_under(root).items() if n.startswith("torch_compile_cache/") and "lock" not in n}
+    assert sorted(done.installed) == [INFO, CLASSIC, AOT]
+    want = {n: b for n, b in files_under(root).items() if "lock" not in n and not n.endswith(".tmp")}
     assert files_under(target) == want
     assert not list(target.glob(".preheat-install-*"))  # the staging directory is gone
 
@@ -142,6 +145,16 @@ def test_a_unit_with_ranks_beyond_tp_times_pp_is_not_packed(tmp_path: Path, key:
     root = make_vllm_cache(tmp_path / "vllm")
     with pytest.raises(ConfigError, match=r"holds rank_1_\*, but --tp 1 --pp 1"):
         va.pack_cache(dataclasses.replace(key, tp=1), str(root))
+
+
+def test_an_eager_deployment_ships_the_model_info_alone(tmp_path: Path, key: va.VllmCacheKey) -> None:
+    root = tmp_path / "vllm"
+    (root / "modelinfos").mkdir(parents=True)
+    (root / INFO).write_text("{}")
+    packed = va.pack_cache(key, str(root))
+    assert packed.units == {INFO: set()}
+    done = va.install(artifacts.built_here(key, packed.blob), str(tmp_path / "t"), where="test")
+    assert (done.installed, (tmp_path / "t" / INFO).read_text()) == ([INFO], "{}")
 
 
 def test_an_empty_cache_root_says_to_run_vllm_first(tmp_path: Path, key: va.VllmCacheKey) -> None:
@@ -155,14 +168,15 @@ def test_install_keeps_a_unit_vllm_already_wrote(tmp_path: Path, key: va.VllmCac
     (target / CLASSIC).mkdir(parents=True)
     (target / CLASSIC / "mine").write_text("vLLM's own")
     done = va.install(blob, str(target), where="test")
-    assert (done.installed, done.kept) == ([AOT], [CLASSIC])
+    assert (done.installed, done.kept) == ([INFO, AOT], [CLASSIC])
     assert [p.name for p in (target / CLASSIC).iterdir()] == ["mine"]
 
 
 @pytest.mark.parametrize(
     ("members", "reason"),
     [
-        ([(member("modelinfos/x.json"), b"{}")], "outside torch_compile_cache/"),
+        ([(member("modelinfos/x.json/inner.py"), b"#")], "not a model-info file"),
+        ([(member("modelinfos/x.py"), b"#")], "not a model-info file"),
         ([(member("bin/python"), b"#!")], "outside torch_compile_cache/"),
         ([(member("torch_compile_cache", tarfile.DIRTYPE), b"")], "holds no vLLM compile cache"),
         ([(member(f"{AOT}/../../../../escaped"), b"evil")], "not a relative name"),
@@ -197,9 +211,9 @@ def test_a_cache_packed_on_one_node_is_pulled_from_its_peer_and_installed(
     assert result.installed is not None
     assert result.source.startswith("peer 127.0.0.1:")
     assert result.provenance.startswith("signed by ed25519:")
-    assert sorted(result.installed.installed) == [CLASSIC, AOT]
+    assert sorted(result.installed.installed) == [INFO, CLASSIC, AOT]
     assert files_under(target) == {
-        n: b for n, b in files_under(root).items() if n.startswith("torch_compile_cache/") and "lock" not in n
+        n: b for n, b in files_under(root).items() if "lock" not in n and not n.endswith(".tmp")
     }
     again = va.pull(key, newcomer, str(tmp_path / "next-vllm"))  # kept: the next start needs no peer
     assert again.source == "node cache"
