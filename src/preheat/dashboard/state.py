@@ -1,8 +1,9 @@
 """The dashboard's state document (``preheat.dashboard/1``), built from values: pure, so it is tested without servers.
 
 A replica's entry joins what the router knows of it (``ReplicaRow``: health, phase, requests in flight) with what its
-own ``/metrics`` says (queue, tokens/s, KV hit rate per tier, cached-token share) and its last cold start
-(``/v1/preheat/timeline``: the waterfall). docs/dashboard.md documents every key; add keys, never rename them.
+own ``/metrics`` says (queue, tokens/s, KV hit rate per tier, cached-token share, TTFT: ``signals.read``, for preheat,
+vLLM and SGLang replicas alike) and its last cold start (``/v1/preheat/timeline``: the waterfall; a vLLM replica
+serves it through preheat's plugin). docs/dashboard.md documents every key; add keys, never rename them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
-from preheat.dashboard.prom import Metrics, by_label, total
+from preheat.dashboard.prom import Metrics
+from preheat.dashboard.signals import Signals, read
 
 SCHEMA = "preheat.dashboard/1"
 RATE_WINDOW = 2.0  # seconds between the two scrapes a tokens/s is measured over (shorter: too noisy to read)
@@ -35,6 +37,15 @@ class Waterfall(TypedDict):
 KvTiers = dict[str, dict[str, float | None]]  # tier -> hits, misses, hit_rate, up (kv_tiers)
 
 
+class Ttft(TypedDict):
+    """A replica's time to first token from its own histogram (seconds; p50/p90 interpolated in its buckets)."""
+
+    count: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+
+
 class ReplicaEntry(TypedDict):
     url: str
     healthy: bool
@@ -52,6 +63,9 @@ class ReplicaEntry(TypedDict):
     kv: KvTiers
     waterfall: Waterfall | None
     error: str | None
+    engine: str  # preheat, vllm, sglang or unknown (signals.engine_of: by its metric names)
+    kv_usage: float | None  # share of its KV cache in use (vLLM, SGLang)
+    ttft: Ttft | None
 
 
 class TierState(TypedDict):
@@ -118,16 +132,26 @@ class TokenRate:
         return self.rate
 
 
-def kv_tiers(metrics: Metrics) -> KvTiers:
-    """Per KV tier: hits, misses, hit rate (None before the first lookup) and up (1/0)."""
-    hits = by_label(metrics, "preheat_kv_hits_total", "tier")
-    misses = by_label(metrics, "preheat_kv_misses_total", "tier")
-    up = by_label(metrics, "preheat_kv_tier_up", "tier")
-    tiers: KvTiers = {}
-    for tier in sorted(set(hits) | set(misses) | set(up)):
-        h, m = hits.get(tier, 0.0), misses.get(tier, 0.0)
-        tiers[tier] = {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else None, "up": up.get(tier)}
-    return tiers
+def kv_tiers(signals: Signals) -> KvTiers:
+    """Per KV tier: hits, misses, hit rate (None before the first lookup) and up (1/0, None: not said). A vLLM
+    replica's tiers are ``gpu`` (its prefix cache, in tokens) and ``external`` (a KV connector's, once asked)."""
+    return {
+        name: {"hits": t.hits, "misses": t.misses, "hit_rate": t.hit_rate, "up": t.up}
+        for name, t in signals.tiers.items()
+    }
+
+
+def ttft(signals: Signals) -> Ttft | None:
+    """The replica's TTFT histogram summarised; None when its engine exports none."""
+    h = signals.ttft
+    if h is None:
+        return None
+    p50, p90 = h.quantile(0.5), h.quantile(0.9)
+    return {"count": int(h.count), "mean": _rounded(h.mean), "p50": _rounded(p50), "p90": _rounded(p90)}
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
 def waterfall(timeline: Mapping[str, object] | None) -> Waterfall | None:
@@ -171,12 +195,8 @@ def replica_entry(
     error: str | None = None,
 ) -> ReplicaEntry:
     """One replica's entry of the state document."""
-    scraped = metrics or {}
-    prompt = total(scraped, "preheat_prompt_tokens_total")
-    cached = total(scraped, "preheat_prompt_tokens_cached_total")
-    queue = total(scraped, "preheat_queue_depth")
-    running = total(scraped, "preheat_requests_running")
-    generated = total(scraped, "preheat_generated_tokens_total")
+    signals = read(metrics or {})
+    prompt, cached, generated = signals.prompt_tokens, signals.cached_tokens, signals.generated_tokens
     return {
         "url": row.url,
         "healthy": row.healthy,
@@ -184,16 +204,19 @@ def replica_entry(
         "standby": row.standby,
         "in_flight": row.in_flight,
         "finished": row.finished,
-        "queue": None if queue is None else int(queue),
-        "running": None if running is None else int(running),
+        "queue": signals.waiting,
+        "running": signals.running,
         "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 2),
         "generated_tokens": None if generated is None else int(generated),
         "prompt_tokens": None if prompt is None else int(prompt),
         "cached_tokens": None if cached is None else int(cached),
-        "cached_share": cached / prompt if prompt and cached is not None else None,
-        "kv": kv_tiers(scraped),
+        "cached_share": signals.cached_share,
+        "kv": kv_tiers(signals),
         "waterfall": waterfall(timeline),
         "error": error,
+        "engine": signals.engine,
+        "kv_usage": _rounded(signals.kv_usage),
+        "ttft": ttft(signals),
     }
 
 

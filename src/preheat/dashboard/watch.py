@@ -1,4 +1,5 @@
-"""The dashboard's I/O: scraping the replicas (``/metrics``, ``/v1/preheat/timeline``) when a page asks, and
+"""The dashboard's I/O: scraping the replicas (``/metrics``, ``/v1/preheat/timeline``; preheat, vLLM and SGLang
+replicas alike, read by ``signals``) when a page asks, and
 passing the doctor's findings through (``refresh.Refreshing`` keeps them fresh off the request thread).
 
 Nothing runs while nobody watches: a scrape happens on a page's poll, at most once per ``max_age`` seconds however
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 from preheat.core.errors import HTTPClientError, JSONInputError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.prom import Metrics, parse, total
+from preheat.dashboard.signals import read
 from preheat.dashboard.state import ReplicaRow, StateDocument, TokenRate, decisions, document, replica_entry
 from preheat.http.client import Timeouts, request
 from preheat.http.control import TIMELINE_ROUTE
@@ -22,6 +24,7 @@ from preheat.http.control import TIMELINE_ROUTE
 MAX_METRICS = 4 * 1024 * 1024  # a replica's /metrics is tens of KiB
 MAX_TIMELINE = 1024 * 1024  # a timeline is a few KiB
 TIMELINE_EVERY = 10.0  # seconds between fetches of a replica's finished cold start
+FIRST_REQUEST = frozenset(("first_request_ttft", "first_request"))  # preheat's, vLLM's (its plugin's) last stage
 # The doctor's JSON document (preheat.doctor/1), passed through as it is (the dashboard cannot import the doctor).
 Findings = Callable[[], Mapping[str, object] | None]
 
@@ -37,14 +40,16 @@ class Scrape:
     error: str | None = None
 
     def timeline_stale(self, now: float) -> bool:
-        """A start under way is fetched on every scrape; a finished one (ready, and its first request's token
-        marked) every ``TIMELINE_EVERY`` seconds: it changes again only when the replica starts again."""
+        """A start under way is fetched on every scrape; a finished one (ready, and its first request marked:
+        ``first_request_ttft`` for preheat, ``first_request`` for vLLM) every ``TIMELINE_EVERY`` seconds: it changes
+        again only when the replica starts again."""
         if self.timeline is None or self.timeline_at is None:
             return True
         stages = self.timeline.get("stages")
         names = {s.get("name") for s in stages if isinstance(s, dict) and isinstance(s.get("name"), str)} \
             if isinstance(stages, list) else set()  # fmt: skip
-        return not {"ready", "first_request_ttft"} <= names or now - self.timeline_at >= TIMELINE_EVERY
+        finished = "ready" in names and bool(names & FIRST_REQUEST)
+        return not finished or now - self.timeline_at >= TIMELINE_EVERY
 
 
 class FleetWatcher:
@@ -121,11 +126,9 @@ class FleetWatcher:
                 raise HTTPClientError(url + "/metrics", f"answered {answer.status}")
             got.metrics = parse(answer.body.decode("utf-8", "replace"))
             rate = self._rates.setdefault(url, TokenRate())
-            rate.observe(now, total(got.metrics, "preheat_generated_tokens_total"))
+            rate.observe(now, read(got.metrics).generated_tokens)
             if got.timeline_stale(now):
-                answer = request(
-                    url + TIMELINE_ROUTE, timeouts=timeouts, headers=self.headers, max_body=MAX_TIMELINE
-                )
+                answer = request(url + TIMELINE_ROUTE, timeouts=timeouts, headers=self.headers, max_body=MAX_TIMELINE)
                 if answer.status == 200:
                     timeline = loads_bounded(answer.body, max_bytes=MAX_TIMELINE, max_depth=16)
                     got.timeline = timeline if isinstance(timeline, dict) else got.timeline

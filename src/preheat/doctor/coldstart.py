@@ -16,6 +16,11 @@ compile    compile, warmup, engine_warm                      compiled artifacts 
 kv_warm    kv_warm                                           a smaller ``--kv-warm``                     --
 other      tokenizer and anything else                       --                                          --
 =========  ================================================  ==========================================  =========
+
+A vLLM start (preheat's plugin records it: ``program`` ``vllm ...``) joins the same groups: its processes' imports,
+plugins, spawns and handshakes are ``start`` (removed by a vLLM standby, ``preheat vllm-standby``), its profiling
+pass and graph capture ``compile``; what follows ``ready`` (the wait for the first request, that request) is not
+part of the start.
 """
 
 from __future__ import annotations
@@ -45,7 +50,26 @@ GROUP_OF = {
     "warmup": "compile",
     "engine_warm": "compile",
     "kv_warm": "kv_warm",
+    # vLLM's start as preheat's plugin records it (its API server, engine core and worker processes).
+    "plugin": "start",
+    "argument_parsing": "start",
+    "engine_core_imports": "start",
+    "engine_core_plugin": "start",
+    "engine_core_spawn": "start",
+    "engine_core_handshake": "start",
+    "worker_imports": "start",
+    "worker_plugin": "start",
+    "worker_spawn": "start",
+    "device_init": "start",
+    "api_server_setup": "start",
+    "weights_fetch": "download",
+    "weights_read": "load",
+    "weights_handoff": "load",
+    "kv_cache_profile": "compile",  # vLLM's profiling forward pass: where torch.compile runs when it does
+    "cuda_graph_capture": "compile",
 }
+# After ready: not part of the start (vLLM's plugin records the wait for the first request and that request).
+AFTER_READY = frozenset(("waiting_for_request", "first_request"))
 SLOW_LOAD_GBPS = 1.0  # weights read slower than this are storage-bound: the fix is where they live, not their size
 DOMINANT_MIN_S = 5.0  # a dominant group shorter than this is not worth a warning
 DOMINANT_MIN_SHARE = 0.3
@@ -81,14 +105,22 @@ ARTIFACTS = Pattern("compiled artifacts", 0.9,
                     "artifacts pack/push/pull`) instead of compiling.")
 KV_WARM = Pattern("smaller KV warm-up", 0.5,
                   "Warming L1 from L2 before ready delays the start: bound it (`--kv-warm SIZE`) or warm after ready.")
+VLLM_STANDBY = Pattern("vLLM standby replicas", 1.0,
+                       "Keep warm vLLM standbys (`preheat vllm-standby`: torch, vLLM and its engine machinery "
+                       "imported; `POST /v1/preheat/load` or `preheat router --standby URL` gives one its model), or "
+                       "sleeping replicas on CUDA (`vllm serve --enable-sleep-mode`, woken by `preheat router "
+                       "--sleep-idle`).")
 NOTHING = Pattern("none", 0.0, "")
 
 
 FIXED_PATTERN = {"image": STANDBY, "start": STANDBY, "download": NODE_CACHE, "compile": ARTIFACTS, "kv_warm": KV_WARM}
 
 
-def pattern_for(group: str, rows: list[Row]) -> Pattern:
-    """The pattern that removes most of ``group``; for ``load`` it depends on how the weights were read."""
+def pattern_for(group: str, rows: list[Row], *, vllm: bool = False) -> Pattern:
+    """The pattern that removes most of ``group``; for ``load`` it depends on how the weights were read; ``vllm``:
+    the start is a vLLM's (its imports and processes are removed by a vLLM standby)."""
+    if vllm and group in ("image", "start"):
+        return VLLM_STANDBY
     if group in FIXED_PATTERN:
         return FIXED_PATTERN[group]
     if group == "load":
@@ -106,7 +138,11 @@ def pattern_for(group: str, rows: list[Row]) -> Pattern:
 
 def group_seconds(waterfall: Waterfall) -> dict[str, float]:
     """Seconds per group on the critical path (each moment once), largest first."""
-    spans = [(r.start, r.end, GROUP_OF.get(r.name, "other")) for r in waterfall.rows if r.duration > 0]
+    spans = [
+        (r.start, r.end, GROUP_OF.get(r.name, "other"))
+        for r in waterfall.rows
+        if r.duration > 0 and r.name not in AFTER_READY
+    ]
     return dict(sorted(critical_seconds(spans).items(), key=lambda item: -item[1]))
 
 
@@ -119,13 +155,15 @@ def analyze_timeline(data: object, *, where: str, gpu_cost_per_hour: float = 0.0
             raise PlanError(f"{where}: stage {row.name!r} ends before it starts ({row.start} > {row.end})")
     groups = group_seconds(waterfall)
     total = sum(groups.values())
+    program = data.get("program") if isinstance(data, dict) else None
+    vllm = isinstance(program, str) and program.startswith("vllm")
     price = gpu_cost_per_hour / 3600.0
     findings: list[Finding] = []
     for rank, (group, seconds) in enumerate(groups.items()):
         if seconds < MIN_GROUP_S:
             continue
-        rows = [r for r in waterfall.rows if GROUP_OF.get(r.name, "other") == group]
-        pattern = pattern_for(group, rows)
+        rows = [r for r in waterfall.rows if GROUP_OF.get(r.name, "other") == group and r.name not in AFTER_READY]
+        pattern = pattern_for(group, rows, vllm=vllm)
         share = seconds / total if total else 0.0
         dominant = rank == 0 and seconds >= DOMINANT_MIN_S and share >= DOMINANT_MIN_SHARE
         removable = seconds * pattern.removes
@@ -136,6 +174,7 @@ def analyze_timeline(data: object, *, where: str, gpu_cost_per_hour: float = 0.0
             f"timeline.{group}", "timeline", "warn" if dominant else "info", title, seconds=seconds,
             evidence={
                 "source": where, "group": group, "share": round(share, 3), "dominant": rank == 0,
+                "program": program if isinstance(program, str) else None,
                 "stages": {r.name: round(r.duration, 3) for r in rows if r.duration > 0},
                 "gbps": next((round(r.gbps, 3) for r in rows if r.name == "weight_load" and r.gbps), None),
                 "pattern": pattern.name if pattern.removes else None,

@@ -1,5 +1,8 @@
 """KV tier hit rates from a replica's /metrics, and whether its L2 pays off. Pure: metric samples in, findings out.
 
+A vLLM or SGLang replica is read through ``preheat.dashboard.signals`` (``analyze_engine``): its prefix cache's hit
+rate, how full its KV cache is, and whether an L2 would pay, by the same rule.
+
 The L2 rule follows ``preheat analyze`` (docs/plan.md): a shared L2 pays off from ~40% of prompt tokens served from
 cache (``SHARED_L2_THRESHOLD``), and only if reading a token's KV from it is cheaper than recomputing it; an L2 read
 is priced at the rate the replica measured (``bytes_read / read_seconds``) against the seed's ``L2_GBPS``.
@@ -10,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from preheat.dashboard.signals import Signals
 from preheat.doctor.findings import Finding
 from preheat.plan.analyze import L2_GBPS, SHARED_L2_THRESHOLD
 
@@ -116,3 +120,59 @@ def _l2_verdict(numbers: L2Numbers, evidence: dict[str, object]) -> Finding:
                        "`kv`), or drop L2 and spend on cold start; `preheat analyze` on a trace shows what a tier "
                        "would serve.")
     return Finding("kv.l2_worth", "kv", "ok", f"L2 answers {rate:.0%} of the lookups that reach it", evidence=l2)
+
+
+FULL_KV = 0.9  # of the KV cache in use: past this, evictions may hide reuse that an L2 would keep
+
+
+def analyze_engine(signals: Signals, *, where: str) -> list[Finding]:
+    """An engine replica's (vLLM, SGLang) prefix cache: its hit rate, and whether an L2 would pay. The rule is
+    ``preheat analyze``'s: reuse at or past ``SHARED_L2_THRESHOLD`` of prompt tokens is what a shared L2 serves
+    across replicas and after evictions; an engine that has one already (vLLM's ``external`` tier: a KV connector
+    such as LMCache) is judged by what that tier answers."""
+    gpu = signals.tiers.get("gpu")
+    rate = gpu.hit_rate if gpu is not None else None
+    lookups = gpu.hits + gpu.misses if gpu is not None else 0.0
+    share = signals.cached_share if signals.cached_share is not None else rate
+    evidence: dict[str, object] = {
+        "source": where, "engine": signals.engine,
+        "hit_rates": {t: None if v.hit_rate is None else round(v.hit_rate, 3) for t, v in signals.tiers.items()},
+        "lookups": {t: v.hits + v.misses for t, v in signals.tiers.items()},
+        "cached_token_share": None if share is None else round(share, 3),
+        "kv_usage": None if signals.kv_usage is None else round(signals.kv_usage, 3),
+        "queue": {"running": signals.running, "waiting": signals.waiting},
+        "shared_l2_threshold": SHARED_L2_THRESHOLD,
+    }
+    if gpu is None:
+        return [Finding("kv.engine_unknown", "kv", "info", f"the {signals.engine} replica exports no prefix-cache "
+                        "counters", evidence=evidence)]
+    rate_text = "no lookups yet" if rate is None else f"{rate:.0%} of {lookups:.0f} prompt tokens"
+    findings = [Finding("kv.prefix_cache", "kv", "ok", f"{signals.engine} prefix cache hits {rate_text}",
+                        evidence=evidence)]
+    external = signals.tiers.get("external")
+    if external is not None:
+        l2 = L2Numbers(external.hit_rate, external.hits + external.misses, 0.0, 0.0, share)
+        findings.append(_l2_verdict(l2, evidence))
+        return findings
+    findings.append(_would_l2_pay(rate, lookups, share, signals.kv_usage, evidence))
+    return findings
+
+
+def _would_l2_pay(
+    rate: float | None, lookups: float, share: float | None, usage: float | None, evidence: dict[str, object]
+) -> Finding:
+    if lookups < MIN_LOOKUPS or rate is None or share is None:
+        return Finding("kv.l2_unproven", "kv", "info", f"too few prompt tokens ({lookups:.0f}) to tell whether an "
+                       "L2 would pay", evidence=evidence)
+    if share >= SHARED_L2_THRESHOLD:
+        return Finding("kv.l2_would_pay", "kv", "warn", f"{share:.0%} of prompt tokens are reused, past the "
+                       f"{SHARED_L2_THRESHOLD:.0%} from which a shared L2 pays", evidence=evidence,
+                       fix="Add a shared L2 so every replica serves what any one computed, and keeps it after the "
+                       "GPU evicts it: LMCache through vLLM's KV connector (docs/integrations.md), and route by KV "
+                       "(`preheat router --policy kv` with the replicas' events=).")
+    if usage is not None and usage >= FULL_KV:
+        return Finding("kv.l2_hidden", "kv", "info", f"{share:.0%} of prompt tokens are reused with the KV cache "
+                       f"{usage:.0%} full: evictions may hide more", evidence=evidence,
+                       fix="`preheat analyze` on a request trace tells what an L2 would serve.")
+    return Finding("kv.l2_would_not_pay", "kv", "ok", f"{share:.0%} of prompt tokens are reused, under the "
+                   f"{SHARED_L2_THRESHOLD:.0%} from which a shared L2 pays", evidence=evidence)

@@ -1,4 +1,5 @@
-"""A running replica (its /health, /metrics and /v1/preheat/timeline) or a recorded timeline file.
+"""A running replica (its /health, /metrics and /v1/preheat/timeline) or a recorded timeline file. A vLLM replica is
+diagnosed too: its own metrics (``kvtiers.analyze_engine``) and the start timeline preheat's vLLM plugin serves.
 
 Read-only GETs with short timeouts, through preheat's own HTTP client; the analysis is in ``coldstart`` (which
 stage to fix, with which pattern) and ``kvtiers`` (hit rates, whether L2 pays off).
@@ -10,11 +11,13 @@ import json
 
 from preheat.core.errors import JSONInputError, PlanError, SourceError
 from preheat.core.jsonsafe import loads_bounded
+from preheat.dashboard.prom import parse
+from preheat.dashboard.signals import SGLANG, VLLM, read
 from preheat.doctor.check import Check, DoctorOptions
 from preheat.doctor.coldstart import analyze_timeline
 from preheat.doctor.findings import Finding
-from preheat.doctor.kvtiers import analyze_kv, parse_metrics
-from preheat.http.control import TIMELINE_ROUTE
+from preheat.doctor.kvtiers import analyze_engine, analyze_kv, parse_metrics
+from preheat.http.control import TIMELINE_ROUTE, VLLM_IS_SLEEPING
 
 MAX_BODY = 16 * 1024 * 1024
 
@@ -70,6 +73,9 @@ def check_health(options: DoctorOptions, bound_s: float) -> list[Finding]:
     doc = doc if isinstance(doc, dict) else {}
     evidence = {"url": options.url, "status": status, "health": doc}
     state = str(doc.get("status", ""))
+    if status == 200 and not doc and _vllm_asleep(options, bound_s):  # vLLM's /health: 200, empty, asleep or not
+        return [Finding("replica.not_ready", "replica", "info", "replica is sleeping (vLLM's /is_sleeping)",
+                        evidence={**evidence, "is_sleeping": True})]
     if status == 200:
         return [Finding("replica.healthy", "replica", "ok", f"replica is ready ({doc.get('model', '?')})",
                         evidence=evidence)]
@@ -81,6 +87,16 @@ def check_health(options: DoctorOptions, bound_s: float) -> list[Finding]:
                         + (f" ({doc['stage']})" if doc.get("stage") else ""), evidence=evidence)]
     return [Finding("replica.unhealthy", "replica", "fail", f"replica /health answers HTTP {status}",
                     evidence=evidence, fix="Check the replica's log; a router sends it no traffic meanwhile.")]
+
+
+def _vllm_asleep(options: DoctorOptions, bound_s: float) -> bool:
+    assert options.url is not None
+    try:
+        status, body = get(options.url, VLLM_IS_SLEEPING, options, bound_s)
+        answer = loads_bounded(body, max_bytes=MAX_BODY) if status == 200 else {}
+    except (SourceError, JSONInputError):
+        return False
+    return isinstance(answer, dict) and answer.get("is_sleeping") is True
 
 
 def check_replica_timeline(options: DoctorOptions, bound_s: float) -> list[Finding]:
@@ -112,7 +128,11 @@ def check_replica_kv(options: DoctorOptions, bound_s: float) -> list[Finding]:
     if status != 200:
         return [Finding("replica.no_metrics", "kv", "info", f"{options.url}/metrics answers HTTP {status}",
                         evidence={"url": options.url + "/metrics", "status": status})]
-    return analyze_kv(parse_metrics(body.decode("utf-8", "replace")), where=options.url + "/metrics")
+    text = body.decode("utf-8", "replace")
+    signals = read(parse(text))
+    if signals.engine in (VLLM, SGLANG):  # another engine's own series (dashboard.signals reads every kind)
+        return analyze_engine(signals, where=options.url + "/metrics")
+    return analyze_kv(parse_metrics(text), where=options.url + "/metrics")
 
 
 def _bad_timeline(where: str, exc: Exception) -> Finding:

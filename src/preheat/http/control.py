@@ -45,6 +45,15 @@ CONTROL_ROUTES = (LOAD_ROUTE, SLEEP_ROUTE, WAKE_ROUTE, REFIT_ROUTE)
 CONTROL_PREFIX = "/v1/preheat/"
 # The only routes under CONTROL_PREFIX a router forwards: they read, never change, what a replica runs.
 FORWARDED = frozenset({TIMELINE_ROUTE, TOKENIZER_ROUTE})
+# vLLM's routes that change what a replica runs (its dev-mode sleep, RPC and cache routes, its weight-transfer API):
+# a router drives them itself (router/sleeping.py) and never forwards a client's.
+VLLM_SLEEP, VLLM_WAKE, VLLM_IS_SLEEPING, VLLM_RPC = "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc"
+ENGINE_CONTROL = frozenset({
+    VLLM_SLEEP, VLLM_WAKE, VLLM_RPC, "/reset_prefix_cache", "/release_kv_cache_memory", "/pause", "/resume",
+    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
+    "/abort_requests", "/start_profile", "/stop_profile",
+})  # fmt: skip
 JSON = "application/json"
 # Loopback names a client on this host may use, whatever address the server is bound to.
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -199,19 +208,22 @@ def _media_refusal(content_type: str | None) -> ControlRefusal | None:
 def is_control_path(target: str) -> bool:
     """Whether a request target names a control route, however it is spelt (percent-escapes, dot segments,
     repeated slashes, letter case, absolute form): anything under ``/v1/preheat/`` but the read-only
-    ``FORWARDED`` routes. A router answers these itself and never forwards them.
+    ``FORWARDED`` routes, and vLLM's ``ENGINE_CONTROL`` routes. A router answers these itself and never forwards
+    them.
 
     >>> [is_control_path(p) for p in ("/v1/preheat/sleep", "//v1/preheat/%73leep?x", "/v1/x/../preheat/wake")]
     [True, True, True]
     >>> [is_control_path(p) for p in ("/v1/preheat/timeline", "/v1/completions", "http://h/v1/preheat/load")]
     [False, False, True]
+    >>> [is_control_path(p) for p in ("/sleep?level=2", "/%63ollective_rpc", "/is_sleeping")]
+    [True, True, False]
     """
     path = target.split("#", 1)[0]
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", path):  # absolute form (``POST http://host/path``): only its path
         path = urlsplit(path).path
     path = unquote(path.split("?", 1)[0]).lower()
     path = posixpath.normpath(re.sub(r"/+", "/", "/" + path))  # one leading slash: normpath keeps two
-    return (path + "/").startswith(CONTROL_PREFIX) and path not in FORWARDED
+    return ((path + "/").startswith(CONTROL_PREFIX) and path not in FORWARDED) or path in ENGINE_CONTROL
 
 
 def _same_origin(origin: str, host: str | None) -> bool:

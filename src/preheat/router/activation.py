@@ -1,6 +1,6 @@
 """Bringing cold replicas up: activating a standby (``POST /v1/preheat/load``) and waking a sleeping replica
-(``POST /v1/preheat/wake``) when the router needs capacity (the rules: capacity.py; spec: docs/router.md,
-*Standby and sleeping replicas*).
+(``POST /v1/preheat/wake``; a vLLM replica by its own routes, sleeping.py) when the router needs capacity (the
+rules: capacity.py; spec: docs/router.md, *Standby and sleeping replicas*).
 
 One cold start at a time: a burst of requests with no replica to go to brings up one replica, not every standby;
 when it fails, the next waiting request brings up the next one. A replica is put in rotation only once its own
@@ -21,8 +21,10 @@ from preheat.core.errors import ColdStartError, ConnectError, HTTPClientError, J
 from preheat.core.jsonsafe import loads_bounded
 from preheat.http.client import Response, Timeouts, request
 from preheat.http.control import LOAD_ROUTE, TIMELINE_ROUTE, WAKE_ROUTE
+from preheat.router import sleeping
 from preheat.router.capacity import SLEEPING, STANDBY, Cold, rank_cold
 from preheat.router.metrics import RouterMetrics
+from preheat.router.scrape import scrape
 from preheat.router.upstream import Replica
 
 log = logging.getLogger("preheat.router")
@@ -69,6 +71,7 @@ class ColdStarter:
         if settings.admin_key:
             self.headers["Authorization"] = f"Bearer {settings.admin_key}"
         self.read_headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        self.control_headers = {k: v for k, v in self.headers.items() if k == "Authorization"}
         self.errors: dict[str, str] = {}  # the last failed cold start's reason, per replica
         self._refused: set[str] = set()  # replicas that may never load the model (403)
         self._failed_at: dict[str, float] = {}
@@ -169,6 +172,7 @@ class ColdStarter:
             if kind == SLEEPING:
                 replica.wake_seconds = seconds
             replica.phase = "ok"
+            replica.last_active = time.monotonic()  # just up: not idle since before it slept (--sleep-idle)
             self.admit(replica, f"{'activated' if kind == STANDBY else 'woken'} in {seconds:.2f} s")
         finally:
             with self._cond:
@@ -190,10 +194,31 @@ class ColdStarter:
         self._until_ready(replica, waiting=("loading", "warming", "standby"), gone=STANDBY)
 
     def _wake(self, replica: Replica) -> None:
+        if replica.sleep_protocol == sleeping.VLLM:
+            self._wake_vllm(replica)
+            return
         answer = self._post(replica, WAKE_ROUTE, {"wait": False})
         if answer.status not in (200, 202) and _error_code(answer) not in ("is_waking", "is_ready"):
             raise ColdStartError(f"{WAKE_ROUTE} answered {answer.status}: {_message(answer)}")
         self._until_ready(replica, waiting=("waking", "sleeping"), gone=SLEEPING)
+
+    def _wake_vllm(self, replica: Replica) -> None:
+        """vLLM's wake (sleeping.py): at level 2 its weights are reloaded before it serves. A reload that fails
+        puts it back to sleep at level 2, so that no request ever reaches the garbage a bare wake leaves."""
+        signals = scrape(replica.url, CONTROL_SECONDS, self.read_headers)
+        level = sleeping.vllm_level(replica, signals.sleep_state if signals is not None else None)
+        error = sleeping.wake_vllm(replica, level, self.control_headers)
+        if error is not None:
+            if level >= 2 and sleeping.sleep(replica, 2, self.control_headers) is None:
+                replica.sleep_level = 2
+            raise ColdStartError(error)
+        replica.sleep_level = None
+        deadline = time.monotonic() + self.settings.timeout
+        while time.monotonic() < deadline:
+            if sleeping.is_sleeping(replica.url, CONTROL_SECONDS) is False:
+                return
+            time.sleep(POLL_SECONDS)
+        raise ColdStartError(f"still asleep {self.settings.timeout:g} s after its wake")
 
     def _post(self, replica: Replica, path: str, body: dict[str, object]) -> Response:
         try:

@@ -25,7 +25,9 @@ from preheat.router.index import KVIndex
 from preheat.router.policies import LoadGuard, make_policy
 from preheat.router.prompts import PromptReader, tokenizer_from_replicas
 from preheat.router.proxy import Router, RouterHTTPServer
+from preheat.router.scrape import MetricsPoller
 from preheat.router.settings import FROM_REPLICAS, RouterSettings
+from preheat.router.sleeping import Sleeper, SleepSettings
 from preheat.router.upstream import Replica, parse_replica_spec
 
 log = logging.getLogger("preheat.router")
@@ -109,6 +111,29 @@ class RouterService:
             if settings.policy == "kv" and (polled or settings.replicas_from)
             else None
         )
+        # Engine replicas report no queue with their events: their own /metrics does (scrape.py).
+        self.scraper = (
+            MetricsPoller([r for r, _ in sources], interval=settings.kv_poll_interval, timeout=settings.health_timeout)
+            if sources
+            else None
+        )
+        self.sleeper = None
+        if settings.sleep_idle is not None:
+            admin_headers = (("Authorization", f"Bearer {settings.replica_admin_key}"),) \
+                if settings.replica_admin_key else ()  # fmt: skip
+            self.sleeper = Sleeper(
+                lambda: self.router.replicas,
+                self._take_out,
+                self._admit,
+                self.router.metrics.sleeps,
+                SleepSettings(
+                    settings.sleep_idle,
+                    settings.sleep_level,
+                    settings.sleep_keep,
+                    settings.health_interval,
+                    admin_headers,
+                ),
+            )
         self.subscriber = None
         if sources:
             # Imported here: pyzmq and msgspec are the `engines` extra, needed only with engine replicas.
@@ -151,6 +176,13 @@ class RouterService:
     def _admit(self, replica: Replica, why: str) -> None:
         self.router.set_health(replica, True, why)
 
+    def _take_out(self, replica: Replica, why: str) -> None:
+        """Out of rotation on the router's own decision (an idle replica going to sleep): not an ejection."""
+        if replica.set_healthy(False):
+            replica.close_idle()
+            self.router.policy.forget(replica.url)  # a sleep drops its KV cache
+            log.warning("replica %s out of rotation: %s", replica.url, why)
+
     def _discovered(self, urls: frozenset[str]) -> None:
         """The Service's ready replicas changed (the discovery thread): the ones that left go first (their keys
         dropped from the KV index), then the new ones join, each health-checked at once."""
@@ -187,6 +219,11 @@ class RouterService:
             self.poller.start()
         if self.subscriber is not None:
             self.subscriber.start()
+        if self.scraper is not None:
+            self.scraper.tick_all()
+            self.scraper.start()
+        if self.sleeper is not None:
+            self.sleeper.start()
         if self.discovery is not None:
             self.discovery.start()
             # The first list, so that the router starts with its replicas; an API server that does not answer
@@ -203,6 +240,10 @@ class RouterService:
         if self.discovery is not None:
             self.discovery.stop()
         self.health.stop()
+        if self.sleeper is not None:
+            self.sleeper.stop()
+        if self.scraper is not None:
+            self.scraper.stop()
         if self.poller is not None:
             self.poller.stop()
         if self.subscriber is not None:

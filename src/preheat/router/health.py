@@ -3,7 +3,8 @@
 One checker thread per replica asks ``GET /health`` every ``interval`` seconds: a 200 puts the replica in rotation;
 a refused connection takes it out at once (nothing listens there); timeouts and other answers (503 while loading,
 a 5xx) take it out after ``failures`` in a row, so that one slow answer does not flap a busy replica. Requests that
-fail to reach a replica eject it too (``Router.forward``), without waiting for the next check.
+fail to reach a replica eject it too (``Router.forward``), without waiting for the next check. A vLLM replica's
+``/health`` is 200 while it sleeps, so one that answers vLLM's ``/is_sleeping`` is asked that too (sleeping.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from preheat.core.errors import ConnectError, HTTPClientError, JSONInputError
-from preheat.core.jsonsafe import loads_bounded
+from preheat.core.errors import ConnectError, HTTPClientError
 from preheat.http.client import Timeouts, request
-from preheat.router.capacity import NOT_SERVING
+from preheat.http.control import VLLM_IS_SLEEPING
+from preheat.router import sleeping
+from preheat.router.capacity import NOT_SERVING, SLEEPING
 from preheat.router.upstream import Replica
 
 log = logging.getLogger("preheat.router")
@@ -126,21 +128,26 @@ class HealthChecker(ReplicaLoop):
     def check(self, replica: Replica) -> None:
         """One check of ``replica``; ``on_change`` when it should enter or leave rotation."""
         body: dict[str, object] = {}
+        slept = replica.slept
         try:
             answer = request(replica.url + "/health", timeouts=Timeouts.within(self.timeout), max_body=MAX_ANSWER)
-            body = _json_object(answer.body)
+            body = sleeping.json_object(answer.body)  # {} for plain text: a replica of another kind
             phase = str(body.get("status", "ok" if answer.status == 200 else answer.status))
             ok, why = answer.status == 200, f"/health answered {answer.status}"
             # A replica that says it takes no requests (asleep, on standby, draining) means it: out at once.
             definitive = answer.status == 503 and phase in NOT_SERVING
             if definitive:
                 why += f" {phase}"
+            if ok and self._asleep(replica, body):  # vLLM's /health says 200 while it sleeps
+                ok, why, definitive, phase = False, f"{VLLM_IS_SLEEPING} says it is asleep", True, SLEEPING
         except ConnectError as exc:
             ok, why, definitive = False, "connection refused" if exc.refused else str(exc), exc.refused
             phase = "down"
         except HTTPClientError as exc:
             ok, why, definitive, phase = False, str(exc), False, "down"
         if replica.retired:  # it left while we asked: remove() dropped its count, which must stay dropped
+            return
+        if replica.held_out or replica.slept != slept:  # this router put it to sleep while we asked: stale
             return
         self._observe(replica, "ok" if ok else phase, body)
         if ok:
@@ -151,6 +158,22 @@ class HealthChecker(ReplicaLoop):
         self._failed[replica.url] = self._failed.get(replica.url, 0) + 1
         if replica.healthy and (definitive or self._failed[replica.url] >= self.failures):
             self.on_change(replica, False, why)
+
+    def _asleep(self, replica: Replica, body: dict[str, object]) -> bool:
+        """Whether a replica whose ``/health`` said 200 is a vLLM asleep (its ``/is_sleeping``). A preheat replica
+        (its ``/health`` is a JSON object with a status) is not asked; nor is one that did not answer it once."""
+        if "status" in body:
+            replica.sleep_protocol = sleeping.PREHEAT
+            return False
+        if replica.sleep_protocol not in (None, sleeping.VLLM):
+            return False
+        asleep = sleeping.is_sleeping(replica.url, self.timeout)
+        if asleep is None:
+            if replica.sleep_protocol is None:  # not vLLM, or vLLM without its dev-mode routes: never asked again
+                replica.sleep_protocol = sleeping.NONE
+            return False
+        replica.sleep_protocol = sleeping.VLLM
+        return asleep
 
     def _observe(self, replica: Replica, phase: str, body: dict[str, object]) -> None:
         replica.prepared = body.get("prepared") is True
@@ -164,11 +187,3 @@ class HealthChecker(ReplicaLoop):
         if self.on_phase is not None:
             self.on_phase(replica, body)
 
-
-def _json_object(raw: bytes) -> dict[str, object]:
-    """``/health``'s JSON object; {} for anything else (a replica of another kind may answer plain text)."""
-    try:
-        value = loads_bounded(raw, max_bytes=MAX_ANSWER, max_depth=8)
-    except (JSONInputError, UnicodeDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}

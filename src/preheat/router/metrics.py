@@ -46,7 +46,13 @@ class RouterMetrics:
         )
         self.wakes = Counter(
             "preheat_router_wakes_total",
-            "Sleeping replicas the router woke (POST /v1/preheat/wake), by replica and outcome (ok, failed).",
+            "Sleeping replicas the router woke (POST /v1/preheat/wake; vLLM: POST /wake_up, and reload_weights after a "
+            "level-2 sleep), by replica and outcome (ok, failed).",
+        )
+        self.sleeps = Counter(
+            "preheat_router_sleeps_total",
+            "Idle replicas the router put to sleep (--sleep-idle; preheat's or vLLM's sleep route), by replica and "
+            "outcome (ok, failed).",
         )
         self.activation_seconds = Histogram(
             "preheat_router_activation_seconds",
@@ -68,7 +74,7 @@ class RouterMetrics:
         )
         self._all: list[Series] = [
             self.routed, self.decisions, self.retries, self.ejections, self.errors, self.refused, self.overhead, up,
-            flight, index, self.activations, self.wakes, self.activation_seconds, self.wake_seconds,
+            flight, index, self.activations, self.wakes, self.sleeps, self.activation_seconds, self.wake_seconds,
         ]  # fmt: skip
 
     def _up(self) -> Samples:

@@ -36,12 +36,16 @@ from preheat.router.settings import POLICIES  # spelt once: the flag's choices
 @dataclass(frozen=True)
 class Candidate:
     """A healthy replica as a policy sees it: its name (URL), requests in flight through this router, the mean
-    seconds a request has taken there (None before the first one), and how many have finished there."""
+    seconds a request has taken there (None before the first one), and how many have finished there; ``load``:
+    ``(running, waiting)`` from the engine's own ``/metrics`` (a vLLM or SGLang replica; None: not known), when
+    ``load_finished`` of this router's requests had finished there."""
 
     name: str
     in_flight: int = 0
     service_seconds: float | None = None
     finished: int = 0
+    load: tuple[int, int] | None = None
+    load_finished: int = 0
 
 
 @dataclass
@@ -260,14 +264,7 @@ class KVAware(Policy):
         keys = request.keys(state.fingerprint, state.chunk_tokens)
         others = [c for c in self.index.all_costs() if c is not state.costs]
         costs = resolve_costs(state.costs, others)
-        # The replica's own running + waiting are as old as its last poll: the requests of this router that
-        # finished there since that poll was sent are counted in them, but are over. Counted anyway, they would
-        # send a user's next request away from the replica that just cached its context.
-        over = max(candidate.finished - state.finished, 0)
-        queued = max(candidate.in_flight, sum(state.load) - over)
-        # Work ahead of this request: each queued request takes about what requests there have taken so far, and
-        # the one generating now is, on average, half done.
-        wait = max(queued - 0.5, 0.0) * (candidate.service_seconds or 0.0)
+        wait = _queue_wait(candidate, state.load, state.finished)
         name = candidate.name
         l2 = self.index.l2_view(name)
 
@@ -292,7 +289,7 @@ class KVAware(Policy):
         fingerprint, chunk_tokens = self.fallback
         keys = request.keys(fingerprint, chunk_tokens)
         costs = resolve_costs((None, None, None), self.index.all_costs())
-        wait = max(candidate.in_flight - 0.5, 0.0) * (candidate.service_seconds or 0.0)
+        wait = _queue_wait(candidate, (0, 0), 0)
         held = _Either(frozenset(), lambda key: self.routed.contains(name, key) or self.in_flight.contains(name, key))
         return expected_ttft(
             len(request.token_ids), keys, chunk_tokens, l1=frozenset(), l2=frozenset(), costs=costs,
@@ -345,6 +342,26 @@ class KVAware(Policy):
 
 def _ttft(estimate: Estimate | None) -> float:
     return estimate.ttft if estimate is not None else float("inf")
+
+
+def _queue_wait(candidate: Candidate, load: tuple[int, int], finished: int) -> float:
+    """Seconds of work ahead of a request at ``candidate``: its queue times the mean request there. The queue is
+    what the replica itself reported, ``load`` (from its KV events, with ``finished`` of this router's requests
+    over there then) or, newer where there is one, ``candidate.load`` (an engine's ``/metrics``); never less than
+    what this router has in flight there.
+
+    >>> _queue_wait(Candidate("a", 1, 2.0, 5, load=(2, 2), load_finished=4), (0, 0), 0)
+    5.0
+    """
+    if candidate.load is not None:
+        load, finished = candidate.load, candidate.load_finished
+    # The replica's own running + waiting are as old as its last report: the requests of this router that finished
+    # there since are counted in them, but are over. Counted anyway, they would send a user's next request away from
+    # the replica that just cached its context.
+    over = max(candidate.finished - finished, 0)
+    queued = max(candidate.in_flight, sum(load) - over)
+    # Each queued request takes about what requests there have taken so far; the one generating now is half done.
+    return max(queued - 0.5, 0.0) * (candidate.service_seconds or 0.0)
 
 
 class _Either:

@@ -167,7 +167,9 @@ class Router:
         log.warning("replica %s ejected: %s", replica.url, why)
 
     def choose(self, request: RouteRequest, pool: Sequence[Replica], retry: bool = False) -> tuple[Replica, Decision]:
-        candidates = [Candidate(r.url, r.in_flight, r.service_seconds, r.finished) for r in pool]
+        candidates = [
+            Candidate(r.url, r.in_flight, r.service_seconds, r.finished, r.load, r.load_finished) for r in pool
+        ]
         decision = self.policy.choose(request, candidates)
         reason = "retry" if retry else decision.reason
         self.metrics.decisions.inc(policy=self.policy.name, reason=reason)

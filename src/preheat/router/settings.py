@@ -233,6 +233,29 @@ class RouterSettings:
             default_text="wake one when capacity is needed",
         ),
     )
+    # Idle replicas put to sleep (router/sleeping.py): preheat's and vLLM's (dev mode; CUDA frees memory), woken
+    # again as cold capacity; sleep_keep replicas always stay in rotation.
+    sleep_idle: float | None = field(
+        default=None,
+        metadata=option(
+            "put a replica that had no request for S seconds to sleep (preheat: POST /v1/preheat/sleep; vLLM: "
+            "POST /sleep, its dev mode); it is woken again when capacity is needed",
+            metavar="S",
+            default_text="never",
+        ),
+    )
+    sleep_level: int = field(
+        default=1,
+        metadata=option(
+            "--sleep-idle's level: 1 keeps the weights in host memory, 2 drops them (vLLM: reloaded from the "
+            "checkpoint on wake)",
+            metavar="1|2",
+        ),
+    )
+    sleep_keep: int = field(
+        default=1,
+        metadata=option("--sleep-idle never leaves fewer than N replicas in rotation", metavar="N"),
+    )
     # Live weight updates (docs/refit.md): send requests only to the replicas on the newest weights version their
     # /health reports (replicas started with --follow), so no client sees an older version once one has the new.
     newest_version: bool = field(
@@ -303,11 +326,21 @@ class RouterSettings:
                     f"--model {FROM_REPLICAS} asks the --replica URLs for their tokenizer at start, and "
                     "--replicas-from finds its replicas later: pass --model DIR (the model's directory)"
                 )
+        self.check_sleep()
         if self.standby and not self.activation_model:
             raise ConfigError(
                 "--standby replicas need the model to activate them with: pass --standby-model MODEL (a directory or "
                 "URI each standby's --allow-model allows), or --model DIR"
             )
+
+    def check_sleep(self) -> None:
+        """--sleep-idle positive when given, a level vLLM and preheat both have, a keep that is a count."""
+        if self.sleep_idle is not None and self.sleep_idle <= 0:
+            raise ConfigError(f"--sleep-idle {self.sleep_idle}: must be positive (leave it out to never sleep)")
+        if self.sleep_level not in (1, 2):
+            raise ConfigError(f"--sleep-level {self.sleep_level}: must be 1 or 2")
+        if self.sleep_keep < 0:
+            raise ConfigError(f"--sleep-keep {self.sleep_keep}: must be at least 0")
 
     def check_listeners(self) -> None:
         """TLS files that load (a CA alone verifies https replicas), and a dashboard login that lasts."""

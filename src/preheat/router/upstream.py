@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -133,6 +134,20 @@ class Replica:
         self.in_flight = 0
         self.finished = 0
         self.service_seconds: float | None = None
+        self.last_active = time.monotonic()  # when a request last began or ended here (the idle sleeper reads it)
+        # What its own /metrics said last (router/scrape.py; engine replicas): its engine, (running, waiting) and how
+        # many of this router's requests had finished there when it was asked (None: not scraped, or not exported).
+        self.engine: str | None = None
+        self.load: tuple[int, int] | None = None
+        self.load_finished = 0
+        # The sleep protocol it speaks (router/sleeping.py): "preheat" (its /health is preheat's JSON), "vllm" (it
+        # answers vLLM's /is_sleeping), "none" (neither); None until its /health was seen.
+        self.sleep_protocol: str | None = None
+        self.sleep_level: int | None = None  # the level it was put to sleep at, when known
+        # Being put to sleep by this router (held out of rotation meanwhile), and how many times it was: a health
+        # check that began before a sleep must not put the sleeper back in rotation with what it saw then.
+        self.held_out = False
+        self.slept = 0
         self.origin = Origin(self.address.scheme, self.address.host, self.address.port)
         self.pool = Pool(self.timeouts, idle=POOL_SIZE)
         self._lock = threading.Lock()
@@ -142,7 +157,7 @@ class Replica:
         it left the fleet (``retire``): checked under the lock, so a health check finishing as it leaves cannot put
         it back."""
         with self._lock:
-            if healthy and self.retired:
+            if healthy and (self.retired or self.held_out):
                 return False
             changed, self.healthy = self.healthy != healthy, healthy
             return changed
@@ -151,11 +166,13 @@ class Replica:
     def begin(self) -> None:
         with self._lock:
             self.in_flight += 1
+            self.last_active = time.monotonic()
 
     def end(self, seconds: float | None) -> None:
         """One request is over; ``seconds`` (None when it failed) feeds the mean request duration."""
         with self._lock:
             self.in_flight -= 1
+            self.last_active = time.monotonic()
             if seconds is not None:
                 self.finished += 1
                 old = self.service_seconds

@@ -216,6 +216,18 @@ def test_the_router_wakes_a_sleeping_replica_when_it_needs_capacity(tiny_servabl
         assert router_metric(router.url, "preheat_router_wake_seconds_count") == 1
 
 
+def test_sleep_idle_puts_an_idle_replica_to_sleep_and_a_request_wakes_it(tiny_servable_model: Path) -> None:
+    (only,) = start_replicas(str(tiny_servable_model), 1)
+    flags: dict[str, object] = {"sleep_idle": 0.5, "sleep_keep": 0, "health_interval": 0.2}
+    with only, running_router([only.url], "round-robin", **flags) as router:
+        wait_until(lambda: health(only.url)["status"] == "sleeping", "the idle replica asleep")
+        reply = complete(router.url)  # no replica in rotation: woken, then served there
+        assert reply.status == 200, reply.body
+        assert replica_of(reply) == only.url
+        assert router_metric(router.url, "preheat_router_sleeps_total", replica=only.url, outcome="ok") >= 1
+        assert router_metric(router.url, "preheat_router_wakes_total", replica=only.url, outcome="ok") == 1
+
+
 def test_with_no_wake_a_sleeping_replica_stays_asleep_and_its_refusal_reaches_the_client(
     tiny_servable_model: Path,
 ) -> None:

@@ -65,16 +65,25 @@ function replicaRow(r) {
         el("span", { class: "tier-value" }, pct(t.hit_rate)), t.up === 0 ? el("span", { class: "pill bad" }, "down") : null))
     : [el("span", { class: "muted" }, "no KV tiers")];
   const cached = r.cached_share === null ? dash : `${pct(r.cached_share)} of ${r.prompt_tokens}`;
-  return el("tr", { "data-replica": r.url, "data-health": health, class: r.healthy ? "" : "down" },
-    el("td", { class: "url" }, r.url, r.standby ? el("span", { class: "pill muted-pill" }, "standby") : null),
+  // Replicas of other engines (vLLM, SGLang) are read from their own metrics: say which, and how full their KV is.
+  const engine = r.engine && r.engine !== "preheat" && r.engine !== "unknown" ? r.engine : null;
+  const usage = r.kv_usage === null || r.kv_usage === undefined ? null
+    : el("div", { class: "tier", "data-testid": "kv-usage" }, el("span", { class: "tier-name" }, "used"),
+      bar(r.kv_usage, "share of the KV cache in use"), el("span", { class: "tier-value" }, pct(r.kv_usage)));
+  const ttft = r.ttft && r.ttft.p50 !== null ? secs(r.ttft.p50) : dash;
+  return el("tr", { "data-replica": r.url, "data-health": health, "data-engine": r.engine || "",
+    class: r.healthy ? "" : "down" },
+    el("td", { class: "url" }, r.url, r.standby ? el("span", { class: "pill muted-pill" }, "standby") : null,
+      engine ? el("span", { class: "pill muted-pill", "data-testid": "engine" }, engine) : null),
     el("td", { class: "health" }, el("span", { class: `pill ${r.healthy ? "good" : "bad"}` }, health),
       phase ? el("span", { class: "phase" }, phase) : null,
       r.error ? el("div", { class: "error", title: r.error }, r.error.replace(/^\S+?: /, "")) : null),
     el("td", { class: "num" }, num(r.in_flight)),
     el("td", { class: "num" }, `${num(r.queue)} · ${num(r.running)}`),
     el("td", { class: "num", "data-testid": "tokens-per-s" }, num(r.tokens_per_s, 1)),
-    el("td", { class: "kv" }, ...kv),
+    el("td", { class: "kv" }, ...kv, usage),
     el("td", { class: "num", "data-testid": "cached-share" }, cached),
+    el("td", { class: "num", "data-testid": "ttft", title: r.ttft ? `${r.ttft.count} requests` : "" }, ttft),
     el("td", { class: "num" }, num(r.finished)));
 }
 
