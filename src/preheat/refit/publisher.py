@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from preheat.checkpoint.torch_dtypes import from_torch
 from preheat.core.errors import ConfigError, RefitError
 from preheat.http.tls import TLSFiles
 from preheat.peer.registry import DEFAULT_TTL, Heartbeat, PeerEntry, Registry, open_registry
+from preheat.refit.lookout import holder_claims
 from preheat.refit.protocol import (
     MAX_COUNT,
     TensorEntry,
@@ -73,6 +75,36 @@ def snapshot(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if out.data_ptr() == tensor.data_ptr() or out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
         out = out.clone()  # no conversion made a copy: this would be the trainer's own memory
     return out
+
+
+def full_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with every sharded tensor (a ``DTensor``: FSDP2, tensor parallel) gathered whole. A collective:
+    every rank of the tensors' mesh calls it with its own state dict; one rank then publishes the result.
+
+    >>> full = full_state_dict(model.state_dict())   # doctest: +SKIP  (on every rank)
+    >>> if rank == 0:                                 # doctest: +SKIP
+    ...     publisher.publish(full)
+    """
+    return {name: _gathered(tensor) for name, tensor in state_dict.items()}
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)  # DTensor's: torch.distributed.tensor is not imported for others
+    return full() if callable(full) else tensor
+
+
+def _whole(name: str, tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """``tensor`` whole: a DTensor of a one-rank mesh is gathered here; one sharded over several ranks must be
+    gathered by every rank (``full_state_dict``), or this rank alone would wait for the others forever."""
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is None or not callable(getattr(tensor, "full_tensor", None)):
+        return tensor
+    if mesh.size() > 1:
+        raise RefitError(
+            f"{where}: tensor {name} is a DTensor over {mesh.size()} ranks: gather it on every rank with "
+            "preheat.refit.publisher.full_state_dict(state_dict), then publish the result on one rank"
+        )
+    return _gathered(tensor)
 
 
 def _as_served(tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
@@ -172,7 +204,10 @@ class Publisher:
         """Snapshot ``state_dict`` as ``version`` (default: the latest + 1) and serve it; returns its manifest.
 
         ``dtype``: cast floating tensors to it (fp32 master weights served as bf16). A version must be newer than
-        the latest one published (``RefitError`` otherwise): replicas only ever move forward.
+        the latest one published (``RefitError`` otherwise): replicas only ever move forward. Tensors may live on
+        CUDA (copied to host memory here); sharded ones (``DTensor``) are gathered first (``full_state_dict``).
+        Returns once the version is announced: holders answer for it from then on, and followers find it at
+        their next look (``wait`` blocks until replicas serve it).
         """
         latest = self.latest
         if version is None:
@@ -183,8 +218,9 @@ class Publisher:
         entries: list[TensorEntry] = []
         data: dict[str, torch.Tensor] = {}
         before = previous.manifest.digests() if previous is not None else {}
-        for tensor_name, tensor in state_dict.items():
+        for tensor_name, given in state_dict.items():
             check_tensor_name(tensor_name, self.url)
+            tensor = _whole(tensor_name, given, self.url)
             old = before.get(tensor_name)
             kept = previous.data.get(tensor_name) if previous is not None and old is not None else None
             copy, digest = _unless_unchanged(tensor, dtype, kept, old)
@@ -205,6 +241,43 @@ class Publisher:
             self._name, version, changed, len(manifest.tensors), manifest.changed_bytes, manifest.total_bytes,
         )  # fmt: skip
         return manifest
+
+    def holders(self, version: int) -> list[str]:
+        """The other holders of this name (replicas) that serve ``version`` of this publisher's epoch, or a newer one:
+        what they announce in the registry and answer on ``/refit/v1/info`` (a replica announces a version once it
+        serves it, after verifying every tensor)."""
+        target = (self.epoch, version)
+        headers = {"Authorization": f"Bearer {self.server.token}"} if self.server.token else {}
+        own, found = self.server.address, []
+        for entry in self.registry.find(head_name(self._name)):
+            if entry.address == own or entry.identity != head_identity(self._name):
+                continue
+            claims = holder_claims(entry.address, headers)
+            if claims and max(claims) >= target:
+                found.append(entry.address)
+        return sorted(set(found))
+
+    def wait(self, version: int, *, replicas: int, timeout: float = 300.0, poll_s: float = 0.2) -> list[str]:
+        """Block until ``replicas`` replicas serve ``version`` (or newer) of this publisher's epoch; their holder
+        addresses. ``RefitError`` after ``timeout`` seconds, saying how many do. What a synchronous RL step calls
+        between ``publish`` and the next rollout:
+
+        >>> manifest = publisher.publish(model.state_dict())          # doctest: +SKIP
+        >>> publisher.wait(manifest.version, replicas=8, timeout=120)  # doctest: +SKIP
+        """
+        if replicas < 1:
+            raise ConfigError(f"replicas={replicas}: wait for at least one replica")
+        deadline = time.monotonic() + timeout
+        while True:
+            serving = self.holders(version)
+            if len(serving) >= replicas:
+                return serving
+            if time.monotonic() >= deadline:
+                raise RefitError(
+                    f"version {version} of {self._name}: {len(serving)} of {replicas} replicas serve it after "
+                    f"{timeout:g} s ({', '.join(serving) or 'none'})"
+                )
+            time.sleep(poll_s)
 
     def _entry(self) -> PeerEntry:
         return PeerEntry(head_identity(self._name), self.server.address, name=head_name(self._name))

@@ -16,7 +16,7 @@ from preheat.core.errors import APIError
 from preheat.http.metrics import Family
 
 if TYPE_CHECKING:
-    from preheat.refit.follower import Follower
+    from preheat.refit.follow import VersionFollower
     from preheat.refit.swap import SwapReport
     from preheat.server.lifecycle import ControlResponder
     from preheat.server.state import Loaded, ServerState
@@ -83,7 +83,7 @@ def start_follow(state: ServerState, say: Callable[[str], None]) -> None:
         f"server {where})")  # fmt: skip
 
 
-def metric_families(follower: Follower) -> list[Family]:
+def metric_families(follower: VersionFollower) -> list[Family]:
     """The per-replica version gauge and the refit counters, for ``/metrics``."""
     last = follower.last
     return [

@@ -37,10 +37,35 @@ def register() -> None:
             f"preheat's --load-format {LOAD_FORMAT} plugs into vLLM, which is not installed here ({exc}): "
             f"pip install 'vllm=={SUPPORTED_VLLM[-1]}.*'"
         ) from None
+    version = str(getattr(vllm, "__version__", "unknown"))
     try:
         _register_loader()
+        _let_aot_load(version)
     finally:
-        _record_startup(str(getattr(vllm, "__version__", "unknown")), entered)
+        _record_startup(version, entered)
+        _follow_versions()
+
+
+def _follow_versions() -> None:
+    """``PREHEAT_VLLM_FOLLOW``: the API server follows a refit name (``follow_app``), start-up timeline or not."""
+    from preheat.integrations.vllm.startup_hooks import install_follow
+
+    status = install_follow()
+    if status not in ("installed", "not following"):
+        log.error("preheat: PREHEAT_VLLM_FOLLOW is set but this vLLM cannot follow: %s", status)
+
+
+def _let_aot_load(version: str) -> None:
+    """vLLM loads back its saved AOT function on a CPU build too (``preheat.integrations.vllm.aot``); only on the
+    versions whose loading path was read, and never at the cost of vLLM's start."""
+    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
+        return
+    try:
+        from preheat.integrations.vllm.aot import install
+
+        install()
+    except Exception as exc:  # vLLM then compiles again, as it would without preheat
+        log.warning("preheat: vLLM's AOT load is left as it is in this process (%s: %s)", type(exc).__name__, exc)
 
 
 def _record_startup(version: str, entered: float) -> None:

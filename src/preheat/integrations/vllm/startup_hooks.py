@@ -140,9 +140,30 @@ def _build_app(original: Func) -> Func:
     def build(*args: Any, **kwargs: Any) -> Any:  # Any: vLLM's arguments and FastAPI app, passed through
         app = original(*args, **kwargs)
         _safely("the timeline route", lambda: _serve_timeline(app))
+        _follow(app)  # not _safely: a replica told to follow a name must not serve without following it
         return app
 
     return build
+
+
+def _follow(app: Any) -> None:  # Any: a FastAPI app
+    """``PREHEAT_VLLM_FOLLOW``: the API server follows a refit name (``preheat.integrations.vllm.follow_app``)."""
+    from preheat.core import env
+
+    if env.get(env.VLLM_FOLLOW):
+        from preheat.integrations.vllm.follow_app import install as follow
+
+        follow(app)
+
+
+def install_follow() -> str:
+    """The ``build_app`` hook alone, when ``PREHEAT_VLLM_FOLLOW`` is set and the start-up timeline is off (which
+    installs it otherwise): ``installed``, or why not."""
+    from preheat.core import env
+
+    if not env.get(env.VLLM_FOLLOW):
+        return "not following"
+    return _apply(next(h for h in HOOKS if h.wrap is _build_app))
 
 
 def _serve_timeline(app: Any) -> None:  # Any: a FastAPI app (FastAPI is vLLM's dependency, not preheat's)
@@ -368,6 +389,11 @@ def install(version: str, *, entered: float, role: str | None = None) -> startup
             recorder.hook(stage, "installed" if ok else f"vLLM {version} is outside the versions observed ({ranges})")
     startup.plugin_done(recorder, entered)
     return recorder
+
+
+def apply(hook: Hook) -> str:
+    """Install ``hook`` alone, whatever its roles (the vLLM standby's own hooks): ``installed``, or why not."""
+    return _apply(hook)
 
 
 def _apply(hook: Hook) -> str:
