@@ -41,6 +41,7 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "doctor": ("doctor",),
     "deploy": ("deploy",),
     "refit": ("refit",),
+    "vllm_standby": ("vllm-standby",),
 }
 
 

