@@ -29,11 +29,12 @@ from safetensors.torch import load_file, save_file
 
 from engines.enginekit import needs_vllm_cpu
 from engines.vllmkit import DRIVER, PROMPTS, side_files, write_vllm_tiny
+from holders import LyingHolder
 from preheat.core.procs import pdeathsig
 from preheat.http.client import Timeouts, request
 from preheat.integrations.vllm.follow_plan import WORKER_EXTENSION
 from preheat.peer.registry import FileRegistry, PeerEntry
-from preheat.refit.protocol import VersionManifest, head_identity, head_name
+from preheat.refit.protocol import head_identity, head_name
 from preheat.refit.publisher import Publisher
 from preheat.refit.server import RefitServer
 from preheat.testing.ports import free_port
@@ -156,23 +157,6 @@ def next_version(weights: dict[str, torch.Tensor], names: list[str], seed: int) 
     for name in names:
         out[name] = (weights[name] + 0.5 * torch.randn(weights[name].shape, generator=generator)).contiguous()
     return out
-
-
-class LyingHolder:
-    """Serves a real manifest with bytes that never match it."""
-
-    def __init__(self, manifest: VersionManifest) -> None:
-        self.name, self._manifest = NAME, manifest
-
-    def versions(self) -> list[int]:
-        return [self._manifest.version]
-
-    def manifest(self, version: int) -> VersionManifest | None:
-        return self._manifest if version == self._manifest.version else None
-
-    def tensor_bytes(self, version: int, tensor: str) -> memoryview | None:
-        entry = self._manifest.entry(tensor)
-        return None if entry is None else memoryview(bytes(entry.nbytes))
 
 
 def publish_under_load(publisher: Publisher, replicas: list[Replica], weights: dict[str, torch.Tensor], k: int) -> None:

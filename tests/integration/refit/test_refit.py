@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from artifactkit import make_keypair
+from holders import LyingHolder
 from hostile import DEEP_JSON, ScriptedServer, always
 from preheat.core.errors import RefitError
 from preheat.engine import Engine, SamplingParams
@@ -135,23 +136,6 @@ def test_a_replica_that_finished_serves_the_version_when_the_trainer_dies(
     finally:
         first.stop()
         second.stop()
-
-
-class LyingHolder:
-    """A holder whose manifest promises one thing and whose bytes are another (a corrupted copy, a bad disk)."""
-
-    def __init__(self, manifest: VersionManifest) -> None:
-        self.name, self._manifest = NAME, manifest
-
-    def versions(self) -> list[int]:
-        return [self._manifest.version]
-
-    def manifest(self, version: int) -> VersionManifest | None:
-        return self._manifest if version == self._manifest.version else None
-
-    def tensor_bytes(self, version: int, tensor: str) -> memoryview | None:
-        entry = self._manifest.entry(tensor)
-        return None if entry is None else memoryview(bytes(entry.nbytes))  # zeros: never the promised digest
 
 
 def announce(registry: str, address: str) -> None:
