@@ -10,6 +10,9 @@ three standbys) on 2 cores: a few minutes.
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -171,3 +174,36 @@ def test_the_router_activates_the_standby_when_no_replica_is_in_rotation(standby
         assert standby.health() == (200, {})  # vLLM's own /health: the standby became the replica
     finally:
         end(router)
+
+
+def test_preheat_up_with_the_vllm_engine_serves_through_its_router(smol: Path, tmp_path: Path) -> None:
+    """``preheat up --engine vllm``: one replica (a standby told to load at once) and one standby behind a router;
+    a completion through the router is answered by vLLM, the router lists the standby, and SIGTERM stops every
+    process ``up`` started."""
+    vllm_args = " ".join(shlex.quote(arg) for arg in standby_args("served"))
+    command = [sys.executable, "-m", "preheat", "up", str(smol), "--engine", "vllm", "--replicas", "1",
+               "--standby", "1", "--port", "0", "--vllm-args", vllm_args]  # fmt: skip
+    with (tmp_path / "up.log").open("wb") as log:
+        up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, env=cpu_env(), start_new_session=True)
+        pids: list[int] = []
+        router = ""
+        try:
+            assert up.stdout is not None
+            for raw in up.stdout:
+                line = raw.decode()
+                if " (pid " in line:  # "replica 1: http://127.0.0.1:PORT (pid N)"
+                    pids.append(int(line.rsplit("(pid ", 1)[1].rstrip(")\n")))
+                if line.startswith("ready: "):
+                    router = line.split()[1].removesuffix("/v1")
+                    break
+            assert router, (tmp_path / "up.log").read_text()[-3000:]
+            assert len(pids) == 3  # the replica, the standby, the router
+            assert all(text for text in greedy(router, "served"))
+            replicas = Client(router).get("/health").json()["replicas"]
+            assert sorted(bool(r.get("standby")) for r in replicas) == [False, True]
+        finally:
+            os.killpg(up.pid, signal.SIGTERM)
+            up.wait(120)
+    for pid in pids:  # reaped by `up` before it returned
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

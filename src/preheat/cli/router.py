@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import signal
 import sys
 import threading
@@ -86,8 +87,13 @@ With --standby N it also starts N `preheat serve --standby --allow-model MODEL` 
 when no replica is in rotation or all are saturated (--saturation; docs/router.md, *Standby and sleeping replicas*).
 The pool is not refilled: an activated standby is a serving replica from then on.
 
+With --engine vllm (run it in vLLM's environment) every replica and standby is a `preheat vllm-standby`: the
+replicas are told to load MODEL at once, so each starts as an activated standby does (its engine processes forked
+from a process that has already imported vLLM), and --vllm-args are the `vllm serve` arguments of all of them.
+
 examples:
   preheat up --replicas 2 ./smollm2
+  preheat up --engine vllm --replicas 1 --standby 1 ./smollm2 --vllm-args '--dtype float32 --max-model-len 2048'
   preheat up --replicas 2 ./smollm2 --kv-l1 2GiB --kv-l2 fs:///tmp/kv --policy kv --port 8080
   preheat up --replicas 1 --standby 2 ./smollm2 --saturation 2     # grows to 3 replicas under load
   preheat up --replicas 0 --standby 1 ./smollm2                    # the first request activates one
@@ -151,6 +157,18 @@ def register(commands: Commands) -> None:
         help="also start N standby replicas the router activates when it needs capacity (default: 0)",
     )
     up.add_argument("--port", type=int, default=8080, help="the router's port (default: 8080; 0 picks a free one)")
+    up.add_argument(
+        "--engine",
+        choices=("preheat", "vllm"),
+        default="preheat",
+        help="what serves: `preheat serve` replicas, or vLLM through `preheat vllm-standby` (default: preheat)",
+    )
+    up.add_argument(
+        "--vllm-args",
+        default="",
+        metavar="ARGS",
+        help="--engine vllm: the `vllm serve` arguments of every replica, as one quoted string (not --host/--port)",
+    )
     add_settings_flags(up, RouterSettings, only=UP_ROUTER)
     add_settings_flags(
         up, ServeSettings, only=UP_REPLICA, help=lambda s: f"passed to each replica's `preheat serve {s.flag}`"
@@ -226,6 +244,22 @@ def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return replica_args, router_args
 
 
+def _engine_arguments(args: argparse.Namespace, replica_args: list[str]) -> list[str] | None:
+    """Each replica's arguments for ``--engine``: ``preheat serve``'s, or vLLM's (``--vllm-args``); None (said why)
+    when the two are mixed."""
+    if args.engine == "preheat":
+        if args.vllm_args:
+            print("preheat up: --vllm-args needs --engine vllm", file=sys.stderr)
+            return None
+        return replica_args
+    if replica_args:
+        flags = " ".join(a for a in replica_args if a.startswith("--"))
+        print(f"preheat up: {flags}: `preheat serve` flags; with --engine vllm give vLLM's own in --vllm-args",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return shlex.split(args.vllm_args)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from preheat.core import env
     from preheat.http.server import sigterm_interrupts
@@ -243,6 +277,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     # slots' --allow-model and the router's tokenizer then all name the same checkpoint.
     args.model = resolve_model(args.model)
     replica_args, router_args = _up_arguments(args)
+    engine_args = _engine_arguments(args, replica_args)
+    if engine_args is None:
+        return 2
+    replica_args = engine_args
     # Secrets reach the children through their environment, never their command lines (visible to all users): the
     # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
     key = args.api_key or env.get(env.ROUTER_API_KEY)
@@ -270,6 +308,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 echo=echo,
                 env=children,
                 standby=args.standby,
+                engine=args.engine,
+                admin_key=admin,
             )
             assert cluster.router is not None
             assert cluster.router.url is not None

@@ -8,6 +8,7 @@ every group, then SIGKILL to any group still alive after a grace period. On Linu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -20,6 +21,7 @@ from preheat.core.jsonsafe import loads_bounded
 from preheat.core.procs import Child
 from preheat.dashboard.prom import by_label, parse
 from preheat.http.client import Timeouts, request
+from preheat.http.control import LOAD_ROUTE
 
 ADDRESS_TIMEOUT = 120.0  # a child prints its address once its socket is bound (before any model loads)
 GRACE_SECONDS = 10.0
@@ -94,21 +96,35 @@ def start_cluster(
     echo: Callable[[str], None],
     env: Mapping[str, str] | None = None,
     standby: int = 0,
+    engine: str = "preheat",
+    admin_key: str | None = None,
 ) -> Cluster:
     """Start ``replicas`` replicas of ``model`` and ``standby`` standby replicas allowed to load it (and nothing
     else), then a router in front of them; stopped again on any failure. ``env``: the children's environment (None:
-    this process's)."""
+    this process's). ``engine="vllm"``: every child is a ``preheat vllm-standby`` (``replica_args`` are then vLLM's
+    serve arguments) and each replica is one told at once to load ``model`` (with ``admin_key``): a replica starts
+    as fast as an activated standby, its engine processes forked from a process that has imported vLLM."""
     cluster = Cluster()
     allowed = os.path.abspath(model) if "://" not in model else model
+    vllm = engine == "vllm"
     try:
         for i in range(replicas):
-            args = ["serve", model, "--port", "0", *replica_args]
+            if vllm:
+                args = ["vllm-standby", "--port", "0", "--allow-model", allowed, "--", *replica_args]
+            else:
+                args = ["serve", model, "--port", "0", *replica_args]
             cluster.replicas.append(_child(f"replica {i + 1}", args, echo, env))
         for i in range(standby):
-            args = ["serve", "--standby", "--allow-model", allowed, "--port", "0", *replica_args]
+            if vllm:
+                args = ["vllm-standby", "--port", "0", "--allow-model", allowed, "--", *replica_args]
+            else:
+                args = ["serve", "--standby", "--allow-model", allowed, "--port", "0", *replica_args]
             cluster.standby.append(_child(f"standby {i + 1}", args, echo, env))
         urls = [child.wait_address() for child in cluster.replicas]
         waiting = [child.wait_address() for child in cluster.standby]
+        if vllm:
+            for url in urls:
+                activate(url, allowed, admin_key)
         args = [
             "router",
             *(arg for url in urls for arg in ("--replica", url)),
@@ -121,6 +137,22 @@ def start_cluster(
         cluster.stop()
         raise
     return cluster
+
+
+def activate(url: str, model: str, admin_key: str | None, timeout: float = 60.0) -> None:
+    """Tell the standby at ``url`` to load ``model`` (``POST /v1/preheat/load``; it answers at once and loads
+    behind its ``/health``); ``ProcessError`` with the standby's own reason when it refuses."""
+    headers = {"Content-Type": "application/json"}
+    if admin_key:
+        headers["Authorization"] = f"Bearer {admin_key}"
+    body = json.dumps({"model": model, "wait": False}).encode()
+    try:
+        answer = request(url + LOAD_ROUTE, "POST", body=body, headers=headers, timeouts=Timeouts.within(timeout),
+                         max_body=1 << 20)  # fmt: skip
+    except HTTPClientError as exc:
+        raise ProcessError(f"{url}{LOAD_ROUTE}: {exc}") from None
+    if answer.status not in (200, 202):
+        raise ProcessError(f"{url}{LOAD_ROUTE} answered {answer.status}: {answer.body[:500].decode(errors='replace')}")
 
 
 def _child(name: str, args: Sequence[str], echo: Callable[[str], None], env: Mapping[str, str] | None) -> Child:
