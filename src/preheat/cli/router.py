@@ -247,7 +247,7 @@ def _up_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def _engine_arguments(args: argparse.Namespace, replica_args: list[str]) -> list[str] | None:
     """Each replica's arguments for ``--engine``: ``preheat serve``'s, or vLLM's (``--vllm-args``); None (said why)
     when the two are mixed."""
-    if args.engine == "preheat":
+    if args.engine != "vllm":
         if args.vllm_args:
             print("preheat up: --vllm-args needs --engine vllm", file=sys.stderr)
             return None

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from preheat.core.errors import HTTPClientError
+from preheat.core.jsonsafe import loads_bounded
 from preheat.core.procs import Child, pdeathsig
 from preheat.http.client import Response, Timeouts, get, request
 from preheat.http.control import LOAD_ROUTE
@@ -73,8 +74,8 @@ class VLLMStandby:
     def health(self) -> tuple[int, dict[str, object]]:
         """``/health``'s status and JSON object (``{}`` for vLLM's empty 200)."""
         answer = get(self.url + "/health", timeouts=Timeouts.within(10.0), max_body=1 << 16)
-        body = json.loads(answer.body) if answer.body.strip() else {}
-        return answer.status, body
+        body = loads_bounded(answer.body, max_bytes=1 << 16) if answer.body.strip() else {}
+        return answer.status, body if isinstance(body, dict) else {}
 
     def wait_prepared(self, timeout: float = 300.0) -> None:
         self.child.wait_until(lambda _: self.health()[1].get("prepared") is True, timeout)
