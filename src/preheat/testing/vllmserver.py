@@ -139,11 +139,15 @@ class VLLMServer:
         wait_healthy(self.url, timeout=timeout, proc=self.proc, log=self.log)
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """Signal the server's whole process group, also when the server itself is gone: vLLM's engine core and
+        workers are in its group and outlive it (orphans holding a model's memory each)."""
+        if self.proc is None:
             return
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
+            return
+        if self.proc.poll() is not None:
             return
         try:
             self.proc.wait(timeout=30)

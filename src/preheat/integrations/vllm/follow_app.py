@@ -122,9 +122,13 @@ class VersionMiddleware:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # Any: ASGI's scope and channels
         follower = self.state.follower
         if scope.get("type") != "http" or follower is None:
-            if self.state.error is not None and scope.get("type") == "http" and scope.get("path") == "/health":
-                # Told to follow and cannot: out of rotation, saying why, rather than serving the checkpoint silently.
-                body = json.dumps({"status": "not_following", "error": self.state.error}).encode()
+            if scope.get("type") == "http" and scope.get("path") == "/health":
+                # Told to follow and cannot (yet): out of rotation, saying why, rather than serving the checkpoint
+                # without a version (the follower starts once vLLM's engine client exists, after its /health would
+                # first answer 200).
+                error = self.state.error
+                doc = {"status": "not_following", "error": error} if error else {"status": "loading", "stage": "follow"}
+                body = json.dumps(doc).encode()
                 headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 await send({"type": "http.response.start", "status": 503, "headers": headers})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
