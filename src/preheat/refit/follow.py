@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import torch
 
@@ -78,6 +78,23 @@ class RefitStats:
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
+
+
+class FollowOptions(TypedDict, total=False):
+    """``VersionFollower``'s keyword arguments that an engine's follower passes through as they are (documented on
+    ``VersionFollower``): one list, so the engines' followers do not repeat it."""
+
+    token: str | None
+    serve: bool
+    host: str
+    port: int
+    poll_s: float
+    deadline_s: float
+    ttl: float
+    tls: TLSFiles | None
+    trusted: TrustedKeys | None
+    max_jump: int
+    shun_s: float
 
 
 class VersionFollower:

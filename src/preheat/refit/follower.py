@@ -16,18 +16,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from preheat.artifacts.signing import TrustedKeys
 from preheat.checkpoint.torch_dtypes import to_torch
 from preheat.core.errors import RefitError
-from preheat.http.tls import TLSFiles
-from preheat.peer.registry import DEFAULT_TTL, Registry
-from preheat.refit.follow import RefitStats, Runner, VersionFollower, run_now
+from preheat.peer.registry import Registry
+from preheat.refit.follow import FollowOptions, RefitStats, Runner, VersionFollower, run_now
 from preheat.refit.protocol import TensorEntry, VersionManifest
 from preheat.refit.publisher import tensor_view
 from preheat.refit.swap import ModelSlots, SwapReport, check_shapes, swap
-from preheat.refit.trust import DEFAULT_MAX_JUMP
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11; only the annotations use it
+
     from preheat.engine import Engine
 
 __all__ = ["Follower", "RefitStats", "run_now"]
@@ -50,19 +49,9 @@ class Follower(VersionFollower):
         registry: str | Registry,
         base_digests: Mapping[str, str] | None = None,
         run_between: Runner[SwapReport] = run_now,
-        token: str | None = None,
-        serve: bool = True,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        poll_s: float = 0.5,
-        deadline_s: float = 120.0,
         inplace: bool = False,
-        ttl: float = DEFAULT_TTL,
-        tls: TLSFiles | None = None,
         on_version: Callable[[int], None] | None = None,
-        trusted: TrustedKeys | None = None,
-        max_jump: int = DEFAULT_MAX_JUMP,
-        shun_s: float = 60.0,
+        **options: Unpack[FollowOptions],
     ) -> None:
         if engine.model is None:
             raise RefitError("--follow needs the built-in engine: this model runs on the transformers fallback")
@@ -70,9 +59,8 @@ class Follower(VersionFollower):
         self.engine, self.inplace = engine, inplace
         self.owned: set[str] = set()
         super().__init__(
-            name, registry=registry, base_digests=base_digests, run_between=run_between, token=token, serve=serve,
-            host=host, port=port, poll_s=poll_s, deadline_s=deadline_s, ttl=ttl, tls=tls, on_version=on_version,
-            trusted=trusted, max_jump=max_jump, shun_s=shun_s,
+            name, registry=registry, base_digests=base_digests, run_between=run_between, on_version=on_version,
+            **options,
         )  # fmt: skip
 
     def tensor_bytes(self, version: int, tensor: str) -> memoryview | None:

@@ -24,23 +24,23 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
-from preheat.artifacts.signing import TrustedKeys
 from preheat.checkpoint.digest import digest_bytes
 from preheat.checkpoint.layout import open_checkpoint, read_manifest
 from preheat.checkpoint.torch_dtypes import from_torch
 from preheat.core.errors import CheckpointError, RefitError
-from preheat.http.tls import TLSFiles
 from preheat.integrations.vllm.follow_plan import INSTALL_METHOD, LAYOUT_METHOD, WORKER_EXTENSION, install_set, layout
-from preheat.peer.registry import DEFAULT_TTL, Registry
-from preheat.refit.follow import VersionFollower
+from preheat.peer.registry import Registry
+from preheat.refit.follow import FollowOptions, VersionFollower
 from preheat.refit.protocol import TensorEntry, VersionManifest
 from preheat.refit.publisher import tensor_view
 from preheat.refit.swap import SwapReport
-from preheat.refit.trust import DEFAULT_MAX_JUMP
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11; only the annotations use it
 
 log = logging.getLogger("preheat.vllm")
 R = TypeVar("R")
@@ -168,18 +168,8 @@ class VllmFollower(VersionFollower):
         *,
         checkpoint: str | None,
         registry: str | Registry,
-        token: str | None = None,
-        serve: bool = True,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        poll_s: float = 0.5,
-        deadline_s: float = 120.0,
-        ttl: float = DEFAULT_TTL,
-        tls: TLSFiles | None = None,
-        trusted: TrustedKeys | None = None,
-        max_jump: int = DEFAULT_MAX_JUMP,
-        shun_s: float = 60.0,
         staging: str | None = None,
+        **options: Unpack[FollowOptions],
     ) -> None:
         self.handle = handle
         self.holdings = Holdings(checkpoint)
@@ -191,11 +181,7 @@ class VllmFollower(VersionFollower):
         # The bytes held and the version they are of change together: a replica pulling from this one never gets
         # version N's bytes under version N-1's digest (it would take this replica for a liar).
         self._holding = threading.Lock()
-        super().__init__(
-            name, registry=registry, base_digests=self.holdings.digests, token=token, serve=serve, host=host,
-            port=port, poll_s=poll_s, deadline_s=deadline_s, ttl=ttl, tls=tls, trusted=trusted, max_jump=max_jump,
-            shun_s=shun_s,
-        )  # fmt: skip
+        super().__init__(name, registry=registry, base_digests=self.holdings.digests, **options)
 
     def check_engine(self) -> None:
         """``RefitError`` unless the workers carry the extension (``--worker-extension-cls``)."""
