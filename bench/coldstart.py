@@ -59,6 +59,7 @@ from typing import Any
 from preheat.cli.demo import smollm2_checkpoint
 from preheat.core.procs import pdeathsig
 from preheat.router.cluster import ServerProcess
+from preheat.testing.peerprocess import PeerProcess
 
 QUESTION = "What is the capital of France?"
 POLL = 0.02
@@ -433,29 +434,7 @@ def run_standby_cache(path: str, env: dict[str, str]) -> tuple[Result, dict[str,
         return result | build_of(timeline), stage_durations(timeline)
 
 
-class SeedPeer:
-    """``python -m preheat.peer DIR``: serves the checkpoint's files as a peer."""
-
-    def __init__(self, root: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "preheat.peer", root],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
-        )
-        assert self.proc.stdout is not None
-        self.address = self.proc.stdout.readline().rsplit(" at ", 1)[1].strip()
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
-def run_standby_peer(path: str, peer: SeedPeer, env: dict[str, str]) -> tuple[Result, dict[str, float]]:
+def run_standby_peer(path: str, peer: PeerProcess, env: dict[str, str]) -> tuple[Result, dict[str, float]]:
     with open(os.path.join(path, "preheat.json"), encoding="utf-8") as handle:
         identity = json.load(handle)["identity"]
     with tempfile.TemporaryDirectory(prefix="preheat-bench-cache-") as cache:
@@ -516,7 +495,7 @@ def bench_dtype(
     }
     if args.vllm and os.path.exists(VLLM):
         contenders["vLLM (cpu, --enforce-eager)"] = lambda: (run_vllm(path, dtype, env), {})
-    peer = SeedPeer(path, env)
+    peer = PeerProcess([path], env)
     try:
         contenders["standby -> token (node cache)"] = lambda: run_standby_cache(path, env)
         contenders["standby -> token (peer)"] = lambda: run_standby_peer(path, peer, env)

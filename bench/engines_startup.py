@@ -43,6 +43,7 @@ from typing import Any
 from preheat.core import jsonsafe
 from preheat.core.procs import end, pdeathsig
 from preheat.http.client import Timeouts, stream
+from preheat.testing.peerprocess import PeerProcess
 from preheat.testing.ports import free_port
 from preheat.testing.smollm2 import SmolLM2, cache_root  # the converted copy the test suite keeps
 from preheat.testing.vllmserver import cpu_env, serve_command, wait_healthy  # the engine tests' vLLM launcher
@@ -140,31 +141,6 @@ def artifacts(*args: str, env: dict[str, str]) -> tuple[float, dict[str, Any]]: 
     return took, jsonsafe.load_object(done.stdout, max_bytes=1 << 20) if answered else {}
 
 
-class Peer:
-    """``python -m preheat.peer MODEL --artifacts --cache-dir DIR``: the builder's node, offering its blob."""
-
-    def __init__(self, model: Path, cache_dir: Path, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "preheat.peer", str(model), "--artifacts", "--cache-dir", str(cache_dir)],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if " at " not in line:
-            end(self.proc)
-            raise SystemExit(f"the peer did not start: {line!r}")
-        self.address = line.rsplit(" at ", 1)[1].strip()
-
-    def close(self) -> None:
-        end(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
 def stage_rows(starts: list[Start]) -> list[tuple[str, list[float | None]]]:
     """Every stage of every start, in the order they first appear: (label, seconds per start or None)."""
     labels: list[str] = []
@@ -239,7 +215,7 @@ class Bench:
         self.env["PREHEAT_PEER_TOKEN"] = secrets.token_hex(16)  # the peer's token, this run only
         self.flags = ["--model", str(model), "--dtype", "float32"]
         self.starts: list[Start] = []
-        self.peer: Peer | None = None
+        self.peer: PeerProcess | None = None
         self._made = 0
 
     def fresh(self, kind: str) -> Path:
@@ -257,7 +233,7 @@ class Bench:
         artifacts("keygen", key, env=self.env)
         cache = str(self.work / "builder-cache")
         artifacts("pack", "--vllm-cache", str(builder), *self.flags, "--key", key, "--cache-dir", cache, env=self.env)
-        self.peer = Peer(self.model, self.work / "builder-cache", self.env)
+        self.peer = PeerProcess([str(self.model), "--artifacts", "--cache-dir", cache], self.env)
 
     def best(self, name: str, *, compiled: bool, extra_env: dict[str, str] | None = None) -> Start:
         """Pull from the peer into an empty cache root (a fresh node cache: the blob must come from the peer),
