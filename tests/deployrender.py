@@ -3,6 +3,7 @@ and values files, through the real ``kubectl kustomize``."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -54,3 +55,38 @@ def find(docs: list[Doc], kind: str, name: str) -> Doc:
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
     assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
     return matches[0]
+
+
+def secret_of(container: Doc, variable: str) -> tuple[str, bool] | None:
+    """The key of ``preheat-secrets`` a container's ``variable`` comes from, and whether it may be absent."""
+    for env in container.get("env", []):
+        if env["name"] == variable:
+            ref = env["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == "preheat-secrets"
+            return ref["key"], bool(ref.get("optional", False))
+    return None
+
+
+def sample_environment(container: Doc, docs: list[Doc]) -> dict[str, str]:
+    """What Kubernetes would put in the container's environment: ConfigMap values from the render, samples else
+    (a secret's is ``sample-KEY``, after its key)."""
+    config = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    samples = {"metadata.name": "preheat-replica-7d9f-x2x", "metadata.namespace": "preheat", "status.podIP": "10.1.2.3"}
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        source: Any = item.get("valueFrom", {})  # Any: one of the Kubernetes value sources
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[item["name"]] = config[ref["name"]][ref["key"]]
+        elif "fieldRef" in source:
+            env[item["name"]] = samples[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            env[item["name"]] = f"sample-{source['secretKeyRef']['key']}"
+    return env
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """``$(NAME)`` as the kubelet expands it in args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)

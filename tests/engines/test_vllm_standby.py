@@ -146,6 +146,18 @@ def router_command(standby_url: str, model: Path) -> list[str]:
             "--standby-model", str(model), "--served-model-name", "tiny", "--health-interval", "0.5"]  # fmt: skip
 
 
+def test_a_standby_told_to_load_at_start_serves_the_plain_tokens(tiny: Path, tmp_path: Path) -> None:
+    # `--load`: how a Kubernetes vLLM replica starts (docs/kubernetes.md), the activation of a load request without
+    # the request; no --allow-model, so the model it was told is the only one allowed.
+    expected = plain_tokens(tiny, "tiny", tmp_path / "plain.log")
+    server = VLLMStandby([], standby_args("tiny"), load=str(tiny))
+    try:
+        server.wait_ready()
+        assert greedy(server.url, "tiny") == expected, server.tail()
+    finally:
+        server.stop()
+
+
 def test_the_router_activates_the_standby_when_no_replica_is_in_rotation(standby: VLLMStandby, tiny: Path) -> None:
     router = subprocess.Popen(
         router_command(standby.url, tiny), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

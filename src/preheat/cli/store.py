@@ -92,6 +92,12 @@ def register(commands: Commands) -> None:
     warm = verbs.add_parser("warm", help="make sure URI is cached (pull it if not) and print the entry's path")
     warm.add_argument("uri", help="http(s)://..., s3://bucket/prefix or a local directory")
     _common(warm)
+    warm.add_argument(
+        "--link",
+        default=None,
+        metavar="PATH",
+        help="also make PATH a symlink to the entry: a fixed MODEL path for vllm serve (docs/kubernetes.md)",
+    )
     warm.set_defaults(func=_cmd_pull, warm=True)
 
     def usage(args: argparse.Namespace) -> int:  # `preheat cache` without a verb
@@ -141,6 +147,10 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         else:
             chunk_bytes = parse_size(args.chunk_bytes)
             result = pull(args.uri, _cache(args), threads=args.threads, chunk_bytes=chunk_bytes, progress=progress)
+    if getattr(args, "link", None):
+        from preheat.store.cache import link_entry
+
+        link_entry(args.link, result.path)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     elif getattr(args, "warm", False):

@@ -19,9 +19,14 @@ POST /v1/preheat/load {"model": DIR} (a model --allow-model allows; the admin ke
 from the prepared standby instead of importing vLLM again. `preheat router --standby URL` activates it when it needs
 capacity.
 
+--load MODEL is that load request given on the command line, queued before the port answers: the standby serves
+MODEL as soon as it can (a replica of `preheat up --engine vllm` or of a Kubernetes vLLM fleet). Without an admin key
+its load route is then closed beyond loopback, so it may bind 0.0.0.0.
+
 example:
   preheat vllm-standby --port 8001 --allow-model '/models/*' -- --dtype float32 --max-model-len 2048
   curl -X POST localhost:8001/v1/preheat/load -H 'Content-Type: application/json' -d '{"model": "/models/smol"}'
+  preheat vllm-standby --host 0.0.0.0 --port 8000 --load /models/smol -- --dtype float32   # serves smol at once
 
 VLLM_ARGS: what you would give `vllm serve` after MODEL, but --host, --port, --uds and --model (the standby sets
 those); checked with vLLM's own parser before the standby says prepared.

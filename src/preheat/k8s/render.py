@@ -1,9 +1,9 @@
 """Valid deployment values -> a ``kustomization.yaml`` over ``manifests/kustomize/base`` (shipped in this package:
 ``k8s/bundle.py``). Pure: a dict in, a dict out.
 
-The overlay adds the components the values ask for (the L2 backend, CUDA, KEDA) and JSON patches for the numbers
-(replicas, resources, scale-down delay...). Kustomize does the rest, so what is applied is always the reviewed base
-plus a patch you can read in the generated file.
+The overlay adds the components the values ask for (the L2 backend, CUDA, KEDA, vLLM replicas and standbys for
+``engine: vllm``) and JSON patches for the numbers (replicas, resources, scale-down delay...). Kustomize does the
+rest, so what is applied is always the reviewed base plus a patch you can read in the generated file.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ BASE_IMAGE = "ghcr.io/preheat-dev/preheat"  # the image name after manifests/kus
 _REDIS_MEMORY_ARG = 6  # index of --maxmemory's value in components/redis-l2/redis.yaml's args
 _INIT = "/spec/template/spec/initContainers"
 TRUST_DIR = "/etc/preheat/trust"  # where compile.trustKeysSecret's files are mounted
+VLLM_IMAGE = "preheat-vllm"  # the image name of components/vllm's containers, replaced by vllm.image
+VLLM_STANDBY = "preheat-vllm-standby"  # components/vllm's StatefulSet and its headless Service
+VLLM_MODEL = "/run/preheat/model"  # the link to the node-cache entry (components/vllm's init containers make it)
+VLLM_PORT = 8000
+REFIT_TRUST_DIR = "/etc/preheat/refit-trust"  # where vllm.follow.trustKeysSecret's files are mounted
+REFIT_WORKER = "preheat.integrations.vllm.follow_worker.RefitWorker"  # vLLM's worker extension for following
 _UNITS = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
 
 
@@ -59,6 +65,8 @@ def components(values: Values) -> list[str]:
     """The components (under manifests/kustomize/components) these values need, in the order Kustomize applies
     them."""
     out = []
+    if engine(values) == "vllm":  # first: it swaps the replica's containers, which the others then patch
+        out.append("vllm")
     if values["device"] == "cuda":
         out.append("cuda")
     backend = values["l2"]["backend"]
@@ -67,6 +75,11 @@ def components(values: Values) -> list[str]:
     if values["autoscaler"] == "keda":
         out.append("scale-to-zero")
     return out
+
+
+def engine(values: Values) -> str:
+    """What serves: ``preheat`` (``preheat serve`` replicas, the default) or ``vllm``."""
+    return str(values.get("engine", "preheat"))
 
 
 def served_name(values: Values) -> str:
@@ -86,6 +99,7 @@ def kustomization(values: Values, kustomize_dir: str) -> Kustomization:
     """
     cuda = values["device"] == "cuda"
     image = values["image"]
+    images = [{"name": BASE_IMAGE, "newName": image["repository"], "newTag": image["tag"] + ("-cuda" if cuda else "")}]
     patches = [
         _patch("ConfigMap", "preheat-fleet", _fleet_config(values)),
         _patch("Deployment", "preheat-replica", _replica(values, cuda)),
@@ -96,15 +110,17 @@ def kustomization(values: Values, kustomize_dir: str) -> Kustomization:
         *_node_cache(values),
         *_l2(values),
     ]
+    if engine(values) == "vllm":
+        vllm_image = values["vllm"]["image"]  # the user's own: vLLM and preheat in one image, any variant
+        images.append({"name": VLLM_IMAGE, "newName": vllm_image["repository"], "newTag": vllm_image["tag"]})
+        patches += _vllm(values, cuda)
     return {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "namespace": values["namespace"],
         "resources": [f"{kustomize_dir}/base"],
         "components": [f"{kustomize_dir}/components/{name}" for name in components(values)],
-        "images": [
-            {"name": BASE_IMAGE, "newName": image["repository"], "newTag": image["tag"] + ("-cuda" if cuda else "")}
-        ],
+        "images": images,
         "patches": [p for p in patches if p["patch"]],
     }
 
@@ -181,6 +197,92 @@ def _compile(values: Values) -> list[PatchOp]:
             },
         ]
     return ops
+
+
+def _vllm(values: Values, cuda: bool) -> list[Patch]:
+    """``engine: vllm``: the ``vllm serve`` arguments of the replicas and standbys, the standby count, and the
+    router told where the standbys are (``--standby``, one stable name per StatefulSet pod) and how to activate
+    them (``standby-key``, the one credential that opens their load route)."""
+    settings = values["vllm"]
+    container = "/spec/template/spec/containers/0"
+    words = [*(["--load-format", settings["loadFormat"]] if settings.get("loadFormat") else []), *settings["args"]]
+    env: list[dict[str, object]] = []
+    volumes: list[dict[str, object]] = []
+    mounts: list[dict[str, object]] = []
+    follow = settings.get("follow")
+    if follow:
+        # Live weight updates (docs/integrations.md, *vLLM: live weight updates*): the versions are found through
+        # the fleet's registry and pulled from peers with the peer token.
+        words += ["--worker-extension-cls", REFIT_WORKER]
+        env += [
+            {"name": "PREHEAT_VLLM_FOLLOW", "value": follow["name"]},
+            _from_config("PREHEAT_REGISTRY", "registry"),
+            _from_secret("PREHEAT_PEER_TOKEN", "peer-token"),
+        ]
+        keys = follow.get("trustKeys", [])
+        if keys:
+            files = ",".join(f"{REFIT_TRUST_DIR}/{key}" for key in keys)
+            env.append({"name": "PREHEAT_VLLM_REFIT_TRUST_KEY", "value": files})
+            secret = {"secretName": follow["trustKeysSecret"], "defaultMode": 0o440}
+            volumes.append({"name": "refit-trust-keys", "secret": secret})
+            mounts.append({"name": "refit-trust-keys", "mountPath": REFIT_TRUST_DIR, "readOnly": True})
+    ops = [
+        *_append(f"{container}/args", words),
+        *_append(f"{container}/env", env),
+        *_append("/spec/template/spec/volumes", volumes),
+        *_append(f"{container}/volumeMounts", mounts),
+    ]
+    count = settings.get("standbys", 0)
+    standby = [
+        _replace("/spec/replicas", count),
+        _replace(f"{container}/resources", _resources(values, cuda)),
+        *ops,
+    ]
+    return [
+        _patch("Deployment", "preheat-replica", ops),
+        _patch("StatefulSet", VLLM_STANDBY, standby),
+        _patch("Deployment", "preheat-router", _router_standbys(values, count)),
+    ]
+
+
+def standby_urls(namespace: str, count: int) -> list[str]:
+    """The address of each vLLM standby: its StatefulSet pod's name under the headless Service.
+
+    >>> standby_urls("llm", 2)[1]
+    'http://preheat-vllm-standby-1.preheat-vllm-standby.llm.svc:8000'
+    """
+    return [f"http://{VLLM_STANDBY}-{i}.{VLLM_STANDBY}.{namespace}.svc:{VLLM_PORT}" for i in range(count)]
+
+
+def _router_standbys(values: Values, count: int) -> list[PatchOp]:
+    if not count:
+        return []
+    container = "/spec/template/spec/containers/0"
+    words = [word for url in standby_urls(values["namespace"], count) for word in ("--standby", url)]
+    # What a standby is told to load is the path its own --allow-model names (the link in its pod), served under
+    # the fleet's name; the router resolves neither, it only sends them.
+    words += ["--standby-model", VLLM_MODEL, "--served-model-name", "$(PREHEAT_SERVED_MODEL_NAME)"]
+    env = [
+        _from_config("PREHEAT_SERVED_MODEL_NAME", "served-model-name"),
+        # standby-key: sent only on the router's own activations (it forwards no control route); it opens nothing
+        # on the replicas, whose load route is closed.
+        _from_secret("PREHEAT_ROUTER_REPLICA_ADMIN_KEY", "standby-key"),
+    ]
+    return [*_append(f"{container}/args", words), *_append(f"{container}/env", env)]
+
+
+def _append(path: str, items: Sequence[object]) -> list[PatchOp]:
+    """Operations that add ``items`` at the end of the list at ``path``, in order."""
+    return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
+
+
+def _from_config(variable: str, key: str) -> dict[str, object]:
+    return {"name": variable, "valueFrom": {"configMapKeyRef": {"name": "preheat-fleet", "key": key}}}
+
+
+def _from_secret(variable: str, key: str) -> dict[str, object]:
+    # By reference only: the manifests never hold a secret (docs/security.md).
+    return {"name": variable, "valueFrom": {"secretKeyRef": {"name": "preheat-secrets", "key": key}}}
 
 
 def _autoscaler(values: Values) -> list[Patch]:

@@ -66,5 +66,25 @@ def validate(values: Mapping[str, object], schema: Mapping[str, object], where: 
             problems.append(f"replicas: min ({low}) is above max ({high})")
         if low == 0 and values.get("autoscaler") != "keda":
             problems.append("replicas.min: 0 is scale to zero, which needs autoscaler: keda (an HPA stops at 1)")
+    problems += _engine_problems(values)
     if problems:
         raise ConfigError(f"{where}: invalid deployment values:\n  " + "\n  ".join(problems))
+
+
+def _engine_problems(values: Mapping[str, object]) -> list[str]:
+    """``engine: vllm`` with a value that only ``preheat serve`` replicas use: it would deploy nothing that works."""
+    if values.get("engine") != "vllm":
+        return []
+    problems = []
+    l2, compiled = values.get("l2"), values.get("compile")
+    if isinstance(l2, Mapping) and l2.get("backend") == "fs":
+        problems.append(
+            "l2.backend: fs is the KV volume of preheat serve replicas, which vLLM replicas (engine: vllm) do not "
+            "mount: use redis or external (the registry vllm.follow reads)"
+        )
+    if isinstance(compiled, Mapping) and compiled.get("enabled"):
+        problems.append(
+            "compile.enabled: preheat serve's torch.compile; vLLM replicas compile as vLLM decides (add "
+            "--enforce-eager to vllm.args to turn it off)"
+        )
+    return problems

@@ -404,6 +404,21 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
     return ModelCache(cache_dir).find_name(model) or model
 
 
+def link_entry(link: str, entry: str) -> None:
+    """Point the symlink ``link`` at the entry directory ``entry``, replacing what ``link`` was (atomically: a reader
+    sees the old target or the new one). A fixed path for a programme that must be given one before the entry's key
+    is known: a Kubernetes vLLM replica's MODEL is the link its init container made (docs/kubernetes.md).
+    ``CacheError`` when it cannot be made (a missing directory, an existing directory at ``link``)."""
+    temp = durable.temp_path(link)
+    try:
+        os.symlink(os.path.abspath(entry), temp)
+        os.replace(temp, link)
+    except OSError as exc:
+        durable.discard(temp)
+        raise CacheError(f"cannot link {link} to {entry}: {exc.strerror}") from None
+    durable.fsync_dir(os.path.dirname(os.path.abspath(link)))
+
+
 def _listdir(path: str) -> list[str]:
     try:
         return sorted(os.listdir(path))

@@ -55,8 +55,11 @@ class VLLMStandby:
     """``preheat vllm-standby --port 0 --allow-model ALLOW... -- VLLM_ARGS`` in its own process group; ``url`` once it
     listens (at once), ``wait_prepared``, ``load``, ``wait_ready`` (vLLM's own ``/health`` 200)."""
 
-    def __init__(self, allow: Sequence[str], vllm_args: Sequence[str], *, admin_key: str | None = None) -> None:
+    def __init__(
+        self, allow: Sequence[str], vllm_args: Sequence[str], *, admin_key: str | None = None, load: str | None = None
+    ) -> None:
         flags = [word for pattern in allow for word in ("--allow-model", pattern)]
+        flags += ["--load", load] if load else []  # told its model at start: it activates without a request
         extra = {"PREHEAT_ADMIN_KEY": admin_key} if admin_key else {}
         args = ["vllm-standby", "--port", "0", *flags, "--", *vllm_args]
         environ = cpu_env(VLLM_NO_USAGE_STATS="1", **extra)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from preheat.integrations.vllm.standby import StandbyServer, hand_over
+from preheat.core.errors import ConfigError
+from preheat.integrations.vllm.standby import StandbyServer, hand_over, told_to_load
 from preheat.integrations.vllm.standby_control import StandbyState
 from preheat.integrations.vllm.standby_settings import VllmStandbySettings
 from serving import Client
@@ -147,3 +148,28 @@ def test_the_hand_over_stops_answering_but_keeps_the_socket_listening(models: Pa
                 conn.recv(1)
     finally:
         server.server_close()
+
+
+def test_a_standby_told_to_load_on_its_command_line_loads_that_and_takes_no_load_request(models: Path) -> None:
+    # What a Kubernetes vLLM replica is (docs/kubernetes.md): --load, bound beyond loopback, no admin key.
+    settings = VllmStandbySettings.resolve({"host": "0.0.0.0", "port": 0, "load": f"{models}/./smol"}, {})
+    request = told_to_load(settings)
+    assert request is not None
+    assert request.model == str(models / "smol")  # the normal form, as a load request's
+    server = StandbyServer(settings, StandbyState())
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        client = Client(f"http://127.0.0.1:{server.server_address[1]}")
+        reply = client.post("/v1/preheat/load", {"model": request.model})
+        assert reply.status == 403
+        assert reply.json()["error"]["code"] == "admin_key_required"
+        assert server.requests == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_load_on_the_command_line_outside_the_allow_list_stops_the_start(models: Path) -> None:
+    settings = VllmStandbySettings.resolve({"allow_model": [str(models / "*")], "load": "/etc"}, {})
+    with pytest.raises(ConfigError, match="--load /etc"):
+        told_to_load(settings)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any
 
 import jsonschema
 import kubernetes_validate
@@ -20,10 +19,13 @@ from deployrender import (
     PROFILES,
     Doc,
     containers,
+    expand,
     find,
     kustomize,
     needs_kubectl,
     pod_spec,
+    sample_environment,
+    secret_of,
     workloads,
 )
 from preheat.cli.main import _build_parser
@@ -155,16 +157,6 @@ def test_secrets_are_referenced_never_written_in(rendered: list[Doc]) -> None:
             assert not re.search(secret_flags, joined), joined
 
 
-def secret_of(container: Doc, variable: str) -> tuple[str, bool] | None:
-    """The key of ``preheat-secrets`` a container's ``variable`` comes from, and whether it may be absent."""
-    for env in container.get("env", []):
-        if env["name"] == variable:
-            ref = env["valueFrom"]["secretKeyRef"]
-            assert ref["name"] == "preheat-secrets"
-            return ref["key"], bool(ref.get("optional", False))
-    return None
-
-
 def test_clients_the_router_and_the_control_routes_hold_three_different_secrets(rendered: list[Doc]) -> None:
     # One key for clients and replicas let a client of the router talk to the replicas directly, control included.
     [router] = pod_spec(find(rendered, "Deployment", "preheat-router"))["containers"]
@@ -242,30 +234,6 @@ def test_rbac_is_what_the_replica_and_router_need(rendered: list[Doc]) -> None:
     assert router == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
     for binding in (d for d in rendered if d["kind"] == "RoleBinding"):
         assert binding["subjects"][0]["namespace"] == "preheat"  # the overlay's namespace, not "default"
-
-
-def sample_environment(container: Doc, docs: list[Doc]) -> dict[str, str]:
-    """What Kubernetes would put in the container's environment: ConfigMap values from the render, samples else."""
-    config = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
-    samples = {"metadata.name": "preheat-replica-7d9f-x2x", "metadata.namespace": "preheat", "status.podIP": "10.1.2.3"}
-    env: dict[str, str] = {}
-    for item in container.get("env", []):
-        source: Any = item.get("valueFrom", {})  # Any: one of the Kubernetes value sources
-        if "value" in item:
-            env[item["name"]] = item["value"]
-        elif "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            env[item["name"]] = config[ref["name"]][ref["key"]]
-        elif "fieldRef" in source:
-            env[item["name"]] = samples[source["fieldRef"]["fieldPath"]]
-        elif "secretKeyRef" in source:
-            env[item["name"]] = "sample-secret"
-    return env
-
-
-def expand(arg: str, env: dict[str, str]) -> str:
-    """``$(NAME)`` as the kubelet expands it in args."""
-    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
 
 
 def test_every_preheat_command_line_is_accepted_by_the_real_parser(rendered: list[Doc]) -> None:

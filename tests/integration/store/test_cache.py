@@ -248,3 +248,21 @@ def test_rank_loads_do_not_write_through(origin_dir: Path, cache: ModelCache) ->
         part = preheat.load(server.url, cache=cache, rank=1, world_size=2, verify=False)  # slices: no digests
     assert part.cache_write is None
     assert cache.entries() == []
+
+
+def test_cache_warm_link_points_a_fixed_path_at_the_entry_and_moves_with_it(tmp_path: Path) -> None:
+    # The path a Kubernetes vLLM pod's MODEL is (docs/kubernetes.md): made by the init container, replaced whole.
+    env = {"PREHEAT_CACHE_DIR": str(tmp_path / "cache")}
+    link = tmp_path / "model"
+    tiny = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    first = cli("cache", "warm", str(make_origin(tmp_path / "a", shape=tiny)), "--link", str(link), env=env)
+    assert first.returncode == 0, first.stderr
+    assert link.is_symlink()
+    assert link.resolve() == Path(first.stdout.strip())
+    second = cli("cache", "warm", str(make_origin(tmp_path / "b", seed=1, shape=tiny)), "--link", str(link), env=env)
+    assert second.returncode == 0, second.stderr
+    assert link.resolve() == Path(second.stdout.strip()) != Path(first.stdout.strip())
+    (tmp_path / "dir").mkdir()
+    refused = cli("cache", "warm", str(tmp_path / "a"), "--link", str(tmp_path / "dir"), env=env)
+    assert refused.returncode == 1
+    assert f"cannot link {tmp_path / 'dir'}" in refused.stderr

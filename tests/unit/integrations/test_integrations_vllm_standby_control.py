@@ -152,3 +152,11 @@ def test_settings_come_from_the_variables_when_no_flag_is_given() -> None:
         {"port": None}, {"PREHEAT_VLLM_STANDBY_PORT": "9001", "PREHEAT_VLLM_STANDBY_ALLOW_MODEL": "/a/*,/b/*"}
     )
     assert (got.port, got.allow_model) == (9001, ("/a/*", "/b/*"))
+
+
+def test_a_standby_told_to_load_allows_that_model_and_may_listen_beyond_loopback_without_a_key() -> None:
+    # Its load route is then closed to everyone (no key, not loopback): the command line chose its only model.
+    told = VllmStandbySettings.resolve({"host": "0.0.0.0", "load": "/models/smol"}, {})
+    assert (told.load, told.allow_model, told.admin_key) == ("/models/smol", ("/models/smol",), None)
+    given = VllmStandbySettings.resolve({"load": "/models/smol", "allow_model": ["/models/*"]}, {})
+    assert given.allow_model == ("/models/*",)

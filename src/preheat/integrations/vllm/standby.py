@@ -24,6 +24,7 @@ dies (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import importlib
@@ -343,6 +344,7 @@ def run(settings: VllmStandbySettings, user_args: Sequence[str], say: Callable[[
     say = say or (lambda line: print(line, flush=True))
     # The user's arguments are checked now, not at activation: a typo fails at once, not after a load request.
     serve_argv(user_args, "MODEL", host=settings.host, port=settings.port)
+    load = told_to_load(settings)
     state = StandbyState()
     try:
         server = StandbyServer(settings, state)
@@ -350,7 +352,10 @@ def run(settings: VllmStandbySettings, user_args: Sequence[str], say: Callable[[
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}; choose another "
                           "--host/--port") from None  # fmt: skip
     host, port = server.socket.getsockname()[:2]
-    settings = VllmStandbySettings(host, port, settings.allow_model, settings.admin_key)
+    settings = dataclasses.replace(settings, host=host, port=port)
+    if load is not None:  # queued before the listener answers: /health says loading from the first probe
+        state.begin(load.model)
+        server.requests.append(load)
     guard_children(server.socket)
     threading.Thread(target=server.serve_forever, args=(0.05,), name="preheat-standby", daemon=True).start()
     say(listening_line(WHO, f"http://{host}:{port}", "standby: POST /v1/preheat/load to serve a model"))
@@ -360,6 +365,17 @@ def run(settings: VllmStandbySettings, user_args: Sequence[str], say: Callable[[
         except KeyboardInterrupt:
             say(f"{WHO}: shutting down")
             return 0
+
+
+def told_to_load(settings: VllmStandbySettings) -> LoadRequest | None:
+    """``--load MODEL``: the load request it stands for, in normal form, checked against ``--allow-model`` as a
+    request's model is (``ConfigError`` when refused); None without ``--load``."""
+    if settings.load is None:
+        return None
+    why = refusal(settings.load, settings.allow_model)
+    if why is not None:
+        raise ConfigError(f"--load {settings.load}: {why}")
+    return LoadRequest(normalize(settings.load))
 
 
 def _standby(

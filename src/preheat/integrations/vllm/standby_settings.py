@@ -8,7 +8,7 @@ are parsed by vLLM's own parser (``standby_control.serve_argv``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from preheat.core import env
 from preheat.core.config import option, resolve_settings, settings
@@ -40,11 +40,25 @@ class VllmStandbySettings:
             default_text="none: control from this host to a loopback-bound standby only",
         ),
     )
+    # A standby told to load at start (a replica of `preheat up --engine vllm` or a Kubernetes vLLM replica): the
+    # same activation as a load request's, queued before any request can arrive, so nothing has to race the bind.
+    load: str | None = field(
+        default=None,
+        metadata=option(
+            "load this model at once, as POST /v1/preheat/load would (it is then the allowed model unless "
+            "--allow-model is given)",
+            metavar="MODEL",
+            default_text="none: wait for a load request",
+        ),
+    )
 
     @classmethod
     def resolve(cls, flags: Mapping[str, object], environ: Mapping[str, str] | None = None) -> VllmStandbySettings:
         """The settings from ``flags`` (None: not given), the variables, the defaults; checked."""
         resolved = cls(**resolve_settings(cls, flags, environ))  # type: ignore[arg-type]  # values of the fields' types
+        if resolved.load and not resolved.allow_model:
+            # As preheat serve's rule: with no --allow-model, the model the operator named is the one allowed.
+            resolved = replace(resolved, allow_model=(resolved.load,))
         resolved.check()
         return resolved
 
@@ -59,7 +73,8 @@ class VllmStandbySettings:
             )
         if self.admin_key is not None and not self.admin_key.strip():
             raise ConfigError("--admin-key is empty: give a key, or leave the flag out")
-        if not self.admin_key and not is_loopback(self.host):
+        # Told what to load and given no key, its load route is closed beyond loopback (preheat.http.control): safe.
+        if not self.admin_key and not is_loopback(self.host) and not self.load:
             raise ConfigError(
                 f"a vLLM standby on {self.host or '*'} would let anyone who reaches it choose the model it loads: set "
                 "PREHEAT_ADMIN_KEY (or --admin-key), or bind to loopback (--host 127.0.0.1)"
