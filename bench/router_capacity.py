@@ -27,17 +27,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from preheat.core.errors import HTTPClientError
-from preheat.http.client import Timeouts, request
 from preheat.testing.ports import free_port
+from router_peers import ensure_peers, running_router, wait_ready
 
-ROOT = Path(__file__).resolve().parent.parent
-PEERS_VENV = ROOT / ".venv-routers"
-PEERS = ("vllm-router==0.1.17", "sglang-router==0.3.2")
 ANSWER = (
     '{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,'
     '"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
@@ -90,15 +85,6 @@ class Result:
     requests: int
 
 
-def ensure_peers() -> Path:
-    """The peers' venv, made on first use (the loader benchmark installs its peers the same way)."""
-    if not (PEERS_VENV / "bin" / "smg").exists() or not (PEERS_VENV / "bin" / "vllm-router").exists():
-        print(f"installing {', '.join(PEERS)} into {PEERS_VENV} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
-        subprocess.run([str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PEERS], check=True)
-    return PEERS_VENV / "bin"
-
-
 def start_nginx(workdir: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
     ports = [free_port(), free_port()]
     conf = workdir / "nginx.conf"
@@ -109,38 +95,6 @@ def start_nginx(workdir: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     wait_ready(urls[0] + "/health", proc)
     return proc, urls
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
-            raise RuntimeError(f"{url}: the process exited with {proc.returncode}: {err}")
-        try:
-            if request(url, timeouts=Timeouts.within(1.0)).status == 200:
-                return
-        except HTTPClientError:  # not listening yet
-            time.sleep(0.1)
-            continue
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout:g} s")
-
-
-def router_command(name: str, port: int, upstreams: list[str], peers: Path, tokenizer: str) -> list[str]:
-    if name.startswith("preheat "):
-        policy = name.split()[1]
-        cmd = [str(ROOT / ".venv" / "bin" / "preheat"), "router", "--port", str(port), "--policy", policy]
-        for url in upstreams:
-            cmd += ["--replica", url]
-        if policy in ("prefix", "kv"):
-            cmd += ["--model", tokenizer]
-        return cmd
-    if name.startswith("vllm-router"):
-        return [str(peers / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-                "--worker-urls", *upstreams, "--log-level", "warning"]  # fmt: skip
-    return [str(peers / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-            "--worker-urls", *upstreams, "--log-level", "warn"]  # fmt: skip
 
 
 def run_wrk(url: str, connections: int, duration: int, script: Path) -> tuple[float, float, float, int, int, int]:
@@ -204,29 +158,16 @@ def main() -> int:
         nginx, upstreams = start_nginx(workdir)
         try:
             for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
-                port = free_port()
-                log = open(workdir / f"{name.replace(' ', '-')}.log", "wb")  # noqa: SIM115 - closed below
-                proc = subprocess.Popen(router_command(name, port, upstreams, peers, tokenizer), stdout=log,
-                                        stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"})  # fmt: skip
+                log = workdir / f"{name.replace(' ', '-')}.log"
                 try:
-                    wait_ready(f"http://127.0.0.1:{port}/health", proc)
-                    time.sleep(1.0)  # the routers' first health checks of the replicas
-                    for c in connections:
-                        rps, p50, p99, over, errors, total = run_wrk(
-                            f"http://127.0.0.1:{port}", c, args.duration, script
-                        )
-                        results.append(Result(name, c, rps, p50, p99, over, errors, total))
-                        print(f"{name:26s} {c:5d} conns {rps:9.0f} req/s  p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  "
-                              f"over 2 s {over:6d}  errors {errors:6d}", file=sys.stderr)  # fmt: skip
+                    with running_router(name, upstreams, peers, tokenizer, log) as url:
+                        for c in connections:
+                            rps, p50, p99, over, errors, total = run_wrk(url, c, args.duration, script)
+                            results.append(Result(name, c, rps, p50, p99, over, errors, total))
+                            print(f"{name:26s} {c:5d} conns {rps:9.0f} req/s  p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  "
+                                  f"over 2 s {over:6d}  errors {errors:6d}", file=sys.stderr)  # fmt: skip
                 except Exception as exc:  # one router failing must not hide the others
                     print(f"{name}: {exc}", file=sys.stderr)
-                finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                    log.close()
         finally:
             nginx.terminate()
             nginx.wait(10)

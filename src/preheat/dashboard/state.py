@@ -81,6 +81,27 @@ class DecisionRow(TypedDict):
     count: int
 
 
+class FleetRouter(TypedDict):
+    """One router of a fleet that shares its view (``--shared-state``): this one (``age_seconds`` None) or another
+    heard from lately."""
+
+    router: str
+    age_seconds: float | None  # since its last update
+    decisions: int
+    hit_ratio: float | None  # the share of its decisions that followed a cache
+
+
+class FleetView(TypedDict):
+    """The shared view as this router holds it (router/shared_redis.py): null without ``--shared-state``."""
+
+    router: str
+    fleet: str
+    up: bool  # the shared store answers
+    staleness_seconds: float | None  # since the view last held every update the others published
+    hit_ratio: float | None  # fleet-wide
+    routers: list[FleetRouter]
+
+
 class StateDocument(TypedDict):
     """The whole ``preheat.dashboard/1`` document (``document``), served at ``/dashboard/api/state``."""
 
@@ -95,6 +116,7 @@ class StateDocument(TypedDict):
     findings: dict[str, object] | None  # the doctor's preheat.doctor/1 document, passed through
     findings_error: str | None
     doctor: bool
+    shared: FleetView | None  # several routers, one view: null on a replica, or a router on its own
 
 
 @dataclass(frozen=True)
@@ -282,6 +304,7 @@ def document(
     findings: Mapping[str, object] | None = None,  # the doctor's JSON (preheat.doctor/1), passed through
     findings_error: str | None = None,
     doctor: bool = False,
+    shared: FleetView | None = None,
 ) -> StateDocument:
     """The whole state document: ``kind`` is ``router`` (a fleet) or ``replica`` (one ``preheat serve``);
     ``doctor``: whether findings are provided here (None findings then mean the first run is under way).
@@ -300,4 +323,5 @@ def document(
         "findings": dict(findings) if findings is not None else None,
         "findings_error": findings_error,
         "doctor": doctor,
+        "shared": shared,
     }

@@ -17,7 +17,15 @@ from preheat.core.errors import HTTPClientError, JSONInputError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.prom import Metrics, parse, total
 from preheat.dashboard.signals import read
-from preheat.dashboard.state import ReplicaRow, StateDocument, TokenRate, decisions, document, replica_entry
+from preheat.dashboard.state import (
+    FleetView,
+    ReplicaRow,
+    StateDocument,
+    TokenRate,
+    decisions,
+    document,
+    replica_entry,
+)
 from preheat.http.client import Timeouts, request
 from preheat.http.control import TIMELINE_ROUTE
 
@@ -64,6 +72,7 @@ class FleetWatcher:
         self._scrapes: dict[str, Scrape] = {}
         self._rates: dict[str, TokenRate] = {}
         self._busy: dict[str, threading.Thread] = {}  # each replica's last scrape thread
+        self.shared: Callable[[], FleetView] | None = None  # the fleet's shared view (the router sets it)
 
     def state(
         self,
@@ -100,6 +109,7 @@ class FleetWatcher:
             findings=value,
             findings_error=error,
             doctor=findings is not None,
+            shared=self.shared() if self.shared is not None else None,
         )
 
     def _scrape(self, urls: Sequence[str], now: float) -> None:

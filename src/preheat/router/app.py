@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from preheat.core.config import parse_size
 from preheat.core.errors import RouterError
@@ -19,26 +20,44 @@ from preheat.http.server import sigterm_interrupts
 from preheat.http.tls import use_fleet
 from preheat.k8s.slices import parse_k8s_url
 from preheat.router.activation import ColdSettings, ColdStarter
+from preheat.router.aioproxy import AsyncRouterServer
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
-from preheat.router.policies import LoadGuard, make_policy
+from preheat.router.policies import LoadGuard, Policy, make_policy
 from preheat.router.prompts import PromptReader, tokenizer_from_replicas
-from preheat.router.proxy import Router, RouterHTTPServer
+from preheat.router.proxy import Router
 from preheat.router.scrape import MetricsPoller
 from preheat.router.settings import FROM_REPLICAS, RouterSettings
+from preheat.router.shared import SharedPolicy
 from preheat.router.sleeping import Sleeper, SleepSettings
 from preheat.router.upstream import Replica, parse_replica_spec
+
+if TYPE_CHECKING:
+    from preheat.router.shared_redis import SharedState
 
 log = logging.getLogger("preheat.router")
 DISCOVERY_WAIT = 10.0  # seconds the router's start waits for the first EndpointSlice list
 
 
 def prefix_fingerprint(model: str, chunk_tokens: int) -> str:
-    """The seed of the prefix index's keys: any fixed value works, since only this router compares them."""
+    """The seed of the prefix index's keys: only routers compare them, so any value works that every router of a
+    fleet (--shared-state) derives alike: the tokenizer's files (they decide the token ids), wherever they lie (a
+    directory of another name on another host, or fetched from the replicas), else the model's path."""
+    import xxhash
+
     from preheat.kv.keys import fingerprint
 
-    return fingerprint(identity=os.path.realpath(model), layout={"index": "preheat-router"}, chunk_tokens=chunk_tokens)
+    digest = xxhash.xxh3_128()
+    found = False
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = os.path.join(model, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as file:
+                digest.update(name.encode() + b"\0" + file.read())
+            found = True
+    identity = f"tokenizer:{digest.hexdigest()}" if found else os.path.realpath(model)
+    return fingerprint(identity=identity, layout={"index": "preheat-router"}, chunk_tokens=chunk_tokens)
 
 
 class RouterService:
@@ -75,6 +94,10 @@ class RouterService:
             index_ttl=settings.index_ttl,
             engines=[r.url for r, _ in sources],
         )
+        self.shared: SharedState | None = None
+        if settings.shared_state is not None:
+            # Late-bound: the shared state is made once the router it reads exists, below.
+            policy = SharedPolicy(policy, self._remote_in_flight, self._learnt)
         prompts = PromptReader.from_model(settings.model if needs_model else None, settings.max_prompt_tokens)
         self.router = Router(
             replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key,
@@ -99,6 +122,8 @@ class RouterService:
             timeout=settings.health_timeout,
             on_phase=self.router.cold.observed,
         )
+        if settings.shared_state is not None:
+            self.shared = self._share(settings, policy)
         engines = {r.url for r, _ in sources}
         polled = [r for r in replicas if r.url not in engines]  # preheat replicas: GET /v1/kv/events
         self.poller = (
@@ -166,12 +191,40 @@ class RouterService:
             self.discovery = EndpointSliceWatcher(parse_k8s_url(settings.replicas_from), self._discovered, rules=rules)
             self.router.metrics.add(self.membership)
         try:
-            self.httpd = RouterHTTPServer((settings.host, settings.port), self.router)
+            self.httpd = AsyncRouterServer((settings.host, settings.port), self.router)
             self.httpd.max_connections, self.httpd.header_timeout = settings.max_connections, settings.header_timeout
             self.httpd.tls = settings.tls.listener()
             self.httpd.login = Login.lasting(settings.dashboard_session_ttl)
         except OSError as exc:
             raise RouterError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+
+    def _share(self, settings: RouterSettings, policy: Policy) -> SharedState:
+        """--shared-state: this router's side of the fleet's view (router/shared_redis.py), its series on /metrics."""
+        from preheat.router.shared_redis import SharedState
+
+        def decisions() -> dict[str, float]:
+            samples = self.router.metrics.decisions.family().samples
+            return {labels["reason"]: n for labels, n in samples if labels.get("policy") == policy.name}
+
+        assert settings.shared_state is not None
+        shared = SharedState(
+            settings.shared_state, settings.shared_fleet,
+            policy=policy if isinstance(policy, SharedPolicy) else None,
+            replicas=lambda: self.router.replicas, decisions=decisions, hint_down=self.health.check_now,
+            fingerprint=prefix_fingerprint(settings.model, settings.kv_chunk_tokens) if settings.model else None,
+            learn_ttl=settings.index_ttl,
+        )  # fmt: skip
+        for series in shared.metrics.series():
+            self.router.metrics.add(series)
+        self.router.dashboard.shared = shared.state
+        return shared
+
+    def _remote_in_flight(self) -> Mapping[str, int]:
+        return self.shared.view.remote_in_flight() if self.shared is not None else {}
+
+    def _learnt(self, replica: str, keys: list[str]) -> None:
+        if self.shared is not None:
+            self.shared.learnt(replica, keys)
 
     def _admit(self, replica: Replica, why: str) -> None:
         self.router.set_health(replica, True, why)
@@ -224,6 +277,8 @@ class RouterService:
             self.scraper.start()
         if self.sleeper is not None:
             self.sleeper.start()
+        if self.shared is not None:
+            self.shared.start()
         if self.discovery is not None:
             self.discovery.start()
             # The first list, so that the router starts with its replicas; an API server that does not answer
@@ -248,6 +303,8 @@ class RouterService:
             self.poller.stop()
         if self.subscriber is not None:
             self.subscriber.stop()
+        if self.shared is not None:
+            self.shared.stop()
         self.httpd.server_close()
         for replica in self.router.replicas:
             replica.close_idle()

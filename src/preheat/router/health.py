@@ -116,14 +116,23 @@ class HealthChecker(ReplicaLoop):
         super().__init__(replicas, interval, timeout)
         self.on_change, self.failures, self.on_phase = on_change, failures, on_phase
         self._failed = {r.url: 0 for r in replicas}
+        self._checking: dict[str, threading.Lock] = {}  # per replica: its loop and check_now never overlap
 
     def tick(self, replica: Replica) -> float:
-        self.check(replica)
+        self.check_now(replica)
         return self.interval
+
+    def check_now(self, replica: Replica) -> None:
+        """One check of ``replica`` now, besides its loop's (another router ejected it: router/shared_redis.py)."""
+        with self._lock:
+            lock = self._checking.setdefault(replica.url, threading.Lock())
+        with lock:
+            self.check(replica)
 
     def remove(self, replica: Replica) -> None:
         super().remove(replica)
         self._failed.pop(replica.url, None)
+        self._checking.pop(replica.url, None)
 
     def check(self, replica: Replica) -> None:
         """One check of ``replica``; ``on_change`` when it should enter or leave rotation."""

@@ -7,10 +7,12 @@ socket; ``Router`` (proxy.py) feeds it and counts its reasons in ``/metrics``.
   move (``session``; ``no_session``: least-load);
 - ``prefix``: the longest run of leading chunk keys this router already sent there (``prefix_match``;
   ``no_match``: least-load);
-- ``kv``: the lowest expected time to first token from the replicas' own KV events, score.py (``kv_hit``;
-  ``kv_no_hit``: least-load).
+- ``kv``: the lowest expected time to first token from the replicas' own KV events and the work queued at each,
+  score.py (``kv_hit``; ``kv_no_hit``: nobody holds any of the prompt, and ``kv_even``: every replica holds as much
+  of it: least-load).
 
-``prefix`` and ``kv`` then apply the load guard (``LoadGuard``): ``load_guard`` and ``hot_spread`` override them.
+``prefix`` then applies the load guard (``LoadGuard``): ``load_guard`` and ``hot_spread`` override it; ``kv`` prices
+the queues itself and applies the guard only while it has measured nothing of a replica's requests yet.
 
 ``prefix`` and ``kv`` learn a request's chunk keys only once a replica answered it with a 2xx (``answered``); while
 it is in flight (``sent``) its keys count as held there, so that a burst sharing a new prefix stays together, and
@@ -20,7 +22,9 @@ a request that fails or is refused leaves nothing behind.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Container, Sequence
 from dataclasses import dataclass, field
 
@@ -29,8 +33,10 @@ import xxhash
 from preheat.core.errors import ConfigError
 from preheat.kv.keys import chunk_keys
 from preheat.router.index import InFlight, KVIndex, PrefixIndex
-from preheat.router.score import Estimate, expected_ttft, resolve_costs
+from preheat.router.score import Estimate, Queue, expected_ttft, rank_cost, resolve_costs
 from preheat.router.settings import POLICIES  # spelt once: the flag's choices
+
+log = logging.getLogger("preheat.router.kv")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class RouteRequest:
     token_ids: list[int] | None = None
     _keys: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     in_flight_keys: list[str] = field(default_factory=list)  # what ``Policy.sent`` marked, for ``answered``
+    estimates: dict[str, Estimate] = field(default_factory=dict)  # ``kv``: per replica, as last chosen
+    tickets: dict[str, int] = field(default_factory=dict)  # ``kv``: its place in each replica's queue
 
     def keys(self, fingerprint: str, chunk_tokens: int) -> list[str]:
         """The prompt's chunk keys under ``fingerprint`` (computed once per fingerprint and chunk size)."""
@@ -227,9 +235,15 @@ class Prefix(Policy):
 
 
 class KVAware(Policy):
-    """The lowest expected TTFT (score.py) from the replicas' KV events; keys of requests in flight to a replica, or
-    answered there in the last few seconds, count as L1 hits until the replica's own events confirm them (a poll
-    interval would otherwise hide them)."""
+    """The lowest expected TTFT (score.py) from the replicas' KV events and the work queued at each; keys of requests
+    in flight to a replica, or answered there since its last events, count as L1 hits until its own events confirm
+    them (a poll interval would otherwise hide them).
+
+    Calibrated, not constant: the per-token costs are each replica's own measurements (its events' ``costs``); the
+    queue is the estimated service of each request this router sent there and not answered yet, plus the time the
+    ones still generating have left (the mean duration of a request there less the mean time to its first token,
+    both measured by this router), plus the requests the replica reports beyond this router's. Replicas are ranked
+    by ``score.rank_cost``: the TTFT, plus the request's own work again as far as the fleet is busy."""
 
     name = "kv"
     needs_tokens = True
@@ -243,6 +257,7 @@ class KVAware(Policy):
         engines: Collection[str] = (),
         fallback: tuple[str, int] | None = None,
         routed: PrefixIndex | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``engines``: the replicas whose KV state comes from an engine's event stream (vLLM, SGLang); until one of
         them has a mapped block (or while its events cannot be mapped) it is scored as ``prefix`` would: the keys
@@ -252,6 +267,15 @@ class KVAware(Policy):
         self.engines = frozenset(engines)
         self.fallback = fallback
         self.routed = routed if routed is not None else PrefixIndex()
+        self._clock = clock
+        # Per replica: the requests sent there and not answered yet (ticket -> (sent at, estimated service s)),
+        # the mean seconds from sending one to its first byte, the mean estimated service of one, and the event
+        # sequence number its KV state had when it last answered (newer events confirm or deny ``recent``).
+        self._waiting: dict[str, dict[int, tuple[float, float]]] = {}
+        self._first_byte: dict[str, float] = {}
+        self._typical: dict[str, float] = {}
+        self._answered_seq: dict[str, int] = {}
+        self._tickets = itertools.count()
 
     def estimate(self, request: RouteRequest, candidate: Candidate) -> Estimate | None:
         """``candidate``'s expected TTFT; None when it has published no KV state yet (an engine replica without
@@ -264,12 +288,15 @@ class KVAware(Policy):
         keys = request.keys(state.fingerprint, state.chunk_tokens)
         others = [c for c in self.index.all_costs() if c is not state.costs]
         costs = resolve_costs(state.costs, others)
-        wait = _queue_wait(candidate, state.load, state.finished)
+        wait = self.queue(candidate, state.load, state.finished).wait()
         name = candidate.name
         l2 = self.index.l2_view(name)
+        # Keys answered there count until the replica's events move past that answer: from then on its own events
+        # say what it holds (its stores came before its answer), evictions included.
+        unconfirmed = name in self.engines or state.seq <= self._answered_seq.get(name, -1)
 
         def pending(key: str) -> bool:
-            return self.recent.contains(name, key) or self.in_flight.contains(name, key)
+            return self.in_flight.contains(name, key) or (unconfirmed and self.recent.contains(name, key))
 
         if name in self.engines:  # an engine computes a prompt into its GPU cache
             return expected_ttft(
@@ -289,7 +316,7 @@ class KVAware(Policy):
         fingerprint, chunk_tokens = self.fallback
         keys = request.keys(fingerprint, chunk_tokens)
         costs = resolve_costs((None, None, None), self.index.all_costs())
-        wait = _queue_wait(candidate, (0, 0), 0)
+        wait = self.queue(candidate, (0, 0), 0).wait()
         held = _Either(frozenset(), lambda key: self.routed.contains(name, key) or self.in_flight.contains(name, key))
         return expected_ttft(
             len(request.token_ids), keys, chunk_tokens, l1=frozenset(), l2=frozenset(), costs=costs,
@@ -298,16 +325,65 @@ class KVAware(Policy):
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         estimates = {c.name: self.estimate(request, c) for c in candidates}
+        request.estimates = {name: e for name, e in estimates.items() if e is not None}
         known = [c for c in candidates if estimates[c.name] is not None]
         if not known:
             return Decision(self.least_loaded(candidates).name, "kv_no_hit")
-        ranked = sorted(known, key=lambda c: (_ttft(estimates[c.name]), c.in_flight))
+        busy = sum(1 for c in candidates if c.in_flight) / len(candidates)
+        ranked = sorted(known, key=lambda c: (_cost(estimates[c.name], busy), c.in_flight))
         best = estimates[ranked[0].name]
-        reason = "kv_hit" if best is not None and best.hit_tokens else "kv_no_hit"
-        if reason == "kv_no_hit":
+        if log.isEnabledFor(logging.DEBUG):  # the decision's terms, for profiling the cost model
+            log.debug("kv %d tokens: %s", len(request.token_ids or ()), "; ".join(
+                f"{c.name} in_flight={c.in_flight} {estimates[c.name]}" for c in candidates))  # fmt: skip
+        if all(e is None or not e.hit_tokens for e in estimates.values()):
             # Nobody holds any of it: every replica would recompute the whole prompt, so go by load instead.
-            return Decision(self.least_loaded(candidates).name, reason, best)
-        return self.guard.apply(ranked, Decision(ranked[0].name, reason, best))
+            return Decision(self.least_loaded(candidates).name, "kv_no_hit", best)
+        own = [e.service for e in estimates.values() if e is not None]
+        if len(candidates) > 1 and len(own) == len(candidates) and max(own) - min(own) <= 1e-9 * max(own):
+            # Every replica would do the same work for it (as much held, in the same tier, at the same costs: a
+            # shared system prompt, a shared L2): the caches do not tell them apart, so the load does, as least-load.
+            return Decision(self.least_loaded(candidates).name, "kv_even", best)
+        decision = Decision(ranked[0].name, "kv_hit", best)
+        if any(c.service_seconds is None and c.in_flight for c in candidates):
+            # A replica with requests in flight and none finished: its queue is not priced yet, so guard it.
+            return self.guard.apply(ranked, decision)
+        return decision
+
+    def queue(self, candidate: Candidate, load: tuple[int, int], finished: int) -> Queue:
+        """The work ahead of a new request at ``candidate`` (score.Queue). ``load``: the replica's own ``(running,
+        waiting)`` from its KV events, with ``finished`` of this router's requests over there then; newer, where
+        there is one, ``candidate.load`` (an engine's ``/metrics``)."""
+        name = candidate.name
+        now = self._clock()
+        with self._lock:
+            sent = sorted((self._waiting.get(name) or {}).values())
+            first_byte, typical = self._first_byte.get(name), self._typical.get(name)
+        waiting = tuple(service for _, service in sent)
+        streaming = max(candidate.in_flight - len(waiting), 0)
+        service = candidate.service_seconds
+        # What a request has left once its first byte came: the mean request less the mean wait for the first byte.
+        tail = max(service - first_byte, 0.0) if service is not None and first_byte is not None else 0.0
+        if candidate.load is not None:
+            load, finished = candidate.load, candidate.load_finished
+        # The replica's running + waiting are as old as its last report: this router's requests that finished
+        # there since are counted in them, but are over (they would send a user's next request away from the
+        # replica that just cached its context).
+        reported = sum(load) - max(candidate.finished - finished, 0)
+        others = max(reported - candidate.in_flight, 0)
+        return Queue(
+            waiting, now - sent[0][0] if sent else 0.0, streaming, tail, others,
+            typical if typical is not None else (service or 0.0),
+        )  # fmt: skip
+
+    def sent(self, request: RouteRequest, replica: str) -> None:
+        super().sent(request, replica)
+        estimate = request.estimates.get(replica)
+        with self._lock:
+            typical = self._typical.get(replica)
+            service = estimate.service if estimate is not None else (typical or 0.0)
+            ticket = request.tickets[replica] = next(self._tickets)
+            self._waiting.setdefault(replica, {})[ticket] = (self._clock(), service)
+            self._typical[replica] = service if typical is None else typical + _EWMA * (service - typical)
 
     def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
         state = self.index.state(replica)
@@ -319,6 +395,15 @@ class KVAware(Policy):
 
     def answered(self, request: RouteRequest, replica: str, ok: bool) -> None:
         super().answered(request, replica, ok)
+        state = self.index.state(replica)
+        with self._lock:
+            ticket = request.tickets.pop(replica, None)
+            entry = (self._waiting.get(replica) or {}).pop(ticket, None) if ticket is not None else None
+            if ok and entry is not None:
+                seconds, old = self._clock() - entry[0], self._first_byte.get(replica)
+                self._first_byte[replica] = seconds if old is None else old + _EWMA * (seconds - old)
+            if ok and state is not None:
+                self._answered_seq[replica] = state.seq
         # What an engine replica answered is its prefix fallback's index, kept while its events are also mapped:
         # a restart of the engine (or of its events) then falls back on what it most likely still holds.
         if ok and replica in self.engines and self.fallback is not None:
@@ -330,6 +415,9 @@ class KVAware(Policy):
     def forget(self, replica: str) -> None:
         self.recent.forget(replica)
         self.routed.forget(replica)
+        with self._lock:
+            for measured in (self._first_byte, self._typical, self._answered_seq):
+                measured.pop(replica, None)
 
     def index_sizes(self) -> dict[tuple[str, str], int]:
         sizes = super().index_sizes() | {(name, "recent"): n for name, n in self.recent.sizes().items()}
@@ -340,28 +428,11 @@ class KVAware(Policy):
         return sizes
 
 
-def _ttft(estimate: Estimate | None) -> float:
-    return estimate.ttft if estimate is not None else float("inf")
+_EWMA = 0.2  # weight of the newest measurement in the per-replica means (as upstream.SERVICE_EWMA)
 
 
-def _queue_wait(candidate: Candidate, load: tuple[int, int], finished: int) -> float:
-    """Seconds of work ahead of a request at ``candidate``: its queue times the mean request there. The queue is
-    what the replica itself reported, ``load`` (from its KV events, with ``finished`` of this router's requests
-    over there then) or, newer where there is one, ``candidate.load`` (an engine's ``/metrics``); never less than
-    what this router has in flight there.
-
-    >>> _queue_wait(Candidate("a", 1, 2.0, 5, load=(2, 2), load_finished=4), (0, 0), 0)
-    5.0
-    """
-    if candidate.load is not None:
-        load, finished = candidate.load, candidate.load_finished
-    # The replica's own running + waiting are as old as its last report: the requests of this router that finished
-    # there since are counted in them, but are over. Counted anyway, they would send a user's next request away from
-    # the replica that just cached its context.
-    over = max(candidate.finished - finished, 0)
-    queued = max(candidate.in_flight, sum(load) - over)
-    # Each queued request takes about what requests there have taken so far; the one generating now is half done.
-    return max(queued - 0.5, 0.0) * (candidate.service_seconds or 0.0)
+def _cost(estimate: Estimate | None, busy: float) -> float:
+    return rank_cost(estimate, busy) if estimate is not None else float("inf")
 
 
 class _Either:

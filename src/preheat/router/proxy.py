@@ -1,4 +1,7 @@
-"""The router's request path: choose a replica, forward the request unchanged, relay the answer as it comes.
+"""The router's request path: choose a replica, forward the request unchanged, relay the answer as it comes. This
+module holds what every request shares (``Router``: the replicas, the policy, the metrics) and the router's own
+routes (``RouterHandler``); the data path that carries the requests is aioproxy.py, on one event loop. The rules
+below are its contract.
 
 Bodies pass through byte for byte: a non-streaming answer is relayed with its Content-Length, a streamed one chunk
 by chunk as the replica writes its chunks (one server-sent event each), so tokens reach the client as they are made.
@@ -29,29 +32,24 @@ activated or a sleeping replica woken; one that finds every replica saturated st
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
+import ssl
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec
 
-from preheat.core.errors import APIError, JSONInputError, UpstreamError
-from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.login import Login
 from preheat.dashboard.state import ReplicaRow, StateDocument
 from preheat.dashboard.watch import Findings, FleetWatcher
 from preheat.dashboard.web import answer, is_dashboard_path
-from preheat.http.control import is_control_path
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from preheat.http.server import CLOSE, BodyRefusal, TrackedHandler, TrackedServer, check_bearer
+from preheat.http.server import CLOSE, TrackedHandler
 from preheat.router.activation import ColdStarter
-from preheat.router.capacity import refused_code, saturated
 from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
-from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER, PromptReader
+from preheat.router.prompts import PromptReader
 from preheat.router.sse import EventFramer
 from preheat.router.upstream import Replica
 from preheat.text.request import MAX_BODY_BYTES
@@ -176,23 +174,20 @@ class Router:
         return next(r for r in pool if r.url == decision.replica), decision
 
 
-class RouterHTTPServer(TrackedServer):
-    """The shared server base (``preheat.http.server``) carrying the ``Router``."""
+class RouterRoutes:
+    """What the router's own routes read of their server: the router, the dashboard's logins (``Login``) and the
+    listener's TLS context (None: plain http; the login cookie is ``Secure`` over https)."""
 
-    def __init__(self, address: tuple[str, int], router: Router) -> None:
-        self.router = router
-        self.login = Login()  # the dashboard's sessions (RouterService sets --dashboard-session-ttl's)
-        super().__init__(address, RouterHandler)
+    def __init__(self, router: Router, login: Login, tls: ssl.SSLContext | None) -> None:
+        self.router, self.login, self.tls = router, login, tls
 
 
 class RouterHandler(TrackedHandler):
-    """One client connection (HTTP/1.1 keep-alive, TCP_NODELAY: ``TrackedHandler``); every method is forwarded
-    except the router's own routes."""
+    """The router's own routes (``/health``, ``/metrics``, the dashboard), answered on an in-memory connection by the
+    data path (``aioproxy.answer_in_memory``, on a worker thread): every other request is forwarded there."""
 
     server_version = "preheat-router"
-    timeout = 300  # an idle client connection loses its thread after this long
-    server: RouterHTTPServer
-    last_refusal: bytes | None = None  # this request's last "not serving" 503, as the replica wrote it
+    server: RouterRoutes  # type: ignore[assignment]  # .router, .login and .tls are read: no socket server behind it
 
     def do_GET(self) -> None:  # noqa: N802 - http.server dispatches on this name
         path = self.path.split("?", 1)[0]
@@ -203,53 +198,13 @@ class RouterHandler(TrackedHandler):
         elif is_dashboard_path(path):  # read-only; its own key check: a browser sends a cookie, not a Bearer header
             answer(self, self.server.router.api_key, self.server.router.dashboard_state, self.server.login)
         else:
-            self.forward("GET")
+            self.send_body(404, f"no route {path[:200]}\n".encode(), "text/plain")
 
     def do_POST(self) -> None:  # noqa: N802 - http.server dispatches on this name
         if is_dashboard_path(self.path.split("?", 1)[0]):  # the dashboard's login form
             answer(self, self.server.router.api_key, self.server.router.dashboard_state, self.server.login)
-            return
-        self.forward("POST")
-
-    def do_DELETE(self) -> None:  # noqa: N802 - http.server dispatches on this name
-        self.forward("DELETE")
-
-    def do_PUT(self) -> None:  # noqa: N802 - http.server dispatches on this name
-        self.forward("PUT")
-
-    # -- the router's own answers ---------------------------------------------------------------------------------
-    def send_error_json(
-        self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None
-    ) -> None:
-        """An OpenAI-shaped error the router itself answers (no replica, the replica failed, no API key)."""
-        self.server.router.metrics.errors.inc(code=code)
-        body = APIError(status, message, type=type_, code=code).body()
-        extra = {"Retry-After": "1"} if headers is None else headers
-        self.send_body(status, json.dumps(body).encode(), "application/json", extra)
-
-    def authorized(self) -> bool:
-        """True when the router has no API key or the request bears it (compared in constant time); else answers
-        401 as ``preheat serve`` does, before the body is read, tokenized, indexed or forwarded."""
-        key = self.server.router.api_key
-        if not key:
-            return True
-        if check_bearer(self.headers.get("Authorization"), key) == "ok":
-            return True
-        message = "missing or wrong API key: send 'Authorization: Bearer <key>' (the router's --api-key)"
-        headers = {"WWW-Authenticate": "Bearer"}
-        if self.has_body():
-            headers.update(CLOSE)  # its body is left unread: the connection cannot carry another request
-        self.send_error_json(401, message, "authentication_error", "invalid_api_key", headers)
-        return False
-
-    def not_forwarded(self) -> None:
-        """404 for a control route: the router has none of its own and forwards none (its body is left unread)."""
-        message = (
-            f"{self.path.split('?', 1)[0][:200]}: the router does not forward control routes; send them to the "
-            "replica itself, with its admin key (`preheat activate URL ...`)"
-        )
-        headers = CLOSE if self.has_body() else {}
-        self.send_error_json(404, message, "invalid_request_error", "not_forwarded", headers)
+        else:
+            self.send_body(404, b"no route\n", "text/plain", CLOSE)
 
     def health(self) -> None:
         router = self.server.router
@@ -266,361 +221,6 @@ class RouterHandler(TrackedHandler):
         state = "ok" if up else "cold" if cold else "no_replica"
         status = {"status": state, "policy": router.policy.name, "replicas": replicas}
         self.send_body(200 if up or cold else 503, json.dumps(status).encode(), "application/json")
-
-    # -- forwarding -----------------------------------------------------------------------------------------------
-    def read_body(self) -> bytes | None:
-        """The request body (None after answering 411/413); a bodiless GET has b""."""
-        body = self.read_body_within(MAX_BODY, required=self.command in ("POST", "PUT"))
-        if isinstance(body, BodyRefusal):
-            self.send_error_json(body.status, body.message, "invalid_request_error", body.code, CLOSE)
-            return None
-        return body
-
-    def forward(self, method: str) -> None:
-        started = time.perf_counter()
-        router = self.server.router
-        if is_control_path(self.path):
-            self.not_forwarded()
-            return
-        if not self.authorized():
-            return
-        body = self.read_body()
-        if body is None:
-            return
-        path = self.path.split("?", 1)[0]
-        generation = method == "POST" and path in ROUTE_KINDS
-        if generation and (router.policy.needs_tokens or router.policy.name == "session"):
-            request = router.prompts.read(path, body, self.headers.get(SESSION_HEADER))
-        else:
-            request = RouteRequest(session=self.headers.get(SESSION_HEADER))
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
-        if router.replica_authorization is not None:
-            # The client's credential is for the router; the replicas get the router's own.
-            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-            headers["Authorization"] = router.replica_authorization
-        exchange = self.exchange(method, body, headers, request, generation)
-        if exchange is None:
-            return  # answered already (no replica, or a 502)
-        replica, sent = exchange.replica, exchange.sent
-        # The request is over for the replica when its last byte arrives, and it is counted just before the client's
-        # last byte goes out: a client that sends its next request, or scrapes /metrics, as soon as it has this
-        # answer must find it neither still in flight nor not yet counted.
-        upstream_done = [sent]
-
-        def replica_over() -> None:
-            upstream_done[0] = time.perf_counter()
-            replica.end(upstream_done[0] - sent)
-
-        over = _once(replica_over)
-
-        def count(status: int) -> None:
-            over()
-            router.metrics.routed.inc(replica=replica.url, status=str(status))
-            # The router's own time: before the replica had the request, and after its last byte came.
-            router.metrics.overhead.observe((sent - started) + max(time.perf_counter() - upstream_done[0], 0.0))
-
-        try:
-            reason = "retry" if exchange.tries > 1 else exchange.decision.reason
-            ending = Ending(over, _once(count))
-            self.relay(replica, exchange.conn, exchange.response, reason, ending, head=exchange.head)
-        finally:
-            over()  # when the relay ended some other way (an exception)
-
-    def exchange(
-        self, method: str, body: bytes, headers: dict[str, str], request: RouteRequest, generation: bool
-    ) -> Exchange | None:
-        """Send the request to a replica and wait for its answer's headers; None once the router has answered the
-        client itself. A replica that fails before answering is ejected and the request retried once elsewhere;
-        one that refuses it as not serving is ejected and the request goes to another (waiting for a cold start
-        when none is left)."""
-        router = self.server.router
-        failed: list[Replica] = []  # replicas that failed this request: not tried again
-        tries = 0
-        # A refusal as "not serving" ejects the replica, so the request goes elsewhere each time; the bound stops a
-        # replica whose /health says ok while its requests are refused from bouncing a request forever.
-        most = 2 * len(router.replicas) + 1
-        self.last_refusal = None
-        while True:
-            pool = router.healthy(exclude=failed)
-            cold = router.cold
-            if not pool and cold is not None and tries < most and cold.available():
-                # Wait while a standby is activated or a sleeping replica woken (one after another if one fails).
-                waited = cold.wait_for_replica(lambda: bool(router.healthy(exclude=failed)), "no replica in rotation")
-                if waited:
-                    continue
-            if not pool or tries >= most:
-                self.no_replica(failed)
-                return None
-            if cold is not None and not tries and saturated((r.in_flight for r in pool), cold.settings.saturation):
-                cold.need("every replica in rotation is saturated")
-            replica, decision = router.choose(request, pool, retry=bool(tries))
-            tries += 1
-            replica.begin()
-            if generation:
-                router.policy.sent(request, replica.url)
-            sent = time.perf_counter()
-            try:
-                conn, response = replica.send(method, self.path, body, headers)
-            except UpstreamError as exc:
-                failed.append(replica)
-                if self.retry_failed(replica, exc, failed, request if generation else None):
-                    continue
-                return None
-            early = self.read_refusal(conn, response)
-            if isinstance(early, str):  # not serving: nothing started there, so it goes elsewhere
-                replica.end(None)
-                if generation:
-                    router.policy.answered(request, replica.url, ok=False)
-                replica.phase = early
-                router.set_health(replica, False, f"answered 503 {early}")
-                router.metrics.retries.inc()
-                continue
-            head = self.first_look(replica, conn, response, early)
-            if isinstance(head, Refused):  # nothing of it went out: another replica may answer in its place
-                failed.append(replica)
-                if self.retry_refused(replica, head, failed, request if generation else None):
-                    continue
-                return None
-            if generation:
-                # Learnt only from a 2xx, before the client hears of it (its next request may share the prefix).
-                router.policy.answered(request, replica.url, ok=200 <= response.status < 300)
-            return Exchange(replica, decision, conn, response, sent, tries, head)
-
-    def no_replica(self, failed: Sequence[Replica]) -> None:
-        """The 503 of a request no replica can take: why cold starts failed, else the last refusal as the replica
-        wrote it (asleep, on standby...), else who failed."""
-        cold = self.server.router.cold
-        if cold is not None and cold.errors:
-            why = f"no replica in rotation, and none could be brought up ({cold.why_none()})"
-        elif self.last_refusal is not None:
-            self.server.router.metrics.errors.inc(code="no_replica")
-            self.send_body(503, self.last_refusal, "application/json", {"Retry-After": "1"})
-            return
-        elif failed:
-            why = f"replica {failed[-1].url} failed and no other is healthy"
-        else:
-            why = "no healthy replica"
-        self.send_error_json(503, f"{why}; retry later", "service_unavailable", "no_replica")
-
-    def retry_failed(
-        self, replica: Replica, exc: UpstreamError, failed: Sequence[Replica], request: RouteRequest | None
-    ) -> bool:
-        """A replica that could not be asked: ejected when it failed before its first byte, and True when the
-        request goes to another (its first failure), else the client gets a 502. ``request``: as for
-        ``retry_refused``."""
-        router = self.server.router
-        replica.end(None)
-        if request is not None:
-            router.policy.answered(request, replica.url, ok=False)
-        if exc.before_first_byte:
-            router.set_health(replica, False, str(exc))
-        if exc.before_first_byte and len(failed) == 1:
-            router.metrics.retries.inc()
-            return True
-        self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
-        return False
-
-    def retry_refused(
-        self, replica: Replica, refused: Refused, failed: Sequence[Replica], request: RouteRequest | None
-    ) -> bool:
-        """Count an answer refused before its first byte went out; True when the request may go to another replica
-        (its first refusal, and one is left), else the client gets the refusal as a 502. ``request``: the
-        generation request, whose policy learns of the failure."""
-        router = self.server.router
-        replica.end(None)
-        router.metrics.refused.inc(replica=replica.url, code=refused.code)
-        if request is not None:
-            router.policy.answered(request, replica.url, ok=False)
-        if refused.code == "replica_failed":  # it broke mid-answer: out, as a replica that refused the connection
-            router.set_health(replica, False, refused.message)
-        if len(failed) == 1 and router.healthy(exclude=failed):
-            router.metrics.retries.inc()
-            return True
-        self.send_error_json(502, refused.message, "server_error", refused.code)
-        return False
-
-    def first_look(
-        self,
-        replica: Replica,
-        conn: http.client.HTTPConnection,
-        response: http.client.HTTPResponse,
-        early: bytes | None,
-    ) -> Head | Refused:
-        """Read what must be judged before the answer's headers go out, so that a refusal can still be retried: a
-        plain answer whole (``early``: its body when ``read_refusal`` read it), a stream of server-sent events up to
-        its first whole event. Sizes are the replica's choice, so each is bounded, and what is refused is left
-        unread (the connection closed)."""
-        if response.chunked:
-            if (response.getheader("Content-Type") or "").startswith("text/event-stream"):
-                return self.first_events(replica, conn, response)
-            return Head()  # another kind of stream: relayed as it comes
-        limit = self.server.router.max_answer_bytes
-        body = early
-        try:
-            if body is None and (response.length or 0) <= limit:
-                # Without a Content-Length (read to the close), at most one byte past the limit is read.
-                body = response.read() if response.length is not None else response.read(limit + 1)
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            message = f"replica {replica.url} failed while answering: {type(exc).__name__}: {exc}"
-            return Refused("replica_failed", message)
-        if body is None or len(body) > limit:
-            conn.close()  # its body left unread
-            message = (
-                f"replica {replica.url} answered more than the router relays ({limit} bytes, "
-                "--max-answer-bytes); ask for less (max_tokens, logprobs) or raise the limit"
-            )
-            return Refused("answer_too_large", message)
-        return Head(body=body)
-
-    def first_events(
-        self, replica: Replica, conn: http.client.HTTPConnection, response: http.client.HTTPResponse
-    ) -> Head | Refused:
-        """A stream of server-sent events read up to its first whole event (or its end), each byte scanned once."""
-        framer, limit = EventFramer(), self.server.router.max_event_bytes
-        while True:
-            try:
-                data = response.read1(65536)
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                message = f"replica {replica.url} failed before its first event: {type(exc).__name__}: {exc}"
-                return Refused("replica_failed", message)
-            if not data:
-                return Head(events=framer.end(), framer=framer, ended=True)
-            ready = framer.push(data)
-            if ready:
-                return Head(events=ready, framer=framer)
-            if framer.held > limit:
-                conn.close()  # the replica stops generating; nothing of the event went out
-                return Refused("event_too_large", event_too_large(replica, limit))
-
-    def relay(
-        self,
-        replica: Replica,
-        conn: http.client.HTTPConnection,
-        response: http.client.HTTPResponse,
-        reason: str,
-        ending: Ending,
-        *,
-        head: Head,
-    ) -> None:
-        """Send the replica's answer to the client, calling ``ending.over()`` once the replica's part is over and
-        ``ending.count(status)`` just before the client's last byte. ``head``: what ``first_look`` read of it."""
-        headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_HEADERS]
-        headers += [(REPLICA_HEADER, replica.url), (REASON_HEADER, reason)]
-        if head.body is not None:
-            replica.release(conn, response)
-            self.send_response(response.status)
-            for name, value in headers:
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(head.body)))
-            ending.count(response.status)  # end_headers() sends the headers: nothing has left yet
-            self.end_headers()
-            self.wfile.write(head.body)
-            return
-        self.send_response(response.status)
-        for name, value in headers:
-            self.send_header(name, value)
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        self.stream(replica, conn, response, ending, head)
-
-    def stream(
-        self,
-        replica: Replica,
-        conn: http.client.HTTPConnection,
-        response: http.client.HTTPResponse,
-        ending: Ending,
-        head: Head,
-    ) -> None:
-        """Relay a chunked answer as the replica writes it, after the ``head`` that was read already. Server-sent
-        events are relayed whole: a replica that dies mid-event must not leave half an event in front of the error
-        event that ends the stream. So an event is held until its blank line arrives (``EventFramer``: each byte
-        scanned once), and one growing past ``max_event_bytes`` ends the stream with an error event."""
-        framer = head.framer
-        limit = self.server.router.max_event_bytes
-        if head.events or head.ended:
-            if head.ended:
-                ending.count(response.status)
-            if (head.events and not self.write_chunk(head.events)) or (head.ended and not self.write_chunk(b"")):
-                conn.close()  # the client left
-                self.close_connection = True
-                ending.count(response.status)
-                return
-            if head.ended:
-                replica.release(conn, response)
-                return
-        while True:
-            try:
-                data = response.read1(65536)
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                ending.count(response.status)
-                message = f"replica {replica.url} failed mid-stream: {type(exc).__name__}: {exc}"
-                self.end_stream(message, "replica_failed")
-                return
-            if not data:
-                ending.count(response.status)  # the replica's last chunk came: the client's last one goes out below
-            if framer is None:
-                ready = data
-            elif not data:
-                ready = framer.end()  # what is left goes out as the replica wrote it
-            else:
-                ready = framer.push(data)
-                if framer.held > limit:
-                    conn.close()  # the replica stops generating; nothing of the event went out
-                    ending.count(response.status)
-                    self.end_stream(event_too_large(replica, limit), "event_too_large", ready)
-                    return
-            if (ready and not self.write_chunk(ready)) or (not data and not self.write_chunk(b"")):
-                conn.close()  # the client left: closing makes the replica stop generating for nobody
-                self.close_connection = True
-                ending.count(response.status)
-                return
-            if not data:
-                replica.release(conn, response)
-                return
-
-    def end_stream(self, message: str, code: str, before: bytes = b"") -> None:
-        """End a stream whose headers went out already: the events ``before`` it, a final ``data: {"error": ...}``
-        event and ``[DONE]``, as a replica ends a failed stream, and the connection closed after."""
-        self.close_connection = True
-        self.server.router.metrics.errors.inc(code=code)
-        error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-        self.write_chunk(before + b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
-        self.write_chunk(b"")
-
-    def read_refusal(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> str | bytes | None:
-        """A short 503's body, read to see whether it says "not serving": then the replica's phase (its body kept
-        in ``last_refusal``, the connection closed); else the body read (bytes), to relay as it is; None for any
-        other answer (left unread)."""
-        length = response.getheader("Content-Length") or ""
-        if response.status != 503 or response.chunked or not length.isdigit() or int(length) > REFUSAL_BYTES:
-            return None
-        try:
-            raw = response.read()
-        except (OSError, http.client.HTTPException):
-            return None  # relay() reads again and answers 502 replica_failed
-        try:
-            answer = loads_bounded(raw, max_bytes=REFUSAL_BYTES, max_depth=8)
-        except (JSONInputError, UnicodeDecodeError):
-            answer = None
-        code = refused_code(response.status, answer if isinstance(answer, dict) else None)
-        if code is None:
-            return raw
-        conn.close()
-        self.last_refusal = raw
-        return "loading" if code == "model_loading" else code
-
-    def write_chunk(self, data: bytes) -> bool:
-        """One HTTP chunk (empty data: the last chunk); False when the client has gone away."""
-        framed = f"{len(data):x}\r\n".encode("ascii") + data + b"\r\n" if data else b"0\r\n\r\n"
-        try:
-            self.wfile.write(framed)
-            self.wfile.flush()
-        except OSError:
-            return False
-        return True
 
 
 @dataclass(frozen=True)
@@ -642,20 +242,6 @@ class Refused:
 
     code: str
     message: str
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """A request sent and its answer's headers in: where (``replica``, ``decision``), on what (``conn``,
-    ``response``), when (``sent``), after how many ``tries``, and what was read of it already (``head``)."""
-
-    replica: Replica
-    decision: Decision
-    conn: http.client.HTTPConnection
-    response: http.client.HTTPResponse
-    sent: float
-    tries: int
-    head: Head
 
 
 @dataclass(frozen=True)

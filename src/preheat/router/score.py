@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from preheat.kv.keys import cacheable_chunks, split_hits
 
-__all__ = ["Costs", "Estimate", "expected_ttft", "resolve_costs", "split_hits"]
+__all__ = ["Costs", "Estimate", "Queue", "expected_ttft", "rank_cost", "resolve_costs", "split_hits"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,43 @@ class Estimate:
     @property
     def hit_tokens(self) -> int:
         return self.gpu_tokens + self.l1_tokens + self.l2_tokens
+
+    @property
+    def service(self) -> float:
+        """Seconds of the replica's own work for this prompt (restores and recompute): what it adds to the queue."""
+        return self.ttft - self.queue_wait
+
+
+@dataclass(frozen=True)
+class Queue:
+    """The work ahead of a new request at one replica, as this router knows it; ``wait()`` prices it in seconds.
+
+    A replica generates its requests one after another, so a new one waits for the *work* queued before it, not for
+    the number of requests: one miss of a long prompt weighs as much as many hits. ``waiting``: the estimated
+    service seconds (``Estimate.service``) of this router's requests sent there and not answered yet, oldest
+    first, the oldest ``elapsed`` seconds ago; ``streaming``: those answered and still generating, each with about
+    ``tail`` seconds left (their answer after the first token); ``others``: requests the replica reports beyond this
+    router's, each taking ``typical`` seconds.
+
+    >>> Queue(waiting=(2.0, 0.5), elapsed=0.5).wait()  # the oldest is being prefilled
+    2.0
+    >>> Queue(waiting=(2.0,), streaming=1, tail=0.2, elapsed=0.5).wait()  # it has not started: one still generates
+    2.2
+    """
+
+    waiting: tuple[float, ...] = ()
+    elapsed: float = 0.0
+    streaming: int = 0
+    tail: float = 0.0
+    others: int = 0
+    typical: float = 0.0
+
+    def wait(self) -> float:
+        ahead = sum(self.waiting) + self.streaming * self.tail + self.others * self.typical
+        if self.waiting and not self.streaming and not self.others:
+            # Nothing else is before the oldest: it has been served for ``elapsed`` s (at most all of its work).
+            ahead -= min(self.elapsed, self.waiting[0])
+        return max(ahead, 0.0)
 
 
 def expected_ttft(
@@ -88,6 +125,20 @@ def expected_ttft(
     return Estimate(ttft, recompute, l1_tokens, l2_tokens, queue_wait, gpu_tokens)
 
 
+def rank_cost(estimate: Estimate, busy: float) -> float:
+    """What sending the request there costs the fleet: its own expected TTFT, plus its service once more for each
+    share ``busy`` (0-1) of the replicas with requests in flight. A replica computes one request after another, so
+    while the fleet is busy the work a request adds is waited for by the requests that come next (and on shared
+    cores, by the other replicas' too): a recompute that saves this request a short wait costs the next ones more.
+    Idle, only this request's TTFT counts.
+
+    >>> hit, miss = Estimate(1.1, 10, 990, 0, 1.0), Estimate(1.0, 1000, 0, 0, 0.0)  # a hit behind 1 s, a miss idle
+    >>> rank_cost(hit, 0.0) > rank_cost(miss, 0.0), rank_cost(hit, 1.0) < rank_cost(miss, 1.0)
+    (True, True)
+    """
+    return estimate.ttft + busy * estimate.service
+
+
 class _Either:
     """A key in either of two sets (a GPU hit after the run of GPU hits broke counts at L1's price)."""
 
@@ -100,18 +151,22 @@ class _Either:
 
 def resolve_costs(own: Sequence[float | None], others: Sequence[Sequence[float | None]]) -> Costs:
     """A replica's costs (prefill, L1, L2), each its own when measured, else the mean of the other replicas'
-    measurements, else ``DEFAULT_COSTS``'s: borrowing a peer's number keeps a fresh replica comparable with warm ones.
+    measurements; a cost nobody measured yet is scaled from one that was by ``DEFAULT_COSTS``'s ratios, and only
+    when nothing is measured anywhere are the priors used as they are. Borrowing a peer's number keeps a fresh
+    replica comparable with warm ones; scaling keeps a restore priced below a recompute (a measured prefill of
+    2e-5 s/token beside an L1 prior of 2e-5 would make a hit and a miss cost the same).
 
     >>> resolve_costs([1e-3, None, None], [[3e-3, 4e-5, None]])
-    Costs(prefill=0.001, l1=4e-05, l2=0.0002, gpu=0.0)
+    Costs(prefill=0.001, l1=4e-05, l2=0.0001, gpu=0.0)
+    >>> round(resolve_costs([2e-5, None, None], []).l1, 12)  # no L1 restore measured yet: a hundredth of a recompute
+    2e-07
     """
     defaults = (DEFAULT_COSTS.prefill, DEFAULT_COSTS.l1, DEFAULT_COSTS.l2)
-    values: list[float] = []
-    for i, default in enumerate(defaults):
+    values: list[float | None] = []
+    for i in range(len(defaults)):
         mine = own[i] if i < len(own) else None
-        if mine is not None:
-            values.append(mine)
-            continue
-        seen = [o[i] for o in others if i < len(o) and o[i] is not None]
-        values.append(sum(v for v in seen if v is not None) / len(seen) if seen else default)
-    return Costs(*values)
+        seen = [v for o in others if i < len(o) and (v := o[i]) is not None]
+        values.append(mine if mine is not None else (sum(seen) / len(seen) if seen else None))
+    anchor = next(((v, defaults[i]) for i, v in enumerate(values) if v is not None), None)
+    scale = anchor[0] / anchor[1] if anchor is not None else 1.0
+    return Costs(*(v if v is not None else defaults[i] * scale for i, v in enumerate(values)))

@@ -134,9 +134,10 @@ class RouterSettings:
     max_event_bytes: str = field(
         default="16MiB", metadata=option("a server-sent event longer than this ends its stream", metavar="SIZE")
     )
-    # Every server's bounds (preheat.http.server): threads for connections, and time for a request's headers.
+    # Every server's bounds (preheat.http.server): connections, and time for a request's headers.
+    # An idle connection on the router's event loop (aioproxy.py) costs a socket and a few KiB, not a thread.
     max_connections: int = field(
-        default=512, metadata=option("open client connections at most; one more is answered 503", metavar="N")
+        default=16384, metadata=option("open client connections at most; one more is answered 503", metavar="N")
     )
     header_timeout: float = field(
         default=10.0, metadata=option("seconds a request's line and headers may take to arrive", metavar="S")
@@ -263,6 +264,25 @@ class RouterSettings:
         metadata=option("route only to replicas on the newest weights version (--follow replicas; docs/refit.md)"),
     )
 
+    # Several routers, one view (docs/router.md, *Several routers*): learnt prefixes, in-flight counts and ejections
+    # shared through one Redis stream per fleet (router/shared_redis.py); None: this router's view is its own.
+    shared_state: str | None = field(
+        default=None,
+        metadata=option(
+            "share what this router learns (prompts' prefixes, load, ejections) with the other routers of the fleet "
+            "through this Redis: redis://[:PASSWORD@]HOST:PORT/DB or rediss://... (prefer the variable when it "
+            "carries a password)",
+            metavar="URL",
+            default_text="none: this router's view is its own",
+        ),
+    )
+    shared_fleet: str = field(
+        default="default",
+        metadata=option(
+            "--shared-state: the fleet's name; routers with the same Redis and name share one view", metavar="NAME"
+        ),
+    )
+
     @classmethod
     def resolve(cls, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> RouterSettings:
         """Settings from ``flags`` (None = not given), else ``PREHEAT_ROUTER_<NAME>`` in ``env`` (default: this
@@ -327,6 +347,7 @@ class RouterSettings:
                     "--replicas-from finds its replicas later: pass --model DIR (the model's directory)"
                 )
         self.check_sleep()
+        self.check_shared()
         if self.standby and not self.activation_model:
             raise ConfigError(
                 "--standby replicas need the model to activate them with: pass --standby-model MODEL (a directory or "
@@ -341,6 +362,18 @@ class RouterSettings:
             raise ConfigError(f"--sleep-level {self.sleep_level}: must be 1 or 2")
         if self.sleep_keep < 0:
             raise ConfigError(f"--sleep-keep {self.sleep_keep}: must be at least 0")
+
+    def check_shared(self) -> None:
+        """--shared-state a redis:// or rediss:// URL its client would take, --shared-fleet a plain name."""
+        import re
+
+        from preheat.kv.backends import check_url
+
+        shared = self.shared_state
+        if shared is not None and check_url(shared, "--shared-state").scheme not in ("redis", "rediss"):
+            raise ConfigError("--shared-state: give a Redis URL (redis://HOST:PORT/DB or rediss://...)")
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", self.shared_fleet):
+            raise ConfigError(f"--shared-fleet {self.shared_fleet!r}: 1-64 letters, digits, '.', '_' or '-'")
 
     def check_listeners(self) -> None:
         """TLS files that load (a CA alone verifies https replicas), and a dashboard login that lasts."""

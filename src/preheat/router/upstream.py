@@ -150,6 +150,8 @@ class Replica:
         self.slept = 0
         self.origin = Origin(self.address.scheme, self.address.host, self.address.port)
         self.pool = Pool(self.timeouts, idle=POOL_SIZE)
+        # Bumped by ``close_idle``: the event-loop data path's pooled connections opened before it are not reused.
+        self.connection_epoch = 0
         self._lock = threading.Lock()
 
     def set_healthy(self, healthy: bool) -> bool:
@@ -197,6 +199,7 @@ class Replica:
 
     def close_idle(self) -> None:
         """Close every pooled connection (the replica was ejected: they point at a dead or restarted process)."""
+        self.connection_epoch += 1
         self.pool.close_idle()
 
     def send(

@@ -269,7 +269,7 @@ def test_kv_counts_a_shared_l2_hit_for_every_replica() -> None:
     index.apply("b", parse_update(snapshot([], []), "b"))
     policy = kv_policy(index)
     decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 1, 2.0), Candidate("b", 0, 2.0)])
-    assert (decision.replica, decision.reason) == ("b", "kv_hit")  # the L2 hit is b's too, and b is idle
+    assert (decision.replica, decision.reason) == ("b", "kv_even")  # the L2 hit is b's too, and b is idle
 
 
 def test_kv_goes_by_load_when_nobody_holds_anything() -> None:

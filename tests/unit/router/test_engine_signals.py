@@ -3,7 +3,8 @@ replica sleeps at, and the ``kv`` policy's queue term from an engine's own ``/me
 
 from __future__ import annotations
 
-from preheat.router.policies import Candidate, _queue_wait
+from preheat.router.index import KVIndex, PrefixIndex
+from preheat.router.policies import Candidate, KVAware, LoadGuard
 from preheat.router.sleeping import Idle, idle, vllm_level
 from preheat.router.upstream import Replica
 
@@ -32,10 +33,11 @@ def test_a_vllm_replicas_level_is_its_gauges_then_the_routers_then_two() -> None
 
 
 def test_an_engines_own_queue_replaces_what_its_events_do_not_carry() -> None:
-    # 1 in flight through this router; vLLM says 3 running and 4 waiting: 6.5 requests' worth of 2 s ahead.
+    policy = KVAware(KVIndex(), LoadGuard(), PrefixIndex())
+    # 1 in flight through this router; vLLM says 3 running and 4 waiting: 6 requests of someone else's, 2 s each.
     engine = Candidate("v", 1, 2.0, finished=0, load=(3, 4), load_finished=0)
-    assert _queue_wait(engine, (0, 0), 0) == 13.0
+    assert policy.queue(engine, (0, 0), 0).others == 6
     # Requests of this router that finished since the scrape are no longer in its queue.
-    assert _queue_wait(Candidate("v", 1, 2.0, finished=2, load=(3, 4), load_finished=0), (0, 0), 0) == 9.0
+    assert policy.queue(Candidate("v", 1, 2.0, finished=2, load=(3, 4), load_finished=0), (0, 0), 0).others == 4
     # Unknown: only this router's own requests count.
-    assert _queue_wait(Candidate("v", 1, 2.0), (0, 0), 0) == 1.0
+    assert policy.queue(Candidate("v", 1, 2.0), (0, 0), 0).others == 0

@@ -153,6 +153,29 @@ function decisionRows(rows) {
     el("td", { class: "wide" }, bar(d.count / most, `${d.count} requests`))));
 }
 
+function percent(share) {
+  return share === null ? dash : `${Math.round(share * 100)}%`;
+}
+
+function fleetRows(shared) {
+  return shared.routers.map((r) => el("tr", { "data-router": r.router },
+    el("td", {}, r.router === shared.router ? `${r.router} (this one)` : r.router),
+    el("td", { class: "num" }, r.age_seconds === null ? dash : `${r.age_seconds.toFixed(1)} s ago`),
+    el("td", { class: "num" }, num(r.decisions)),
+    el("td", { class: "num" }, percent(r.hit_ratio))));
+}
+
+function renderFleet(shared) {
+  document.getElementById("fleet-section").hidden = !shared;
+  if (!shared) return;
+  const age = shared.staleness_seconds === null ? "not read yet" : `view ${shared.staleness_seconds.toFixed(1)} s old`;
+  const hits = shared.hit_ratio === null ? "" : ` · fleet cache hits ${percent(shared.hit_ratio)}`;
+  const pill = document.getElementById("fleet-status");
+  pill.textContent = `${shared.fleet} · ${shared.up ? age : "shared state unreachable: own view only"}${hits}`;
+  pill.className = `pill ${shared.up ? "good" : "bad"}`;
+  document.querySelector("#fleet tbody").replaceChildren(...fleetRows(shared));
+}
+
 function findingItems(state) {
   const doc = state.findings;
   if (!doc) {
@@ -193,6 +216,7 @@ function render(state) {
   document.getElementById("waterfalls").replaceChildren(...state.replicas.map((r) => waterfall(r, scale)));
   document.getElementById("decisions-section").hidden = state.kind !== "router";
   document.querySelector("#decisions tbody").replaceChildren(...decisionRows(state.decisions));
+  renderFleet(state.shared);
   const doctor = document.getElementById("doctor-status");
   doctor.textContent = state.findings ? state.findings.status : "";
   doctor.className = state.findings ? `pill ${state.findings.status}` : "";

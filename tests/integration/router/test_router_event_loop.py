@@ -1,0 +1,129 @@
+"""The router's event-loop data path (router/aioproxy.py) at fleet scale: thousands of concurrent streams relayed
+whole and in order, and thousands of idle client connections that cost no thread and stop nothing. The replicas are
+``FakeReplica`` doubles (preheat.testing), fast enough that the router is what is exercised; the router is real (in
+this process where the test picks its event loop, else a ``preheat router`` process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import socket
+import sys
+
+import pytest
+
+from preheat.core.procs import Child
+from preheat.testing.fakereplica import FakeReplica
+from routing import running_router, wait_until
+from serving import Client
+
+STREAMS = 2000
+TOKENS = 12
+IDLE = 10_000
+
+
+def dechunk(data: bytes) -> bytes:
+    """A chunked body (everything after the head, read to the close) without its framing."""
+    out, at = bytearray(), 0
+    while True:
+        end = data.index(b"\r\n", at)
+        size = int(data[at:end].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += data[end + 2 : end + 2 + size]
+        assert data[end + 2 + size : end + 4 + size] == b"\r\n", "a chunk without its CRLF"
+        at = end + 4 + size
+
+
+async def one_stream(port: int, ident: str) -> list[bytes]:
+    """POST a streamed completion through the router; the events of its answer, as relayed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"model": "m", "prompt": "hi", "stream": True, "max_tokens": TOKENS, "user": ident}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    answer = await reader.read()  # to the close
+    writer.close()
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    return [event for event in dechunk(rest).split(b"\n\n") if event]
+
+
+async def many_streams(port: int, count: int) -> list[list[bytes]]:
+    return await asyncio.gather(*(one_stream(port, f"s{k}") for k in range(count)))
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_two_thousand_concurrent_streams_relay_every_token_in_order(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    else:
+        monkeypatch.setitem(sys.modules, "uvloop", None)  # the router extra absent: the standard library's loop
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 4 * STREAMS + 256:
+        pytest.skip(f"needs {4 * STREAMS + 256} open files (client, router both ways, replica), the limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    a, b = FakeReplica(gap=0.005), FakeReplica(gap=0.005)
+    with a, b, running_router([a.url, b.url], "round-robin", max_connections=4 * STREAMS) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        streams = asyncio.run(many_streams(port, STREAMS))
+        served_by = type(router.httpd.loop).__module__  # the event-loop server's
+    assert served_by.startswith("uvloop" if loop == "uvloop" else "asyncio")
+    assert a.streams + b.streams == STREAMS  # none sent twice, none lost
+    for k, events in enumerate(streams):
+        expected = [b"data: " + json.dumps({"id": f"s{k}", "i": i}).encode() for i in range(TOKENS)]
+        assert events == [*expected, b"data: [DONE]"], f"stream s{k}: {events[:3]}..."
+
+
+def test_ten_thousand_idle_connections_do_not_stop_new_requests() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < IDLE + 256:
+        pytest.skip(f"needs {IDLE + 256} open files, the limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    with FakeReplica() as replica:
+        args = ["router", "--replica", replica.url, "--port", "0", "--max-connections", str(IDLE + 100)]
+        with Child("preheat router", args, merge_stderr=True) as router:
+            url = router.wait_address(60.0)
+            wait_until(lambda: Client(url).get("/health").status == 200, "the replica in rotation", 60.0)
+            port = int(url.rsplit(":", 1)[1])
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(IDLE)]
+            try:
+                body = {"model": "m", "prompt": "hi", "max_tokens": 3, "user": "new"}
+                wait_until(lambda: len(os.listdir(f"/proc/{router.pid}/fd")) > IDLE, "the router to accept them all")
+                fresh = Client(url).post("/v1/completions", body)  # a new connection, past 10,000 idle ones
+                last = idle[-1]  # and the newest idle one, still served
+                last.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+                answer = last.recv(4096)
+                threads = len(os.listdir(f"/proc/{router.pid}/task"))
+            finally:
+                for sock in idle:
+                    sock.close()
+    assert fresh.status == 200
+    assert fresh.json()["choices"][0]["text"] == "xxx"
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert threads < 100, f"{threads} threads for {IDLE} idle connections"  # a thread each: over 10,000
+
+
+def test_a_client_that_expects_100_continue_gets_it_and_then_the_answer() -> None:
+    # curl sends "Expect: 100-continue" with any body over 1 KiB and waits for the 100 before sending it.
+    body = json.dumps({"model": "m", "prompt": "x" * 2000, "max_tokens": 2, "user": "e"}).encode()
+    with FakeReplica() as replica, running_router([replica.url]) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nExpect: 100-continue\r\nConnection: close\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            )
+            interim = sock.recv(25)
+            sock.sendall(body)
+            answer = b""
+            while data := sock.recv(65536):
+                answer += data
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert answer.endswith(b'"text": "xx"}]}')

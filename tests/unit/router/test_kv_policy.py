@@ -1,0 +1,109 @@
+"""The ``kv`` policy's scoring, pure: the caches from KV-event snapshots, the queues from what the policy sent, no
+servers. What a user of ``--policy kv`` relies on: it never loses to least-load where the caches cannot tell the
+replicas apart, a replica that holds more of a prompt and has no more work queued is never passed over, and the
+queue is priced as the work in it, not as a count of requests."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from preheat.kv.keys import chunk_keys
+from preheat.router.index import KVIndex, PrefixIndex, parse_update
+from preheat.router.policies import Candidate, KVAware, LeastLoad, LoadGuard, RouteRequest
+from preheat.router.score import Estimate
+
+FINGERPRINT, CHUNK = "f" * 32, 4
+TOKENS = list(range(41))  # 10 cacheable chunks of 4 tokens (the last token is always computed)
+KEYS = chunk_keys(FINGERPRINT, TOKENS, CHUNK)
+COSTS = {"prefill_s_per_token": 1e-2, "l1_s_per_token": 1e-4, "l2_s_per_token": 1e-3}
+
+
+def snapshot(held: int, seq: int = 1) -> dict[str, object]:
+    return {"epoch": "e", "fingerprint": FINGERPRINT, "chunk_tokens": CHUNK, "seq": seq, "reset": True,
+            "l2_id": None, "l1": list(reversed(KEYS[:held])), "l2": [], "costs": COSTS}  # fmt: skip
+
+
+def kv_policy(held: dict[str, int]) -> KVAware:
+    """A ``kv`` policy whose replicas hold the first ``held[name]`` chunks of ``TOKENS`` in L1 (a still clock)."""
+    index = KVIndex()
+    for name, n in held.items():
+        index.apply(name, parse_update(snapshot(n), name))
+    return KVAware(index, LoadGuard(), PrefixIndex(ttl=5.0), clock=lambda: 100.0)
+
+
+def queue_up(policy: KVAware, replica: str, services: list[float]) -> None:
+    """Requests sent to ``replica`` and not answered yet, each with ``services[i]`` seconds of work."""
+    for service in services:
+        request = RouteRequest(estimates={replica: Estimate(service, 0, 0, 0, 0.0)})
+        policy.sent(request, replica)
+
+
+in_flights = st.integers(min_value=0, max_value=5)
+services = st.none() | st.floats(min_value=0.01, max_value=10.0)
+
+
+@given(
+    held=st.integers(min_value=0, max_value=10),
+    loads=st.lists(st.tuples(in_flights, services), min_size=2, max_size=4),
+)
+def test_where_every_replica_holds_as_much_kv_chooses_as_least_load_does(
+    held: int, loads: list[tuple[int, float | None]]
+) -> None:
+    names = [f"r{i}" for i in range(len(loads))]
+    candidates = [Candidate(name, n, service) for name, (n, service) in zip(names, loads, strict=True)]
+    kv = kv_policy(dict.fromkeys(names, held))
+    decision = kv.choose(RouteRequest(token_ids=TOKENS), candidates)
+    assert decision.replica == LeastLoad().choose(RouteRequest(token_ids=TOKENS), candidates).replica
+    assert decision.reason == ("kv_no_hit" if held == 0 else "kv_even")
+
+
+@given(
+    more=st.integers(min_value=1, max_value=10),
+    fewer=st.integers(min_value=0, max_value=9),
+    queued=st.lists(st.floats(min_value=0.0, max_value=5.0), max_size=4),
+    shorter=st.integers(min_value=0, max_value=4),
+    streaming=st.integers(min_value=0, max_value=2),
+    service=services,
+)
+def test_a_replica_with_more_of_the_prompt_and_no_more_work_queued_is_chosen(  # noqa: PLR0917 - Hypothesis's
+    more: int, fewer: int, queued: list[float], shorter: int, streaming: int, service: float | None
+) -> None:
+    fewer = min(fewer, more - 1)
+    mine = queued[: max(len(queued) - shorter, 0)]  # a sub-queue of the other's: never more work
+    kv = kv_policy({"holds": more, "other": fewer})
+    queue_up(kv, "holds", mine)
+    queue_up(kv, "other", queued)
+    candidates = [
+        Candidate("other", len(queued) + streaming, service),
+        Candidate("holds", len(mine) + streaming, service),
+    ]
+    assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "holds"
+
+
+def test_the_queue_is_priced_as_its_work_not_as_a_count_of_requests() -> None:
+    kv = kv_policy({"a": 10, "b": 0})  # the prompt is cached on a only: 0.41 s to compute it on b
+    queue_up(kv, "a", [5.0])  # one long miss ahead of it on a
+    candidates = [Candidate("a", 1, 1.0), Candidate("b", 0, 1.0)]
+    assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "b"
+
+    kv = kv_policy({"a": 10, "b": 0})
+    queue_up(kv, "a", [0.01] * 6)  # six short hits ahead of it: 0.06 s, less than computing the prompt on b
+    candidates = [Candidate("a", 6, 1.0), Candidate("b", 0, 1.0)]
+    assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "a"
+
+
+def test_an_answer_stops_counting_as_a_hit_once_the_replicas_events_evict_it() -> None:
+    kv = kv_policy({"a": 0, "b": 0})
+    candidates = [Candidate("a", 0, 1.0), Candidate("b", 0, 1.0)]
+    request = RouteRequest(token_ids=TOKENS)
+    kv.sent(request, "a")
+    kv.answered(request, "a", ok=True)  # a computed (so cached) the prompt; its events have not said so yet
+    assert kv.estimate(RouteRequest(token_ids=TOKENS), candidates[0]).l1_tokens == 40  # type: ignore[union-attr]
+    # Its next events store the chunks and then evict them (other prompts took the room): no hit any more.
+    events = [{"seq": 2 + i, "op": op, "tier": "l1", "key": key}
+              for i, (op, key) in enumerate([("store", k) for k in KEYS] + [("evict", k) for k in KEYS])]  # fmt: skip
+    update = {"epoch": "e", "fingerprint": FINGERPRINT, "chunk_tokens": CHUNK, "seq": 1 + len(events),
+              "reset": False, "l2_id": None, "events": events, "costs": COSTS}  # fmt: skip
+    kv.index.apply("a", parse_update(update, "a"))
+    assert kv.estimate(RouteRequest(token_ids=TOKENS), candidates[0]).l1_tokens == 0  # type: ignore[union-attr]
