@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +28,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engines.enginekit import needs_vllm_cpu
-from engines.vllmkit import DRIVER, PROMPTS, side_files, write_vllm_tiny
+from engines.followkit import HTTP, NAME, Load, Replica, next_version, reference, start_replica
+from engines.vllmkit import PROMPTS, side_files, write_vllm_tiny
 from holders import LyingHolder
-from preheat.core.procs import pdeathsig
-from preheat.http.client import Timeouts, request
-from preheat.integrations.vllm.follow_plan import WORKER_EXTENSION
+from preheat.http.client import request
 from preheat.peer.registry import FileRegistry, PeerEntry
 from preheat.refit.protocol import head_identity, head_name
 from preheat.refit.publisher import Publisher
 from preheat.refit.server import RefitServer
-from preheat.testing.ports import free_port
-from preheat.testing.vllmserver import cpu_env, serve_command, wait_healthy
+from preheat.testing.vllmserver import wait_healthy
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(1800)]
 
-NAME = "tiny"
 # Longer than two 32-token blocks: cached by the prefix cache before a version and asked again after it.
 CACHED = "The ledger of the north pier lists salt, rope, lamp oil, timber, wool and dried cod; " * 3
 ASKED = [*PROMPTS, CACHED]
@@ -52,46 +48,7 @@ CHANGED = [  # per version: fused parts (k of qkv, up of gate_up), an unfused pr
     ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"],
     ["model.layers.0.mlp.gate_proj.weight", "model.layers.1.input_layernorm.weight", "model.embed_tokens.weight"],
 ]
-HTTP = Timeouts(connect=2.0, read=300.0)
 OFFLINE_DRIVER = Path(__file__).with_name("vllm_follow_driver.py")
-
-
-@dataclass
-class Replica:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def get(self, path: str) -> tuple[int, dict[str, Any], dict[str, str]]:  # Any: JSON
-        answer = request(self.url + path, timeouts=HTTP, max_body=1 << 22)
-        body = json.loads(answer.body) if answer.body else {}
-        return answer.status, body, {k.lower(): v for k, v in answer.headers.items()}
-
-    def complete(self, prompt: str) -> tuple[int, list[int], str | None]:
-        """(status, greedy token ids, X-Preheat-Version) of one completion."""
-        doc = {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
-        answer = request(
-            self.url + "/v1/completions", "POST", body=json.dumps(doc).encode(), timeouts=HTTP, max_body=1 << 22,
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        if answer.status != 200:
-            return answer.status, [], None
-        choice = json.loads(answer.body)["choices"][0]
-        return 200, list(choice["token_ids"]), answer.headers.get("X-Preheat-Version")
-
-
-@dataclass
-class Load:
-    """Completions sent back to back while versions change: every status and version header seen."""
-
-    replica: Replica
-    seen: list[tuple[int, str | None]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            status, _, version = self.replica.complete(PROMPTS[0])
-            self.seen.append((status, version))
 
 
 @pytest.fixture(scope="module")
@@ -102,24 +59,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"file://{tmp_path_factory.mktemp('follow-registry')}"
-
-
-def start_replica(base: Path, registry: str, log: Path, cpu: str) -> Replica:
-    port = free_port()
-    command = serve_command(
-        base, port, name=NAME, max_model_len=512,
-        extra=["--enable-prefix-caching", "--seed", "0", "--worker-extension-cls", WORKER_EXTENSION],
-    )  # fmt: skip
-    env = cpu_env(
-        VLLM_NO_USAGE_STATS="1", PREHEAT_VLLM_FOLLOW=NAME, PREHEAT_REGISTRY=registry,
-        VLLM_CPU_OMP_THREADS_BIND=cpu, VLLM_CPU_NUM_OF_RESERVED_CPU="0",  # two replicas on two cores
-    )  # fmt: skip
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=pdeathsig(),  # noqa: PLW1509 - only a prepared system call runs in the child
-        )  # fmt: skip
-    return Replica(f"http://127.0.0.1:{port}", proc, log)
 
 
 @pytest.fixture(scope="module")
@@ -136,29 +75,6 @@ def replicas(base: Path, registry: str, tmp_path_factory: pytest.TempPathFactory
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(r.proc.pid, signal.SIGKILL)
             r.proc.wait(timeout=30)
-
-
-def reference(checkpoint: Path) -> list[list[int]]:
-    """Greedy tokens of ``ASKED`` from a fresh offline vLLM of ``checkpoint`` (its own process)."""
-    job = {"model": str(checkpoint), "load_format": "auto", "extra": None, "prompts": ASKED, "tp": 1}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), json.dumps(job)], capture_output=True, text=True, env=env, timeout=900,
-        check=False,
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
-    assert "tokens" in result, result
-    return [list(t) for t in result["tokens"]]
-
-
-def next_version(weights: dict[str, torch.Tensor], names: list[str], seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    out = dict(weights)
-    for name in names:
-        out[name] = (weights[name] + 0.5 * torch.randn(weights[name].shape, generator=generator)).contiguous()
-    return out
 
 
 def publish_under_load(publisher: Publisher, replicas: list[Replica], weights: dict[str, torch.Tensor], k: int) -> None:
@@ -245,7 +161,7 @@ def test_vllm_replicas_follow_versions_as_preheat_replicas_do(
         replica.proc.send_signal(signal.SIGKILL)  # the references below get the CPU
 
     for k, (checkpoint, got) in enumerate(zip(checkpoints, answers, strict=True), start=1):
-        expected = reference(checkpoint)
+        expected = reference(checkpoint, ASKED)
         for per_replica in got:
             assert [tokens for _, tokens, _ in per_replica] == expected, f"version {k}"
             assert {version for _, _, version in per_replica} == {str(k)}
@@ -255,14 +171,18 @@ def test_vllm_replicas_follow_versions_as_preheat_replicas_do(
     assert trainer in sources
 
 
-def test_an_offline_llm_follows_between_two_generate_calls(base: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_offline_llm_follows_between_two_generate_calls(base: Path, tmp_path: Path, tp: int) -> None:
     """``VllmFollower`` with ``OfflineHandle``: the rollout process's own ``LLM`` steps its follower between batches
-    (its prompts cached under the checkpoint first), and answers what a fresh engine of the version answers."""
+    (its prompts cached under the checkpoint first), and answers what a fresh engine of the version answers. With
+    two tensor-parallel ranks each rank reads the staged tensors (fused q/k/v and gate/up parts among them) and keeps
+    its shard, and the reference has two ranks too (the ranks' partial sums round differently from one rank's)."""
     registry = f"file://{tmp_path / 'registry'}"
-    job = {"model": str(base), "name": NAME, "registry": registry, "prompts": ASKED, "versions": 1}
+    job = {"model": str(base), "name": NAME, "registry": registry, "prompts": ASKED, "versions": 1, "tp": tp}
+    ranks = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if tp > 1 else {}  # one NUMA node: vLLM's binding refuses two
     proc = subprocess.Popen(
         [sys.executable, str(OFFLINE_DRIVER), json.dumps(job)], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **ranks}, start_new_session=True,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -274,10 +194,11 @@ def test_an_offline_llm_follows_between_two_generate_calls(base: Path, tmp_path:
             publisher.publish(weights)
             result = json.loads(next(line for line in lines if line.startswith("RESULT ")).removeprefix("RESULT "))
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # the whole group: with ranks, vLLM's workers are children
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     assert "tokens" in result, result
     assert result["last"]["nbytes"] == sum(weights[n].nbytes for n in CHANGED[0])
     checkpoint = side_files(base, tmp_path / "v1")
     save_file(weights, str(checkpoint / "model.safetensors"))
-    assert result["tokens"] == reference(checkpoint)
+    assert result["tokens"] == reference(checkpoint, ASKED, tp=tp, env=ranks)

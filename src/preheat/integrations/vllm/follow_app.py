@@ -55,6 +55,7 @@ def install(app: Any) -> Following | None:  # Any: vLLM's FastAPI app
     keys = env.get(env.VLLM_REFIT_TRUST_KEY)
     require_trust(registry, "127.0.0.1", keys)
     trusted = TrustedKeys.from_files(keys)
+    _keep_warnings()
     state = Following()
     if getattr(app, "middleware_stack", None) is None:
         app.add_middleware(VersionMiddleware, state=state)
@@ -65,6 +66,18 @@ def install(app: Any) -> Following | None:  # Any: vLLM's FastAPI app
     start = {"loop": loop, "name": name, "registry": registry, "trusted": trusted}
     threading.Thread(target=_start, args=(app, state), kwargs=start, name="preheat-vllm-follow", daemon=True).start()
     return state
+
+
+def _keep_warnings() -> None:
+    """preheat's warnings in the replica's log: a version that failed, a holder that lied or died mid-pull, the
+    follower's start. vLLM's API server imports its SageMaker standards package (``model_hosting_container_standards``),
+    which sets the root logger to ERROR unless ``LOG_LEVEL`` or ``SAGEMAKER_CONTAINER_LOG_LEVEL`` says otherwise, and
+    preheat's loggers took the root's level: every one of those warnings was dropped unseen. The ``preheat`` logger
+    gets a level of its own (WARNING) when none is set; with no handler configured, Python's last-resort handler
+    writes them to stderr, beside vLLM's own lines."""
+    logger = logging.getLogger("preheat")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
 
 
 def _start(
