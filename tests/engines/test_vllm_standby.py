@@ -45,11 +45,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_vllm_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def greedy(url: str, name: str) -> list[str]:
-    """``PROMPTS`` completed greedily, 12 tokens each."""
+def greedy(url: str, name: str, key: str | None = None) -> list[str]:
+    """``PROMPTS`` completed greedily, 12 tokens each (``key``: the API key to present)."""
     texts = []
     for prompt in PROMPTS:
-        reply = Client(url, timeout=300).post(
+        reply = Client(url, api_key=key, timeout=300).post(
             "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
         )
         assert reply.status == 200, reply.body[:500]
@@ -189,15 +189,17 @@ def test_the_router_activates_the_standby_when_no_replica_is_in_rotation(standby
 
 
 def test_preheat_up_with_the_vllm_engine_serves_through_its_router(smol: Path, tmp_path: Path) -> None:
-    """``preheat up --engine vllm``: one replica (a standby told to load at once) and one standby behind a router;
-    a completion through the router is answered by vLLM, the router lists the standby, and SIGTERM stops every
-    process ``up`` started."""
+    """``preheat up --engine vllm --api-key K``: one replica (a standby told to load at once) and one standby behind
+    a router; a completion through the router is answered by vLLM, the replica itself refuses a request without the
+    key (vLLM's own check, from ``VLLM_API_KEY``), the router lists the standby, and SIGTERM stops every process
+    ``up`` started."""
     vllm_args = " ".join(shlex.quote(arg) for arg in standby_args("served"))
     command = [sys.executable, "-m", "preheat", "up", str(smol), "--engine", "vllm", "--replicas", "1",
-               "--standby", "1", "--port", "0", "--vllm-args", vllm_args]  # fmt: skip
+               "--standby", "1", "--port", "0", "--api-key", "client-key", "--vllm-args", vllm_args]  # fmt: skip
     with (tmp_path / "up.log").open("wb") as log:
         up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, env=cpu_env(), start_new_session=True)
         pids: list[int] = []
+        urls: dict[str, str] = {}
         router = ""
         try:
             assert up.stdout is not None
@@ -205,13 +207,16 @@ def test_preheat_up_with_the_vllm_engine_serves_through_its_router(smol: Path, t
                 line = raw.decode()
                 if " (pid " in line:  # "replica 1: http://127.0.0.1:PORT (pid N)"
                     pids.append(int(line.rsplit("(pid ", 1)[1].rstrip(")\n")))
+                    urls[line.split(":", 1)[0]] = line.split()[2]
                 if line.startswith("ready: "):
                     router = line.split()[1].removesuffix("/v1")
                     break
             assert router, (tmp_path / "up.log").read_text()[-3000:]
             assert len(pids) == 3  # the replica, the standby, the router
-            assert all(text for text in greedy(router, "served"))
-            replicas = Client(router).get("/health").json()["replicas"]
+            assert all(text for text in greedy(router, "served", key="client-key"))
+            ask = {"model": "served", "prompt": PROMPTS[0], "max_tokens": 2}
+            assert Client(urls["replica 1"]).post("/v1/completions", ask).status == 401  # not open behind the router
+            replicas = Client(router, api_key="client-key").get("/health").json()["replicas"]
             assert sorted(bool(r.get("standby")) for r in replicas) == [False, True]
         finally:
             os.killpg(up.pid, signal.SIGTERM)

@@ -102,6 +102,7 @@ examples:
 
 # What `up` passes to its router and, each as `preheat serve` parses it, to every replica (the flags are generated
 # from the same settings, so they are spelt and parsed alike: tests/integration/cli/test_cli.py compares them).
+VLLM_API_KEY = "VLLM_API_KEY"  # vLLM's, not preheat's (core/env declares preheat's own): its server's --api-key
 UP_ROUTER = ("policy", "kv_chunk_tokens", "guard_gap", "hot_in_flight", "index_keys", "index_ttl", "health_interval",
              "health_timeout", "kv_poll_interval", "kv_snapshot_interval", "upstream_timeout", "saturation",
              "activation_timeout", "wake", "newest_version")  # fmt: skip
@@ -285,6 +286,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     # API key, and the L2 URL, which may carry a Redis password. PREHEAT_KV_SECRET_FILE is inherited as it is.
     key = args.api_key or env.get(env.ROUTER_API_KEY)
     extra = {env.API_KEY.name: key, env.ROUTER_API_KEY.name: key} if key else {}
+    if key and args.engine == "vllm":  # vLLM's server reads its own variable: without it the replicas were open
+        extra[VLLM_API_KEY] = key
     # The replicas' control routes take a key of their own, never the clients' (docs/security.md): the caller's
     # PREHEAT_ADMIN_KEY, else (with a client key) a random one that only the router knows, for its activations.
     admin = env.get(env.ADMIN_KEY) or (secrets.token_urlsafe(24) if key else None)
