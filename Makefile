@@ -92,10 +92,11 @@ bench-kvquant: $(STAMP)
 	@mkdir -p .bench
 	$(PY) bench/kvquant.py --json .bench/kvquant.json
 
-## bench-router: multi-round chat through the router, per policy, and the router's overhead (docs/router.md)
+## bench-router: three workloads (multi-round chat, many private users, hot prefixes with spikes) through each of
+## preheat's policies, vllm-router and smg (installed into .venv-routers), 3 runs each, and the router's overhead
 bench-router: $(STAMP)
 	@mkdir -p .bench
-	$(PY) bench/router.py --json .bench/router.json
+	$(PY) bench/router.py --repeat 3 --json .bench/router.json
 
 ## bench-soak: router + 3 replicas + Redis and fs:// L2 under load for 150 s while replicas, Redis and L2 files fail
 bench-soak: $(STAMP)

@@ -1,6 +1,7 @@
 """Router routing quality: three workloads against 2 ``preheat serve`` replicas, through each router and policy.
 
-    python bench/router.py [--workloads chat,private,hot] [--routers "preheat kv,smg cache_aware"] [--json out.json]
+    python bench/router.py [--workloads chat,private,hot] [--routers "preheat kv,smg cache_aware"] [--repeat 3]
+                           [--json out.json]
 
 Contenders, each in front of 2 fresh replicas (the same workload, seeded, for every one): preheat's router with
 ``round-robin``, ``least-load``, ``prefix`` and ``kv``; vLLM's ``vllm-router`` and SGLang's gateway ``smg``, both
@@ -84,6 +85,19 @@ class Result:
     per_replica: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     seconds: float = 0.0
+    run_means: list[float] = field(default_factory=list)  # each run's mean TTFT, with --repeat
+
+    def add(self, run: Result) -> None:
+        """Pool another run of the same workload and contender into this one."""
+        self.ttfts += run.ttfts
+        self.prompt_tokens += run.prompt_tokens
+        self.cached_tokens += run.cached_tokens
+        # Each run has fresh replicas (new URLs): pooled busiest with busiest, so the split stays a split of two.
+        for i, n in enumerate(sorted(run.per_replica.values(), reverse=True)):
+            self.per_replica[f"#{i}"] = self.per_replica.get(f"#{i}", 0) + n
+        self.errors += run.errors
+        self.seconds += run.seconds
+        self.run_means.append(statistics.fmean(run.ttfts) if run.ttfts else float("nan"))
 
     def row(self) -> dict[str, Any]:  # Any: JSON-ready values
         ttfts = sorted(self.ttfts)
@@ -91,6 +105,8 @@ class Result:
             "workload": self.workload,
             "router": self.router,
             "requests": len(ttfts),
+            "runs": len(self.run_means),
+            "run_means_s": self.run_means,
             "mean_ttft_s": statistics.fmean(ttfts) if ttfts else float("nan"),
             "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else float("nan"),
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
@@ -281,7 +297,7 @@ def _metric(text_: str, name: str) -> float:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'workload':<8} {'router':<24} {'mean TTFT':>10} {'x best':>7} {'p90 TTFT':>10} {'x best':>7} "
-          f"{'hit rate':>9} {'per replica':>12}")  # fmt: skip
+          f"{'hit rate':>9} {'per replica':>12} {'runs: mean range':>18}")  # fmt: skip
     for workload in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == workload]
         best_mean = min(r["mean_ttft_s"] for r in mine)
@@ -291,9 +307,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             row["p90_x_best"] = row["p90_ttft_s"] / best_p90
             per = "/".join(map(str, row["requests_per_replica"])) or "-"
             errors = f"  ({row['errors']} errors)" if row["errors"] else ""
+            means = row["run_means_s"]
+            spread = f"{min(means) * 1e3:.0f}-{max(means) * 1e3:.0f}ms" if len(means) > 1 else "-"
             print(f"{workload:<8} {row['router']:<24} {row['mean_ttft_s'] * 1e3:>8.0f}ms {row['mean_x_best']:>6.2f}x "
                   f"{row['p90_ttft_s'] * 1e3:>8.0f}ms {row['p90_x_best']:>6.2f}x {row['hit_rate']:>8.1%} "
-                  f"{per:>12}{errors}")  # fmt: skip
+                  f"{per:>12} {spread:>18}{errors}")  # fmt: skip
 
 
 def main() -> int:
@@ -312,6 +330,9 @@ def main() -> int:
     parser.add_argument("--kv-chunk-tokens", type=int, default=64, help="the replicas' --kv-chunk-tokens")
     parser.add_argument("--shared-l2", action="store_true", help="give the replicas one shared fs:// L2 too")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per workload and contender (fresh replicas each), pooled: the table gives the mean "
+                             "and p90 of every request of every run, and the range of the runs' means")  # fmt: skip
     parser.add_argument("--overhead-requests", type=int, default=50, help="0: skip the overhead measurement")
     parser.add_argument("--logs", default=None, help="keep the routers' logs in this directory")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -326,15 +347,22 @@ def main() -> int:
         logs = Path(args.logs or tmp)
         logs.mkdir(parents=True, exist_ok=True)
         for workload in workloads:
-            for router in routers:
-                print(f"{workload}: {router} ...", file=sys.stderr, flush=True)
-                row = run_one(workload, router, model=model, peers=peers, logs=logs, args=args).row()
-                print(f"  mean {row['mean_ttft_s']:.2f} s, p90 {row['p90_ttft_s']:.2f} s, hit rate "
-                      f"{row['hit_rate']:.1%}, {row['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
-                rows.append(row)
+            pooled = {router: Result(workload, router) for router in routers}
+            for repeat in range(args.repeat):
+                # Each repeat starts one contender further on: a drift of the machine's speed during the run is
+                # spread over the contenders instead of always falling on the last ones.
+                for router in routers[repeat % len(routers) :] + routers[: repeat % len(routers)]:
+                    print(f"{workload}: {router} (run {repeat + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
+                    run = run_one(workload, router, model=model, peers=peers, logs=logs, args=args)
+                    row = run.row()
+                    print(f"  mean {row['mean_ttft_s']:.2f} s, p90 {row['p90_ttft_s']:.2f} s, hit rate "
+                          f"{row['hit_rate']:.1%}, {row['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+                    pooled[router].add(run)
+            rows += [pooled[router].row() for router in routers]
         if args.overhead_requests:
             overhead = measure_overhead(model, args.overhead_requests, peers, logs)
-    print(f"\n2 replicas of SmolLM2-135M-Instruct f32 on CPU, L1 {args.kv_l1} each, seed {args.seed}")
+    print(f"\n2 replicas of SmolLM2-135M-Instruct f32 on CPU, L1 {args.kv_l1} each, seed {args.seed}, "
+          f"{args.repeat} run(s) each")
     print_table(rows)
     if overhead is not None:
         print(

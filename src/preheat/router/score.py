@@ -65,15 +65,18 @@ class Queue:
 
     A replica generates its requests one after another, so a new one waits for the *work* queued before it, not for
     the number of requests: one miss of a long prompt weighs as much as many hits. ``waiting``: the estimated
-    service seconds (``Estimate.service``) of this router's requests sent there and not answered yet, oldest
-    first, the oldest ``elapsed`` seconds ago; ``streaming``: those answered and still generating, each with about
-    ``tail`` seconds left (their answer after the first token); ``others``: requests the replica reports beyond this
-    router's, each taking ``typical`` seconds.
+    service seconds (``Estimate.service``: restores and recompute) of this router's requests sent there and not
+    answered yet, oldest first, the oldest ``elapsed`` seconds ago; each of them then generates its answer, about
+    ``tail`` seconds (a request's measured duration there less its measured time to the first byte); ``streaming``:
+    those answered and still generating, each with about ``tail`` left; ``others``: requests the replica reports
+    beyond this router's, each ``typical`` seconds of service and a ``tail``.
 
     >>> Queue(waiting=(2.0, 0.5), elapsed=0.5).wait()  # the oldest is being prefilled
     2.0
     >>> Queue(waiting=(2.0,), streaming=1, tail=0.2, elapsed=0.5).wait()  # it has not started: one still generates
-    2.2
+    2.4
+    >>> Queue(waiting=(0.1, 0.1, 0.1), tail=1.0).wait()  # three short hits, each answered at length: not 0.3 s
+    3.3
     """
 
     waiting: tuple[float, ...] = ()
@@ -84,7 +87,10 @@ class Queue:
     typical: float = 0.0
 
     def wait(self) -> float:
-        ahead = sum(self.waiting) + self.streaming * self.tail + self.others * self.typical
+        # A queued request's answer is generated before the next request's prefill starts (one sequence at a time;
+        # a batching engine overlaps them, and there this over-prices a queue: the safer side, away from a hot spot).
+        ahead = sum(self.waiting) + (len(self.waiting) + self.streaming + self.others) * self.tail
+        ahead += self.others * self.typical
         if self.waiting and not self.streaming and not self.others:
             # Nothing else is before the oldest: it has been served for ``elapsed`` s (at most all of its work).
             ahead -= min(self.elapsed, self.waiting[0])

@@ -107,3 +107,13 @@ def test_an_answer_stops_counting_as_a_hit_once_the_replicas_events_evict_it() -
               "reset": False, "l2_id": None, "events": events, "costs": COSTS}  # fmt: skip
     kv.index.apply("a", parse_update(update, "a"))
     assert kv.estimate(RouteRequest(token_ids=TOKENS), candidates[0]).l1_tokens == 0  # type: ignore[union-attr]
+
+
+def test_each_queued_request_is_priced_with_the_answer_it_still_generates() -> None:
+    kv = kv_policy({"a": 10, "b": 0})
+    first = RouteRequest(token_ids=TOKENS)
+    kv.sent(first, "a")
+    kv.answered(first, "a", ok=True)  # its first byte at once (a still clock): answers take ~1 s after it
+    queue_up(kv, "a", [0.01] * 6)  # six short hits ahead, each then generating for ~1 s: ~6 s, not 0.06 s
+    candidates = [Candidate("a", 6, 1.0), Candidate("b", 0, 1.0)]
+    assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "b"  # 0.41 s to compute it there
