@@ -327,12 +327,13 @@ def test_timeline_stages_are_ordered_and_cover_the_time_to_ready(client: Client)
     assert by_name["model_build"]["start"] >= by_name["weight_load"]["end"]
     assert by_name["warmup"]["start"] >= max(by_name["model_build"]["end"], by_name["tokenizer"]["end"])
     assert by_name["ready"]["start"] >= by_name["warmup"]["end"]
-    # Together the stages cover the whole way to ready, gaps being thread hand-offs (arithmetic, not a speed check).
+    # Together the stages cover the whole way to ready, gaps being thread hand-offs (arithmetic, not a speed check):
+    # 5%, and 0.1 s more for the hand-offs of a busy 2-core machine (a CI run saw 64 ms of them in a 1.18 s start).
     covered, reached = 0.0, 0.0
     for s in sorted(stages[: names.index("ready")], key=lambda s: s["start"]):
         covered += max(0.0, s["end"] - max(s["start"], reached))
         reached = max(reached, s["end"])
-    assert abs(covered - ready) <= 0.05 * ready, (covered, ready)
+    assert abs(covered - ready) <= 0.05 * ready + 0.1, (covered, ready)
     ttft = by_name["first_request_ttft"]
     assert ttft["detail"]["ttft"] > 0
     assert ttft["start"] >= ready
