@@ -66,6 +66,11 @@ kubernetes: --replicas-from k8s://NAMESPACE/SERVICE watches the Service's Endpoi
 ready joins (once its /health answers 200), one that turns not ready or terminating leaves (requests on it finish;
 its KV-index entries are dropped). Credentials: KUBECONFIG if set, else the pod's service account.
 
+several routers, one view: routers given the same --shared-state redis://HOST:PORT/DB (and --shared-fleet NAME)
+share the prefixes their replicas answered, their requests in flight and ejections through one Redis stream, so the
+same request goes to the same replica whichever router takes it; each still checks health and polls KV events itself,
+and routes on its own view while Redis is down. preheat_router_shared_staleness_seconds says how old the view is.
+
 examples:
   preheat router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy least-load
   preheat router --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 --policy kv --model ./smollm2
@@ -75,6 +80,7 @@ examples:
   preheat router --replica http://127.0.0.1:8001 --standby http://127.0.0.1:8002 --standby-model s3://models/smollm2 \
       --served-model-name smollm2 --saturation 2          # a second replica, activated when the first is busy
   preheat router --replicas-from k8s://llm/preheat-replicas?port=http --policy kv --model /models/smollm2  # in a pod
+  PREHEAT_ROUTER_SHARED_STATE=redis://redis:6379/0 preheat router --replica ... --policy prefix --model ./smollm2
 
 docs: docs/router.md, docs/kv-events.md, docs/integrations.md (vLLM, SGLang)
 """
