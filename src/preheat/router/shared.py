@@ -20,6 +20,7 @@ replicas this router does not know ignored; a bad entry is skipped and counted (
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -58,8 +59,6 @@ class Update:
 
     def encode(self) -> dict[bytes, bytes]:
         """The fields of its Redis stream entry."""
-        import json
-
         body = {
             "fp": self.fingerprint,
             "learn": [[replica, list(keys)] for replica, keys in self.learn],
