@@ -553,8 +553,10 @@ def _require(header: dict[str, object], what: str, wanted: dict[str, object]) ->
     """``CorruptChunkError`` naming the first header field that is not what the reader expects (or a checksum that
     is not a string)."""
     for name, want in wanted.items():
-        if header.get(name) != want:
-            raise CorruptChunkError(f"{what}: {name} is {header.get(name)!r}, expected {want!r}")
+        if name not in header:  # an absent field is not a null one: the decoder reads every field it checked here
+            raise CorruptChunkError(f"{what}: no {name} in the header, expected {want!r}")
+        if header[name] != want:
+            raise CorruptChunkError(f"{what}: {name} is {header[name]!r}, expected {want!r}")
     if not isinstance(header.get("checksum"), str):
         raise CorruptChunkError(f"{what}: checksum is {header.get('checksum')!r}, expected a hex string")
 
