@@ -35,6 +35,7 @@ from preheat.kv.keys import chunk_keys
 from preheat.router.index import InFlight, KVIndex, PrefixIndex
 from preheat.router.score import Estimate, Queue, expected_ttft, rank_cost, resolve_costs
 from preheat.router.settings import POLICIES  # spelt once: the flag's choices
+from preheat.router.upstream import moving_mean
 
 log = logging.getLogger("preheat.router.kv")
 
@@ -383,7 +384,7 @@ class KVAware(Policy):
             service = estimate.service if estimate is not None else (typical or 0.0)
             ticket = request.tickets[replica] = next(self._tickets)
             self._waiting.setdefault(replica, {})[ticket] = (self._clock(), service)
-            self._typical[replica] = service if typical is None else typical + _EWMA * (service - typical)
+            self._typical[replica] = moving_mean(typical, service)
 
     def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
         state = self.index.state(replica)
@@ -400,8 +401,7 @@ class KVAware(Policy):
             ticket = request.tickets.pop(replica, None)
             entry = (self._waiting.get(replica) or {}).pop(ticket, None) if ticket is not None else None
             if ok and entry is not None:
-                seconds, old = self._clock() - entry[0], self._first_byte.get(replica)
-                self._first_byte[replica] = seconds if old is None else old + _EWMA * (seconds - old)
+                self._first_byte[replica] = moving_mean(self._first_byte.get(replica), self._clock() - entry[0])
             if ok and state is not None:
                 self._answered_seq[replica] = state.seq
         # What an engine replica answered is its prefix fallback's index, kept while its events are also mapped:
@@ -426,9 +426,6 @@ class KVAware(Policy):
             sizes[(name, "l1")], sizes[(name, "l2")] = l1, l2
         sizes |= {(name, "gpu"): n for name, n in self.index.gpu_sizes().items()}
         return sizes
-
-
-_EWMA = 0.2  # weight of the newest measurement in the per-replica means (as upstream.SERVICE_EWMA)
 
 
 def _cost(estimate: Estimate | None, busy: float) -> float:

@@ -24,6 +24,12 @@ POOL_SIZE = 32  # idle connections kept per replica; more concurrent requests op
 SERVICE_EWMA = 0.2  # weight of the newest request in a replica's mean request duration
 
 
+def moving_mean(old: float | None, value: float) -> float:
+    """The router's running mean of a per-replica measurement: ``value`` weighted ``SERVICE_EWMA`` (the first one
+    whole). A request's duration here; ``kv``'s time to the first byte and estimated service (policies.py) too."""
+    return value if old is None else old + SERVICE_EWMA * (value - old)
+
+
 @dataclass(frozen=True)
 class Address:
     host: str
@@ -177,8 +183,7 @@ class Replica:
             self.last_active = time.monotonic()
             if seconds is not None:
                 self.finished += 1
-                old = self.service_seconds
-                self.service_seconds = seconds if old is None else old + SERVICE_EWMA * (seconds - old)
+                self.service_seconds = moving_mean(self.service_seconds, seconds)
 
     # -- connections ---------------------------------------------------------------------------------------------
     def release(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
