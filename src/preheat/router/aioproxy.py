@@ -7,6 +7,10 @@ importable (the ``router`` extra), else the standard library's. An idle client c
 kilobytes, not a thread, so thousands of them never stop new requests (the cap is ``--max-connections``; the process's
 open-file limit is raised to its hard limit at start).
 
+Connections are accepted by the router itself, every pending one at each wake of the loop: uvloop's own server
+accepts too few per turn of a busy loop, and 256 clients arriving together at a loaded router waited up to 1.5 s for
+their first answer (measured with ``bench/router_capacity.py``; the standard loop's server has no such lag).
+
 What cannot be asynchronous runs on the loop's worker threads (``asyncio.to_thread``): tokenizing a prompt for
 ``prefix``/``kv`` (lock-free, prompts.py), a wait for a cold start, and the router's own GET routes (``/health``,
 ``/metrics``, the dashboard), which are answered by ``RouterHandler`` itself on an in-memory connection so that
@@ -81,8 +85,8 @@ FULL = (
     b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many open connections to this server; retry later\n"
 )
 JSON = "application/json"
-# The accept queue: a burst of new clients beyond it waits a second for its SYN to be retried (start_server would
-# listen again with asyncio's default of 100).
+# The accept queue (a burst of new clients beyond it waits a second for its SYN to be retried), and the most
+# connections accepted at one wake of the loop.
 BACKLOG = 4096
 
 
@@ -110,14 +114,15 @@ class AsyncRouterServer:
     ``socket`` (bound at once), ``tls``, ``login``, ``max_connections``, ``header_timeout``, ``serve_forever()``
     (blocks, on the calling thread), ``shutdown()`` (from another thread) and ``server_close()``."""
 
-    def __init__(self, address: tuple[str, int], router: Router) -> None:
+    def __init__(self, address: tuple[str, int], router: Router, *, reuse_port: bool = False) -> None:
+        """``reuse_port``: bind beside the other workers of ``--workers N`` (``SO_REUSEPORT``, router/workers.py)."""
         self.router = router
         self.login = Login()
         self.tls: ssl.SSLContext | None = None
         self.max_connections, self.header_timeout = MAX_CONNECTIONS, HEADER_TIMEOUT
         self.idle_timeout = IDLE_TIMEOUT
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.socket = socket.create_server(address, family=family, backlog=BACKLOG)
+        self.socket = socket.create_server(address, family=family, backlog=BACKLOG, reuse_port=reuse_port)
         self.open_connections = 0
         self.refused_connections = 0
         self.pools: weakref.WeakKeyDictionary[Replica, AsyncPool] = weakref.WeakKeyDictionary()
@@ -126,6 +131,7 @@ class AsyncRouterServer:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._clients: set[asyncio.Task[None]] = set()
+        self._adopting: set[asyncio.Task[None]] = set()  # accepted, not yet a stream (strong references)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         """Serve until ``shutdown()`` (``poll_interval``: as ``socketserver``'s, unused: the loop wakes at once)."""
@@ -138,19 +144,56 @@ class AsyncRouterServer:
             self._stopped.set()
 
     async def _serve(self) -> None:
-        self.loop, self._done = asyncio.get_running_loop(), asyncio.Event()
-        server = await asyncio.start_server(
-            self._client, sock=self.socket, ssl=self.tls, limit=MAX_HEAD_BYTES, backlog=BACKLOG,
-            ssl_handshake_timeout=self.header_timeout if self.tls is not None else None,
-        )  # fmt: skip
+        loop = self.loop = asyncio.get_running_loop()
+        self._done = asyncio.Event()
+        self.socket.setblocking(False)
+        loop.add_reader(self.socket, self._accept)
         if not self._stop.is_set():
             await self._done.wait()
-        server.close()
+        loop.remove_reader(self.socket)
         for task in list(self._clients):
             task.cancel()
         await asyncio.gather(*self._clients, return_exceptions=True)
         for pool in list(self.pools.values()):
             pool.close_idle()
+
+    def _accept(self) -> None:
+        """Every connection waiting in the accept queue (up to ``BACKLOG``), each adopted by the loop as a stream."""
+        loop = self.loop
+        assert loop is not None  # called by the loop
+        for _ in range(BACKLOG):
+            try:
+                sock, _peer = self.socket.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return  # none left, or one that hung up while it waited
+            except OSError as exc:
+                # Out of descriptors or buffers: stop accepting for a second rather than spin on a ready socket.
+                log.warning("cannot accept connections (%s); trying again in 1 s", exc)
+                loop.remove_reader(self.socket)
+                loop.call_later(1.0, self._resume_accepting)
+                return
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._adopt(sock))
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
+
+    def _resume_accepting(self) -> None:
+        if self.loop is not None and not self._stop.is_set():
+            self.loop.add_reader(self.socket, self._accept)
+
+    async def _adopt(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, self._client, loop=loop)
+        try:
+            await loop.connect_accepted_socket(
+                lambda: protocol, sock, ssl=self.tls,
+                ssl_handshake_timeout=self.header_timeout if self.tls is not None else None,
+            )  # fmt: skip
+        except (OSError, asyncio.TimeoutError, ssl.SSLError):
+            sock.close()  # a client that left, or whose TLS handshake failed or timed out
 
     def shutdown(self) -> None:
         """Stop serving and wait until ``serve_forever`` returned (from another thread)."""
@@ -188,10 +231,6 @@ class AsyncRouterServer:
         assert task is not None  # a connection's callback runs as a task
         self.open_connections += 1
         self._clients.add(task)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             await ClientConnection(self, reader, writer).run()
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):

@@ -6,6 +6,7 @@ this process where the test picks its event loop, else a ``preheat router`` proc
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import resource
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from preheat.core.procs import Child
+from preheat.router.aioproxy import AsyncRouterServer
 from preheat.testing.fakereplica import FakeReplica
 from routing import running_router, wait_until
 from serving import Client
@@ -127,3 +129,79 @@ def test_a_client_that_expects_100_continue_gets_it_and_then_the_answer() -> Non
     assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
     assert answer.startswith(b"HTTP/1.1 200")
     assert answer.endswith(b'"text": "xx"}]}')
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.new_event_loop()  # type: ignore[no-any-return]
+    return asyncio.new_event_loop()
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_one_wake_of_the_loop_accepts_every_connection_waiting(loop_kind: str) -> None:
+    # uvloop's own server accepted too few per turn of a busy loop: clients arriving together waited ~1 s for it.
+    loop = _new_loop(loop_kind)
+    server = AsyncRouterServer(("127.0.0.1", 0), router=None)  # type: ignore[arg-type]  # only accepting here
+    clients = [socket.create_connection(server.socket.getsockname()[:2]) for _ in range(300)]
+    try:
+        server.loop = loop
+        server.socket.setblocking(False)
+        server._accept()
+        adopting = len(server._adopting)
+        with pytest.raises(BlockingIOError):
+            server.socket.accept()  # none left waiting
+    finally:
+        for task in server._adopting:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*server._adopting, return_exceptions=True))
+        loop.close()
+        server.server_close()
+        for sock in clients:
+            sock.close()
+    assert adopting == 300
+
+
+class _OutOfFiles:
+    """A listening socket whose accept fails as a process out of descriptors does (EMFILE)."""
+
+    def __init__(self, real: socket.socket) -> None:
+        self.real, self.tries = real, 0
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def accept(self) -> tuple[socket.socket, object]:
+        self.tries += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_out_of_descriptors_the_router_pauses_accepting_instead_of_spinning(loop_kind: str) -> None:
+    loop = _new_loop(loop_kind)
+    server = AsyncRouterServer(("127.0.0.1", 0), router=None)  # type: ignore[arg-type]
+    client = socket.create_connection(server.socket.getsockname()[:2])  # the socket is ready to read from now on
+    failing = _OutOfFiles(server.socket)
+
+    async def scenario() -> tuple[int, bool]:
+        server.loop = asyncio.get_running_loop()
+        server.socket.setblocking(False)
+        server.socket, real = failing, server.socket  # type: ignore[assignment]
+        server.loop.add_reader(failing, server._accept)
+        await asyncio.sleep(0.3)
+        tries_paused = failing.tries  # one try, then no more while the socket stays ready
+        deadline = server.loop.time() + 10
+        while failing.tries == tries_paused and server.loop.time() < deadline:
+            await asyncio.sleep(0.05)  # it tries again after its pause
+        server.loop.remove_reader(failing)
+        server.socket = real
+        return tries_paused, failing.tries > tries_paused
+
+    try:
+        tries_paused, resumed = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+        client.close()
+        server.server_close()
+    assert tries_paused == 1
+    assert resumed
