@@ -7,7 +7,8 @@ router alone: its accept loop, parsing, policy, the relay and its connections to
 ``wrk`` (2 threads, keep-alive, ``--timeout 2s``: a request slower than 2 s counts as a timeout) posting chat
 requests with 64 distinct prompts. Contenders, each started fresh as a new user would start it:
 
-- ``preheat router`` with each policy (``prefix`` and ``kv`` tokenize with SmolLM2's tokenizer);
+- ``preheat router`` with each policy (``prefix`` and ``kv`` tokenize with SmolLM2's tokenizer), as one process and
+  as two (``--workers 2``: one per core here, as smg and vllm-router use every core by default);
 - vLLM's ``vllm-router`` (Rust) ``--policy cache_aware``;
 - SGLang's gateway ``smg launch`` (``sglang-router``, Rust) ``--policy cache_aware``.
 
@@ -133,9 +134,9 @@ def main() -> int:
     parser.add_argument("--duration", type=int, default=10, help="seconds per (router, concurrency)")
     parser.add_argument(
         "--routers",
-        default="preheat round-robin,preheat least-load,preheat prefix,preheat kv,vllm-router cache_aware,"
-        "smg cache_aware",
-        help="contenders, comma-separated",
+        default="preheat round-robin,preheat least-load,preheat prefix,preheat kv,preheat round-robin x2,"
+        "preheat least-load x2,preheat prefix x2,preheat kv x2,vllm-router cache_aware,smg cache_aware",
+        help="contenders, comma-separated ('preheat POLICY xN': N router processes, --workers N)",
     )
     parser.add_argument("--json", help="also write the results as JSON here")
     args = parser.parse_args()

@@ -57,8 +57,12 @@ def router_command(
     cache_aware``, listening on ``port`` in front of ``upstreams``. ``tokenizer`` is preheat's ``--model`` for the
     policies that tokenize; ``preheat_args`` go to preheat's router only."""
     if name.startswith("preheat "):
-        policy = name.split()[1]
+        # "preheat POLICY" or "preheat POLICY xN": N router processes (--workers N)
+        words = name.split()
+        policy = words[1]
         cmd = [str(ROOT / ".venv" / "bin" / "preheat"), "router", "--port", str(port), "--policy", policy]
+        if len(words) > 2 and words[2].startswith("x"):
+            cmd += ["--workers", words[2][1:]]
         for url in upstreams:
             cmd += ["--replica", url]
         if policy in ("prefix", "kv"):

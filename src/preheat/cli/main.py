@@ -365,6 +365,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_logging(level: int) -> None:
+    """Log lines as every ``preheat`` command prints them (also in a router worker process, router/workers.py)."""
+    logging.basicConfig(level=level, format="%(name)s: %(message)s")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     parser = _build_parser(_command_module(words))
@@ -374,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(__version__)
         return 0
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    configure_logging(logging.INFO if args.verbose else logging.WARNING)
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()
@@ -386,4 +391,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-

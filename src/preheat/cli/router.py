@@ -16,9 +16,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported when a command runs: `preheat --help` stays fast
+    from collections.abc import Mapping
+
     from preheat.cli.common import Commands
     from preheat.dashboard.refresh import Refreshing
     from preheat.doctor.findings import DoctorDocument
+    from preheat.router.workers import WorkerSlot
 
 ROUTER_HELP = """\
 An OpenAI-compatible reverse proxy in front of `preheat serve`, vLLM or SGLang replicas: clients change only the URL.
@@ -218,7 +221,17 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from preheat.router.settings import RouterSettings
 
     flags: dict[str, object] = {f.name: getattr(args, f.name, None) for f in fields(RouterSettings)}
-    return run(flags, findings=_doctor_findings(args.model))
+    return run(flags, findings=_doctor_findings(args.model), worker_main=_router_worker)
+
+
+def _router_worker(flags: Mapping[str, object], slot: WorkerSlot) -> int:
+    """One process of ``preheat router --workers N`` (router/workers.py starts it, fresh)."""
+    from preheat.cli.main import configure_logging
+    from preheat.router.app import run
+
+    configure_logging(slot.log_level)
+    model = flags.get("model")
+    return run(flags, findings=_doctor_findings(model if isinstance(model, str) else None), worker=slot)
 
 
 def _doctor_findings(model: str | None) -> Refreshing[DoctorDocument]:

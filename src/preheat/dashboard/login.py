@@ -1,4 +1,5 @@
-"""Who is logged in to a dashboard: random sessions held by the server, and a brake on guessing the key.
+"""Who is logged in to a dashboard: random sessions held by the server (signed ones where several processes serve
+it: ``SignedSessions``), and a brake on guessing the key.
 
 - **Sessions** (``Sessions``): a login that gives the right key gets a random session id (256 bits) for its cookie.
   The server keeps the ids (their SHA-256, so a lookup's timing says nothing about a stored id) with an expiry
@@ -24,6 +25,7 @@ False
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 import threading
 import time
@@ -83,6 +85,41 @@ class Sessions:
         # Creation order is expiry order (one TTL for all): the expired are at the front.
         while self._expiry and next(iter(self._expiry.values())) <= now:
             self._expiry.popitem(last=False)
+
+
+class SignedSessions:
+    """Sessions several processes of one server honour alike (``preheat router --workers N``): an id is an expiry
+    and a random nonce signed with ``key`` (HMAC-SHA256), which every process of the server holds and nothing else
+    does (made at start, handed to the processes over their start pipe, never written anywhere). Nothing is stored:
+    a cookie is worth nothing once expired or after a restart (a new key), as with ``Sessions``.
+
+    >>> clock = [100.0]
+    >>> a, b = SignedSessions(b"k" * 32, 60, lambda: clock[0]), SignedSessions(b"k" * 32, 60, lambda: clock[0])
+    >>> sid = a.new()
+    >>> b.valid(sid), SignedSessions(b"x" * 32, 60).valid(sid), b.valid(sid[:-1] + "A")
+    (True, False, False)
+    >>> clock[0] = 161.0
+    >>> b.valid(sid)
+    False
+    """
+
+    def __init__(self, key: bytes, ttl_s: float = SESSION_TTL_S, clock: Clock = time.time) -> None:
+        # time.time, not monotonic: the processes compare expiries they did not write themselves.
+        self.key, self.ttl_s, self.clock = key, ttl_s, clock
+
+    def _mac(self, payload: str) -> str:
+        return hmac.new(self.key, payload.encode("ascii"), hashlib.sha256).hexdigest()
+
+    def new(self) -> str:
+        payload = f"{int(self.clock() + self.ttl_s)}.{secrets.token_urlsafe(16)}"
+        return f"{payload}.{self._mac(payload)}"
+
+    def valid(self, session_id: str) -> bool:
+        payload, _, mac = session_id.rpartition(".")
+        expiry, _, _nonce = payload.partition(".")
+        if not payload.isascii() or not expiry.isdigit() or len(session_id) > 200:
+            return False
+        return hmac.compare_digest(mac, self._mac(payload)) and int(expiry) > self.clock()
 
 
 @dataclass
@@ -145,10 +182,11 @@ class Throttle:
 class Login:
     """A dashboard's sessions and its login throttle: one per server."""
 
-    sessions: Sessions = field(default_factory=Sessions)
+    sessions: Sessions | SignedSessions = field(default_factory=Sessions)
     throttle: Throttle = field(default_factory=Throttle)
 
     @classmethod
-    def lasting(cls, ttl_s: float) -> Login:
-        """Sessions that last ``ttl_s`` seconds, the default throttle."""
-        return cls(Sessions(ttl_s))
+    def lasting(cls, ttl_s: float, key: bytes | None = None) -> Login:
+        """Sessions that last ``ttl_s`` seconds (signed with ``key``, shared by a server's processes, when given),
+        the default throttle."""
+        return cls(SignedSessions(key, ttl_s) if key is not None else Sessions(ttl_s))

@@ -32,6 +32,7 @@ from preheat.router.settings import FROM_REPLICAS, RouterSettings
 from preheat.router.shared import SharedPolicy
 from preheat.router.sleeping import Sleeper, SleepSettings
 from preheat.router.upstream import Replica, parse_replica_spec
+from preheat.router.workers import WorkerMain, WorkerSlot, supervise
 
 if TYPE_CHECKING:
     from preheat.router.shared_redis import SharedState
@@ -63,9 +64,12 @@ def prefix_fingerprint(model: str, chunk_tokens: int) -> str:
 class RouterService:
     """A router with its background checks: ``start()`` binds and checks, ``serve()`` blocks, ``close()`` ends all."""
 
-    def __init__(self, settings: RouterSettings, findings: Findings | None = None) -> None:
+    def __init__(
+        self, settings: RouterSettings, findings: Findings | None = None, worker: WorkerSlot | None = None
+    ) -> None:
         """``findings``: the doctor's findings for the dashboard (``preheat.dashboard.refresh.Refreshing``; the
-        command line gives it, since the router cannot import the doctor)."""
+        command line gives it, since the router cannot import the doctor). ``worker``: this router is one of
+        ``--workers N`` (router/workers.py): it binds the reserved port beside the others and signs its logins."""
         self.settings = settings
         specs = [parse_replica_spec(spec) for spec in settings.replicas]
         replicas = [Replica(spec.url, timeout=settings.upstream_timeout) for spec in specs]
@@ -191,10 +195,12 @@ class RouterService:
             self.discovery = EndpointSliceWatcher(parse_k8s_url(settings.replicas_from), self._discovered, rules=rules)
             self.router.metrics.add(self.membership)
         try:
-            self.httpd = AsyncRouterServer((settings.host, settings.port), self.router)
+            port = settings.port if worker is None else worker.port
+            self.httpd = AsyncRouterServer((settings.host, port), self.router, reuse_port=worker is not None)
             self.httpd.max_connections, self.httpd.header_timeout = settings.max_connections, settings.header_timeout
             self.httpd.tls = settings.tls.listener()
-            self.httpd.login = Login.lasting(settings.dashboard_session_ttl)
+            signing = worker.session_key if worker is not None else None
+            self.httpd.login = Login.lasting(settings.dashboard_session_ttl, signing)
         except OSError as exc:
             raise RouterError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
 
@@ -311,24 +317,60 @@ class RouterService:
 
 
 def run(
-    flags: Mapping[str, object], announce: Callable[[str], None] | None = None, findings: Findings | None = None
+    flags: Mapping[str, object],
+    announce: Callable[[str], None] | None = None,
+    findings: Findings | None = None,
+    *,
+    worker: WorkerSlot | None = None,
+    worker_main: WorkerMain | None = None,
 ) -> int:
-    """Run the router with ``flags`` until SIGINT/SIGTERM; returns the exit code. ``findings``: see RouterService."""
+    """Run the router with ``flags`` until SIGINT/SIGTERM; returns the exit code. ``findings``: see RouterService.
+    With ``--workers N`` (N > 1), this process supervises N workers (router/workers.py), each started as
+    ``worker_main(flags, slot)``, which runs this again with ``worker=slot``."""
     say = announce or (lambda line: print(line, flush=True))
     settings = RouterSettings.resolve(flags)
+    if settings.workers > 1 and worker is None:
+        if worker_main is None:
+            raise RouterError("--workers N needs a worker entry point (the command line gives one)")
+        if settings.shared_state is None and settings.policy in ("least-load", "prefix", "kv"):
+            log.warning(
+                "--workers %d without --shared-state: each worker routes by its own view (its requests in flight, "
+                "its learnt prefixes); give --shared-state redis://... for one view",
+                settings.workers,
+            )
+
+        def describe(url: str, healthy: int, total: int) -> list[str]:
+            return _serving_lines(settings, url, healthy, total, f", {settings.workers} workers")
+
+        return supervise(
+            flags, host=settings.host, port=settings.port, count=settings.workers, main=worker_main, say=say,
+            describe=describe,
+        )  # fmt: skip
     use_fleet(settings.tls)  # https replicas verified with its CA (--ssl-ca-certs) beside the system's
-    service = RouterService(settings, findings)
+    service = RouterService(settings, findings, worker)
     try:
         with sigterm_interrupts():
             service.start()
             up = sum(r.healthy for r in service.router.replicas)
-            standby = f", {len(settings.standby)} standby" if settings.standby else ""
-            healthy = f"{up}/{len(service.router.replicas) - len(settings.standby)} replicas healthy{standby}"
-            say(listening_line("preheat router", service.url, f"policy {settings.policy}, {healthy}"))
-            say(f"preheat router: dashboard at {service.url}/dashboard (docs/dashboard.md)")
+            total = len(service.router.replicas) - len(settings.standby)
+            if worker is not None:
+                worker.serving(up, total)  # the parent prints the lines once, for all workers
+            else:
+                for line in _serving_lines(settings, service.url, up, total, ""):
+                    say(line)
             service.serve()
     except KeyboardInterrupt:
-        say("preheat router: shutting down")
+        if worker is None:
+            say("preheat router: shutting down")
     finally:
         service.close()
     return 0
+
+
+def _serving_lines(settings: RouterSettings, url: str, healthy: int, total: int, workers: str) -> list[str]:
+    standby = f", {len(settings.standby)} standby" if settings.standby else ""
+    detail = f"policy {settings.policy}{workers}, {healthy}/{total} replicas healthy{standby}"
+    return [
+        listening_line("preheat router", url, detail),
+        f"preheat router: dashboard at {url}/dashboard (docs/dashboard.md)",
+    ]

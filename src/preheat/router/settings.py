@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 POLICIES = ("round-robin", "least-load", "session", "prefix", "kv")
 FROM_REPLICAS = "@replicas"  # --model @replicas: the tokenizer is asked of the replicas at start
+MAX_WORKERS = 256  # --workers: a bound on processes started, far past any core count that helps
 SECONDS = (
     "health_interval",
     "health_timeout",
@@ -144,6 +145,16 @@ class RouterSettings:
     )
     host: str = field(default="127.0.0.1", metadata=option("address to bind; any other than loopback needs --api-key"))
     port: int = field(default=8080, metadata=option("port; 0 picks a free one"))
+    # Router processes on the one port (router/workers.py): the kernel spreads new connections across them
+    # (SO_REUSEPORT), each process its own event loop on its own core.
+    workers: int = field(
+        default=1,
+        metadata=option(
+            "router processes sharing the port, each on its own event loop: one per core the router may use; each "
+            "keeps its own view of load and learnt prefixes unless --shared-state shares one",
+            metavar="N",
+        ),
+    )
     # TLS (docs/security.md, *TLS*): the router's listener serves https with its certificate; https replicas are
     # verified with the system's CAs and ssl_ca_certs (the fleet's CA), and offered the certificate if they ask.
     ssl_certfile: str | None = field(
@@ -385,6 +396,8 @@ class RouterSettings:
         """The bounds on what clients and replicas make the router hold: each at least 1, sizes that parse."""
         if self.max_connections < 1:
             raise ConfigError(f"--max-connections {self.max_connections}: must be at least 1")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"--workers {self.workers}: 1-{MAX_WORKERS} (more than one per core does not help)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be at least 1")
         for size in ("max_answer_bytes", "max_event_bytes"):
