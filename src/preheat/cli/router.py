@@ -227,11 +227,16 @@ def _cmd_router(args: argparse.Namespace) -> int:
 def _router_worker(flags: Mapping[str, object], slot: WorkerSlot) -> int:
     """One process of ``preheat router --workers N`` (router/workers.py starts it, fresh)."""
     from preheat.cli.main import configure_logging
+    from preheat.core.errors import PreheatError
     from preheat.router.app import run
 
     configure_logging(slot.log_level)
     model = flags.get("model")
-    return run(flags, findings=_doctor_findings(model if isinstance(model, str) else None), worker=slot)
+    try:
+        return run(flags, findings=_doctor_findings(model if isinstance(model, str) else None), worker=slot)
+    except PreheatError as exc:  # as `preheat` itself reports one: a line, not a traceback
+        print(f"preheat: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _doctor_findings(model: str | None) -> Refreshing[DoctorDocument]:

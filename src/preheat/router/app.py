@@ -339,7 +339,10 @@ def run(
                 settings.workers,
             )
 
-        def describe(url: str, healthy: int, total: int) -> list[str]:
+        def describe(port: int, healthy: int, total: int) -> list[str]:
+            bound = settings.host or "0.0.0.0"  # noqa: S104 - the address "" binds, as the one-process URL names it
+            host = f"[{bound}]" if ":" in bound else bound
+            url = f"{'https' if settings.ssl_certfile else 'http'}://{host}:{port}"
             return _serving_lines(settings, url, healthy, total, f", {settings.workers} workers")
 
         return supervise(

@@ -100,10 +100,10 @@ def _worker(main: WorkerMain, flags: Mapping[str, object], slot: WorkerSlot, par
 
 def supervise(
     flags: Mapping[str, object], *, host: str, port: int, count: int, main: WorkerMain, say: Callable[[str], None],
-    describe: Callable[[str, int, int], list[str]],
+    describe: Callable[[int, int, int], list[str]],
 ) -> int:  # fmt: skip
     """Run ``count`` workers (``main(flags, slot)``) on ``host:port`` until SIGINT/SIGTERM; the exit code.
-    ``describe(url, healthy, total)``: the lines to print once every worker serves."""
+    ``describe(port, healthy, total)``: the lines to print once every worker serves (``port``: the one reserved)."""
     from preheat.http.server import sigterm_interrupts
 
     reserved = reserve_port(host, port)
@@ -127,9 +127,7 @@ def supervise(
             for index in range(count):
                 start(index)
             counts = _wait_ready(receive, workers, count)
-            scheme = "https" if flags.get("ssl_certfile") else "http"
-            name = f"[{host}]" if ":" in host else host
-            for line in describe(f"{scheme}://{name}:{port}", *counts):
+            for line in describe(port, *counts):
                 say(line)
             while True:
                 sentinels = {proc.sentinel: index for index, proc in workers.items()}
@@ -139,6 +137,7 @@ def supervise(
                             receive.recv()  # a restarted worker serving again
                         continue
                     index = sentinels[ready]  # type: ignore[index]  # a sentinel is an int
+                    workers[index].join(5)  # its sentinel is ready: reap it, for its exit code
                     code = workers[index].exitcode
                     now = time.monotonic()
                     restarts[:] = [t for t in restarts if now - t < 60.0] + [now]
@@ -182,6 +181,7 @@ def _wait_ready(
                 waiting.discard(index)
             else:
                 index = sentinels[item]  # type: ignore[index]  # a sentinel is an int
+                workers[index].join(5)  # its sentinel is ready: reap it, for its exit code
                 code = workers[index].exitcode
                 raise RouterError(f"router worker {index} exited (code {code}) before serving: see its error above")
     assert counts is not None  # count >= 1 workers said so

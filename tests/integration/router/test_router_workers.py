@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +132,17 @@ def test_a_worker_count_out_of_range_is_refused_before_anything_starts(count: st
         output = "\n".join(router.lines)
     assert code != 0
     assert f"--workers {count}" in output
+
+
+def test_a_worker_that_cannot_start_stops_the_router_with_its_error(tmp_path: Path) -> None:
+    # The settings pass the parent's checks; the tokenizer is read in each worker, and there is none here.
+    args = ["router", "--replica", "http://127.0.0.1:9", "--workers", "2", "--policy", "kv", "--model", str(tmp_path)]
+    with Child("preheat router", args, merge_stderr=True) as router:
+        router.reap(120.0)
+        router.close()
+        code = router.proc.poll()
+        output = "\n".join(router.lines)
+    assert code == 1
+    assert "cannot read its tokenizer" in output
+    assert "before serving" in output
+    assert "Traceback" not in output
