@@ -151,9 +151,10 @@ class AsyncRouterServer:
         if not self._stop.is_set():
             await self._done.wait()
         loop.remove_reader(self.socket)
-        for task in list(self._clients):
+        pending = [*self._adopting, *self._clients]  # connections still in their TLS handshake, then the served
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._clients, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         for pool in list(self.pools.values()):
             pool.close_idle()
 

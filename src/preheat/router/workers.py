@@ -137,8 +137,7 @@ def supervise(
                             receive.recv()  # a restarted worker serving again
                         continue
                     index = sentinels[ready]  # type: ignore[index]  # a sentinel is an int
-                    workers[index].join(5)  # its sentinel is ready: reap it, for its exit code
-                    code = workers[index].exitcode
+                    code = _reaped(workers[index])
                     now = time.monotonic()
                     restarts[:] = [t for t in restarts if now - t < 60.0] + [now]
                     if len(restarts) > RESTARTS:
@@ -181,11 +180,16 @@ def _wait_ready(
                 waiting.discard(index)
             else:
                 index = sentinels[item]  # type: ignore[index]  # a sentinel is an int
-                workers[index].join(5)  # its sentinel is ready: reap it, for its exit code
-                code = workers[index].exitcode
+                code = _reaped(workers[index])
                 raise RouterError(f"router worker {index} exited (code {code}) before serving: see its error above")
     assert counts is not None  # count >= 1 workers said so
     return counts
+
+
+def _reaped(proc: BaseProcess) -> int | None:
+    """The exit code of a worker whose sentinel is ready (it has exited: joined here, so the code is known)."""
+    proc.join(5)
+    return proc.exitcode
 
 
 def _stop(procs: list[BaseProcess]) -> None:
