@@ -15,6 +15,10 @@ requests with 64 distinct prompts. Contenders, each started fresh as a new user 
 The peers live in a venv of their own (``.venv-routers``, made on first use from the package index, as
 bench/load.py's peers are installed beside it). Needs ``nginx`` and ``wrk`` (Debian: ``apt-get install
 nginx-light wrk``). Ratios are against smg at the same concurrency, in this run.
+
+``--rounds N`` runs every contender N times, round after round (so a slow minute of the VM falls on all of them,
+not on one), and reports each one's median round with the range of its requests/s: on 2 shared cores one 10 s run
+of the same router moves by up to a third.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,6 +89,22 @@ class Result:
     over_2s: int  # wrk's timeouts: requests that took longer than --timeout 2s (or never finished)
     errors: int  # connect/read/write errors and non-2xx answers
     requests: int
+    rounds: int = 1
+    low: float = 0.0  # the lowest and highest requests/s of the rounds
+    high: float = 0.0
+
+
+def median_round(runs: list[Result]) -> Result:
+    """One contender's rounds at one concurrency as one result: the median requests/s and latencies, every request
+    over 2 s and every error of every round, the range of requests/s."""
+    rates = sorted(r.requests_per_s for r in runs)
+    first = runs[0]
+    return Result(
+        first.router, first.connections, statistics.median(rates),
+        statistics.median(r.p50_ms for r in runs), statistics.median(r.p99_ms for r in runs),
+        sum(r.over_2s for r in runs), sum(r.errors for r in runs), sum(r.requests for r in runs),
+        rounds=len(runs), low=rates[0], high=rates[-1],
+    )  # fmt: skip
 
 
 def start_nginx(workdir: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
@@ -116,6 +137,14 @@ def run_wrk(url: str, connections: int, duration: int, script: Path) -> tuple[fl
     return rps, p50, p99, timeouts, socket + non2xx, total
 
 
+def measure(name: str, url: str, connections: int, duration: int, script: Path) -> Result:
+    """One wrk run through router ``name``, printed as it ends."""
+    rps, p50, p99, over, errors, total = run_wrk(url, connections, duration, script)
+    print(f"{name:26s} {connections:5d} conns {rps:9.0f} req/s  p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  "
+          f"over 2 s {over:6d}  errors {errors:6d}", file=sys.stderr)  # fmt: skip
+    return Result(name, connections, rps, p50, p99, over, errors, total)
+
+
 def _find(pattern: str, text: str) -> str | None:
     match = re.search(pattern, text)
     return match.group(1) if match else None
@@ -138,6 +167,7 @@ def main() -> int:
         "preheat least-load x2,preheat prefix x2,preheat kv x2,vllm-router cache_aware,smg cache_aware",
         help="contenders, comma-separated ('preheat POLICY xN': N router processes, --workers N)",
     )
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every contender, interleaved; medians shown")
     parser.add_argument("--json", help="also write the results as JSON here")
     args = parser.parse_args()
     for tool in ("nginx", "wrk"):
@@ -151,37 +181,40 @@ def main() -> int:
 
     tokenizer = str(SmolLM2(cache_root()).path("bf16"))
     connections = [int(c) for c in args.connections.split(",") if c]
-    results: list[Result] = []
+    runs: dict[tuple[str, int], list[Result]] = {}
+    names = [r.strip() for r in args.routers.split(",") if r.strip()]
     with tempfile.TemporaryDirectory(prefix="router-capacity-") as tmp:
         workdir = Path(tmp)
         script = workdir / "chat.lua"
         script.write_text(WRK_SCRIPT, encoding="utf-8")
         nginx, upstreams = start_nginx(workdir)
         try:
-            for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
-                log = workdir / f"{name.replace(' ', '-')}.log"
-                try:
-                    with running_router(name, upstreams, peers, tokenizer, log) as url:
-                        for c in connections:
-                            rps, p50, p99, over, errors, total = run_wrk(url, c, args.duration, script)
-                            results.append(Result(name, c, rps, p50, p99, over, errors, total))
-                            print(f"{name:26s} {c:5d} conns {rps:9.0f} req/s  p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  "
-                                  f"over 2 s {over:6d}  errors {errors:6d}", file=sys.stderr)  # fmt: skip
-                except Exception as exc:  # one router failing must not hide the others
-                    print(f"{name}: {exc}", file=sys.stderr)
+            for _round in range(args.rounds):
+                for name in names:
+                    log = workdir / f"{name.replace(' ', '-')}.log"
+                    try:
+                        with running_router(name, upstreams, peers, tokenizer, log) as url:
+                            for c in connections:
+                                runs.setdefault((name, c), []).append(measure(name, url, c, args.duration, script))
+                    except Exception as exc:  # one router failing must not hide the others
+                        print(f"{name}: {exc}", file=sys.stderr)
         finally:
             nginx.terminate()
             nginx.wait(10)
+    results = [median_round(r) for r in runs.values()]
     smg = {r.connections: r for r in results if r.router.startswith("smg")}
-    print(f"\ninstant upstream (nginx, 2 ports); wrk -t2, {args.duration} s each; {os.cpu_count()} cores shared by all")
-    print(f"{'router':26s} {'conns':>5s} {'req/s':>8s} {'x smg':>6s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99 x smg':>9s} "
-          f"{'over 2 s':>8s} {'errors':>6s}")  # fmt: skip
+    rounds = f"median of {args.rounds} interleaved rounds, " if args.rounds > 1 else ""
+    cores = os.cpu_count()
+    print(f"\ninstant upstream (nginx, 2 ports); wrk -t2, {args.duration} s each; {rounds}{cores} cores shared by all")
+    print(f"{'router':26s} {'conns':>5s} {'req/s':>8s} {'range':>13s} {'x smg':>6s} {'p50 ms':>8s} {'p99 ms':>8s} "
+          f"{'p99 x smg':>9s} {'over 2 s':>8s} {'errors':>6s}")  # fmt: skip
     for r in results:
         ref = smg.get(r.connections)
         ratio = r.requests_per_s / ref.requests_per_s if ref and ref.requests_per_s else float("nan")
         p99_ratio = r.p99_ms / ref.p99_ms if ref and ref.p99_ms else float("nan")
-        print(f"{r.router:26s} {r.connections:5d} {r.requests_per_s:8.0f} {ratio:6.2f} {r.p50_ms:8.2f} {r.p99_ms:8.2f} "
-              f"{p99_ratio:9.2f} {r.over_2s:8d} {r.errors:6d}")  # fmt: skip
+        spread = f"{r.low:6.0f}-{r.high:<6.0f}"
+        print(f"{r.router:26s} {r.connections:5d} {r.requests_per_s:8.0f} {spread:>13s} {ratio:6.2f} {r.p50_ms:8.2f} "
+              f"{r.p99_ms:8.2f} {p99_ratio:9.2f} {r.over_2s:8d} {r.errors:6d}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2), encoding="utf-8")
     return 0

@@ -13,9 +13,11 @@ most ``MAX_HEAD_BYTES``, at most ``MAX_HEADERS`` header lines, ASCII request lin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from email.utils import formatdate
+from functools import cached_property, lru_cache
 from http import HTTPStatus
 
 from preheat.http.ranges import parse_length
@@ -24,6 +26,7 @@ MAX_HEAD_BYTES = 64 * 1024  # http.server's _MAXLINE per line; here for the whol
 MAX_HEADERS = 100  # http.client's and http.server's _MAXHEADERS
 HEAD_END = b"\r\n\r\n"
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
 
 
 class Headers:
@@ -33,9 +36,7 @@ class Headers:
 
     def __init__(self, lines: list[tuple[str, str]]) -> None:
         self.lines = lines
-        self._by_name: dict[str, str] = {}
-        for name, value in lines:
-            self._by_name.setdefault(name.lower(), value)
+        self._by_name = {name.lower(): value for name, value in reversed(lines)}  # the first of repeated ones wins
 
     def get(self, name: str, default: str | None = None) -> str | None:
         return self._by_name.get(name.lower(), default)
@@ -83,11 +84,11 @@ class ResponseHead:
     version: str
     headers: Headers
 
-    @property
+    @cached_property
     def chunked(self) -> bool:
         return "chunked" in (self.headers.get("transfer-encoding") or "").lower()
 
-    @property
+    @cached_property
     def length(self) -> int | None:
         """The body's ``Content-Length`` (None: chunked, or read to the close)."""
         if self.chunked:
@@ -162,14 +163,21 @@ def request_head(method: str, target: str, host: str, headers: Iterable[tuple[st
 
 def response_head(status: int, headers: Iterable[tuple[str, str]], server: str) -> bytes:
     """An answer's status line and headers, with ``Server`` and ``Date`` first as ``http.server`` writes them."""
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = ""
-    out = [f"HTTP/1.1 {status} {reason}\r\nServer: {server}\r\nDate: {formatdate(usegmt=True)}\r\n"]
+    reason = _REASONS.get(status, "")
+    out = [f"HTTP/1.1 {status} {reason}\r\nServer: {server}\r\nDate: {http_date()}\r\n"]
     out += [f"{name}: {value}\r\n" for name, value in headers]
     out.append("\r\n")
     return "".join(out).encode("latin-1")
+
+
+def http_date() -> str:
+    """Now as an HTTP ``Date``: one formatted per second, the header's resolution, not one per answer."""
+    return _date_of(int(time.time()))
+
+
+@lru_cache(maxsize=1)
+def _date_of(second: int) -> str:
+    return formatdate(second, usegmt=True)
 
 
 def chunk(data: bytes) -> bytes:

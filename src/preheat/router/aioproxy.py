@@ -31,19 +31,19 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Callable
 
 from preheat.core.errors import APIError, HTTPClientError, JSONInputError, ResponseTimeoutError, UpstreamError
 from preheat.core.jsonsafe import loads_bounded
 from preheat.dashboard.login import Login
 from preheat.dashboard.web import is_dashboard_path
-from preheat.http.aio import AsyncPool, Body, Connection
+from preheat.http.aio import AsyncPool, Body, Connection, Stream
 from preheat.http.client import Origin
 from preheat.http.control import is_control_path
 from preheat.http.ranges import parse_length
 from preheat.http.server import HEADER_TIMEOUT, MAX_CONNECTIONS, check_bearer
 from preheat.http.tls import client_context
 from preheat.http.wire import (
+    HEAD_END,
     MAX_HEAD_BYTES,
     RequestHead,
     ResponseHead,
@@ -185,16 +185,18 @@ class AsyncRouterServer:
             self.loop.add_reader(self.socket, self._accept)
 
     async def _adopt(self, sock: socket.socket) -> None:
+        """A connection accepted: its TLS handshake, then its requests (this task serves it to its end)."""
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=loop)
-        protocol = asyncio.StreamReaderProtocol(reader, self._client, loop=loop)
+        stream = Stream(loop)
         try:
             await loop.connect_accepted_socket(
-                lambda: protocol, sock, ssl=self.tls,
+                lambda: stream, sock, ssl=self.tls,
                 ssl_handshake_timeout=self.header_timeout if self.tls is not None else None,
             )  # fmt: skip
         except (OSError, asyncio.TimeoutError, ssl.SSLError):
             sock.close()  # a client that left, or whose TLS handshake failed or timed out
+            return
+        await self._client(stream)
 
     def shutdown(self) -> None:
         """Stop serving and wait until ``serve_forever`` returned (from another thread)."""
@@ -217,67 +219,55 @@ class AsyncRouterServer:
             found = self.pools[replica] = AsyncPool(origin, replica.timeouts, client_context, idle=AIO_POOL_SIZE)
         return found
 
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _client(self, stream: Stream) -> None:
         if self.open_connections >= self.max_connections:
             self.refused_connections += 1
             if self.refused_connections == 1 or self.refused_connections % 1000 == 0:
                 log.warning("%d connection(s) refused over the cap of %d (--max-connections)",
                             self.refused_connections, self.max_connections)  # fmt: skip
-            writer.write(FULL)
+            stream.write(FULL)
             with contextlib.suppress(OSError):
-                await writer.drain()
-            writer.transport.abort()
+                await stream.drain()
+            stream.abort()
             return
         task = asyncio.current_task()
         assert task is not None  # a connection's callback runs as a task
         self.open_connections += 1
         self._clients.add(task)
         try:
-            await ClientConnection(self, reader, writer).run()
+            await ClientConnection(self, stream).run()
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # a client hanging up mid-request, or the server stopping: routine
         except Exception:
-            log.exception("unhandled error serving %s", writer.get_extra_info("peername"))
+            log.exception("unhandled error serving %s", stream.peer())
         finally:
             self.open_connections -= 1
             self._clients.discard(task)
-            writer.transport.abort()
+            stream.abort()
 
 
 class ClientConnection:
     """One client connection: its requests one after another (HTTP/1.1 keep-alive)."""
 
-    def __init__(self, server: AsyncRouterServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, server: AsyncRouterServer, stream: Stream):
         self.server, self.router = server, server.router
-        self.reader, self.writer = reader, writer
+        self.client = stream  # the client's connection
         self.close = False  # the connection ends after the current answer
         self.request: RequestHead | None = None
         self.last_refusal: bytes | None = None
 
-    def _abort(self) -> None:
-        self.close = True
-        self.writer.transport.abort()
-
-    async def _timed(self, seconds: float, read: Callable[[], object]) -> bytes:
-        timer = asyncio.get_running_loop().call_later(seconds, self._abort)
-        try:
-            return await read()  # type: ignore[no-any-return, misc]  # read(): one of the StreamReader's coroutines
-        finally:
-            timer.cancel()
-
     async def run(self) -> None:
-        reader = self.reader
+        stream, server = self.client, self.server
         while not self.close:
             # Waiting for a request's first byte is idling; from it on, its line and headers have header_timeout.
-            first = await self._timed(self.server.idle_timeout, lambda: reader.read(1))
-            if not first:
+            if not await stream.wait_readable(server.idle_timeout):
                 return
             try:
-                rest = await self._timed(self.server.header_timeout, lambda: reader.readuntil(b"\r\n\r\n"))
+                raw = await stream.read_until(HEAD_END, server.header_timeout)
             except asyncio.LimitOverrunError:
                 await self.refuse(WireRefusal(431, f"request line and headers over {MAX_HEAD_BYTES} bytes"))
                 return
-            head = parse_request_head(first + rest)
+            head = parse_request_head(raw)
             if isinstance(head, WireRefusal):
                 await self.refuse(head)
                 return
@@ -296,8 +286,8 @@ class ClientConnection:
         lines = [("Content-Type", content_type), ("Content-Length", str(len(body))), *(headers or {}).items()]
         if any(name.lower() == "connection" and value.lower() == "close" for name, value in lines):
             self.close = True
-        self.writer.write(response_head(status, lines, SERVER) + body)
-        await self.writer.drain()
+        self.client.write(response_head(status, lines, SERVER) + body)
+        await self.client.drain()
 
     async def send_error_json(
         self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None
@@ -320,8 +310,8 @@ class ClientConnection:
         length = parse_length(raw)
         if length is not None and length <= limit:
             if (head.headers.get("Expect") or "").lower() == "100-continue" and head.version == "HTTP/1.1":
-                self.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits a second for it (bodies over 1 KiB)
-            return await self._timed(self.server.idle_timeout, lambda: self.reader.readexactly(length))
+                self.client.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits a second for it (bodies over 1 KiB)
+            return await self.client.read_exactly(length, self.server.idle_timeout)
         self.close = True
         if length is None:
             await self.send_error_json(411, "a Content-Length header is required", "invalid_request_error",
@@ -337,11 +327,11 @@ class ClientConnection:
         body = await self.read_body(head, MAX_BODY) if head.method in ("POST", "PUT") else b""
         if body is None:
             return
-        peer = self.writer.get_extra_info("peername") or ("", 0)
+        peer = self.client.peer() or ("", 0)
         data, close = await asyncio.to_thread(answer_in_memory, self.server, head, body, peer)
         self.close = self.close or close
-        self.writer.write(data)
-        await self.writer.drain()
+        self.client.write(data)
+        await self.client.drain()
 
     async def handle(self, head: RequestHead) -> None:
         path = head.path
@@ -599,11 +589,11 @@ class ClientConnection:
             if self.close:
                 headers.append(("Connection", "close"))
             ending.count(answer.status)
-            self.writer.write(response_head(answer.status, headers, SERVER) + head.body)
-            await self.writer.drain()
+            self.client.write(response_head(answer.status, headers, SERVER) + head.body)
+            await self.client.drain()
             return
         headers.append(("Transfer-Encoding", "chunked"))
-        self.writer.write(response_head(answer.status, headers, SERVER))
+        self.client.write(response_head(answer.status, headers, SERVER))
         await self.stream(exchange, ending)
 
     async def stream(self, exchange: AioExchange, ending: Ending) -> None:
@@ -666,11 +656,11 @@ class ClientConnection:
 
     async def write_chunk(self, data: bytes) -> bool:
         """One HTTP chunk (empty: the last); False when the client has gone away."""
-        if self.writer.transport.is_closing():
+        if self.client.is_closing():
             return False
-        self.writer.write(chunk(data))
+        self.client.write(chunk(data))
         try:
-            await self.writer.drain()
+            await self.client.drain()
         except OSError:
             return False
         return True
