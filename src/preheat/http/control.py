@@ -32,6 +32,7 @@ import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
 
@@ -218,6 +219,21 @@ def is_control_path(target: str) -> bool:
     >>> [is_control_path(p) for p in ("/sleep?level=2", "/%63ollective_rpc", "/is_sleeping")]
     [True, True, False]
     """
+    return _cached_is_control(target) if len(target) <= _CACHED_TARGET else _is_control(target)
+
+
+# The router asks on every request it forwards, and a fleet's clients use a handful of targets: the short ones
+# are remembered, bounded in number and in size (a client sending endless distinct targets costs at most 1,024 x
+# 256 characters).
+_CACHED_TARGET = 256
+
+
+@lru_cache(maxsize=1024)
+def _cached_is_control(target: str) -> bool:
+    return _is_control(target)
+
+
+def _is_control(target: str) -> bool:
     path = target.split("#", 1)[0]
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", path):  # absolute form (``POST http://host/path``): only its path
         path = urlsplit(path).path

@@ -2,7 +2,8 @@
 replica over a kept-alive connection, and the answer relayed as it comes, with no thread per connection.
 
 The rules are proxy.py's docstring (retries, ejection, refusals before the first byte, first-event error detection,
-cold starts, bounds, keys), on asyncio streams: uvloop's loop when it is
+cold starts, bounds, keys), on ``http.aio.Stream`` connections (one protocol object each, with one lazy deadline
+timer, in place of asyncio's StreamReader/StreamWriter pair and a timer per read): uvloop's loop when it is
 importable (the ``router`` extra), else the standard library's. An idle client connection costs a socket and a few
 kilobytes, not a thread, so thousands of them never stop new requests (the cap is ``--max-connections``; the process's
 open-file limit is raised to its hard limit at start).
@@ -222,6 +223,7 @@ class AsyncRouterServer:
     async def _client(self, stream: Stream) -> None:
         if self.open_connections >= self.max_connections:
             self.refused_connections += 1
+            self.router.metrics.connections_refused.inc()
             if self.refused_connections == 1 or self.refused_connections % 1000 == 0:
                 log.warning("%d connection(s) refused over the cap of %d (--max-connections)",
                             self.refused_connections, self.max_connections)  # fmt: skip

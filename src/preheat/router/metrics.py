@@ -34,6 +34,10 @@ class RouterMetrics:
             "Replica answers the router refused before relaying a byte (answer_too_large, event_too_large, "
             "replica_failed), by replica and code; the request was retried on another replica when one was left.",
         )
+        self.connections_refused = Counter(
+            "preheat_router_connections_refused_total",
+            "Client connections answered 503 and closed at once because --max-connections were already open.",
+        )
         self.overhead = Histogram(
             "preheat_router_overhead_seconds",
             "Seconds a request spends in the router itself (routing, forwarding), excluding the replica's time.",
@@ -73,7 +77,8 @@ class RouterMetrics:
             self._index,
         )
         self._all: list[Series] = [
-            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.refused, self.overhead, up,
+            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.refused,
+            self.connections_refused, self.overhead, up,
             flight, index, self.activations, self.wakes, self.sleeps, self.activation_seconds, self.wake_seconds,
         ]  # fmt: skip
 

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from preheat.core.errors import HTTPClientError
 from preheat.core.procs import Child
 from preheat.router.aioproxy import AsyncRouterServer
 from preheat.testing.fakereplica import FakeReplica
@@ -205,3 +206,31 @@ def test_out_of_descriptors_the_router_pauses_accepting_instead_of_spinning(loop
         server.server_close()
     assert tries_paused == 1
     assert resumed
+
+
+def test_connections_over_the_cap_are_refused_at_once_and_counted_on_metrics() -> None:
+    with FakeReplica() as replica:
+        args = ["router", "--replica", replica.url, "--port", "0", "--max-connections", "2"]
+        with Child("preheat router", args, merge_stderr=True) as router:
+            url = router.wait_address(60.0)
+            port = int(url.rsplit(":", 1)[1])
+            held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
+            try:
+                held[0].sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")  # both counted once one is answered
+                assert held[0].recv(4096).startswith(b"HTTP/1.1 ")
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
+                    refusal = third.recv(4096)
+            finally:
+                for sock in held:
+                    sock.close()
+
+            def refused_on_metrics() -> bool:
+                try:
+                    reply = Client(url).get("/metrics")
+                except HTTPClientError:
+                    return False  # refused and cut: the held connections not yet seen closed
+                return reply.status == 200 and b"preheat_router_connections_refused_total 1.0" in reply.body
+
+            wait_until(refused_on_metrics, "the refusal counted on /metrics", 30.0)
+    assert refusal.startswith(b"HTTP/1.1 503")
+    assert b"too many open connections" in refusal
