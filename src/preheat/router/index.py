@@ -453,6 +453,11 @@ class KVIndex:
         with self._lock:
             return {name: (len(s.l1), len(s.l2)) for name, s in self._replicas.items()}
 
+    def loads(self) -> dict[str, tuple[int, int]]:
+        """Per replica, ``(running, waiting)`` as its last answer said (for ``/metrics``)."""
+        with self._lock:
+            return {name: s.load for name, s in self._replicas.items()}
+
     def gpu_sizes(self) -> dict[str, int]:
         """Per engine replica, how many keys its GPU medium holds (for ``/metrics``)."""
         with self._lock:

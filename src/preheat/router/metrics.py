@@ -17,9 +17,11 @@ class RouterMetrics:
         self,
         replica_state: Callable[[], Sequence[tuple[str, bool, int]]],
         index_sizes: Callable[[], Mapping[tuple[str, str], int]] = dict,
+        reported_loads: Callable[[], Mapping[str, tuple[int, int]]] = dict,
     ) -> None:
         self._replica_state = replica_state  # (url, healthy, in flight) per replica
         self._index_sizes = index_sizes  # keys per (replica, index) the policy remembers
+        self._reported_loads = reported_loads  # (running, waiting) per replica, as it said last
         self.routed = Counter(
             "preheat_router_requests_total", "Requests answered through the router, by replica and status code."
         )
@@ -76,10 +78,16 @@ class RouterMetrics:
             "kv: l1, l2, gpu (engine replicas), recent, routed (engine replicas' prefix fallback), in_flight).",
             self._index,
         )
+        reported = Gauge(
+            "preheat_router_replica_requests",
+            "kv: requests running and waiting on each preheat replica as its KV events last reported them (asked "
+            "every 0.25 s), every router's requests included.",
+            self._reported,
+        )
         self._all: list[Series] = [
             self.routed, self.decisions, self.retries, self.ejections, self.errors, self.refused,
-            self.connections_refused, self.overhead, up,
-            flight, index, self.activations, self.wakes, self.sleeps, self.activation_seconds, self.wake_seconds,
+            self.connections_refused, self.overhead, up, flight, index, reported,
+            self.activations, self.wakes, self.sleeps, self.activation_seconds, self.wake_seconds,
         ]  # fmt: skip
 
     def _up(self) -> Samples:
@@ -90,6 +98,13 @@ class RouterMetrics:
 
     def _index(self) -> Samples:
         return [({"replica": url, "index": index}, float(n)) for (url, index), n in self._index_sizes().items()]
+
+    def _reported(self) -> Samples:
+        return [
+            ({"replica": url, "state": state}, float(n))
+            for url, load in self._reported_loads().items()
+            for state, n in zip(("running", "waiting"), load, strict=True)
+        ]
 
     def forget_replica(self, url: str) -> None:
         """A replica left the fleet (Kubernetes discovery): its per-replica counters leave ``/metrics`` with it, so

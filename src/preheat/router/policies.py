@@ -154,6 +154,11 @@ class Policy:
         """Keys remembered, per (replica, index): for ``/metrics``."""
         return {(name, "in_flight"): n for name, n in self.in_flight.sizes().items()}
 
+    def reported_loads(self) -> dict[str, tuple[int, int]]:
+        """Per replica, its own ``(running, waiting)`` as it last reported them (policies that read them): for
+        ``/metrics``."""
+        return {}
+
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         """The fewest in flight; ties broken in turn, so that idle replicas share the work evenly."""
         low = min(c.in_flight for c in candidates)
@@ -426,6 +431,10 @@ class KVAware(Policy):
             sizes[(name, "l1")], sizes[(name, "l2")] = l1, l2
         sizes |= {(name, "gpu"): n for name, n in self.index.gpu_sizes().items()}
         return sizes
+
+    def reported_loads(self) -> dict[str, tuple[int, int]]:
+        # An engine's event stream carries no load (its /metrics does, read into Candidate.load).
+        return {name: load for name, load in self.index.loads().items() if name not in self.engines}
 
 
 def _cost(estimate: Estimate | None, busy: float) -> float:

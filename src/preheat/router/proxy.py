@@ -94,7 +94,7 @@ class Router:
         self.api_key = api_key
         self.replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
         self.metrics = RouterMetrics(
-            lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas], policy.index_sizes
+            lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas], policy.index_sizes, policy.reported_loads
         )
         self.cold: ColdStarter | None = None  # standby and sleeping replicas to bring up (RouterService sets it)
         self._membership = threading.Lock()

@@ -289,3 +289,6 @@ class SharedPolicy(Policy):
 
     def index_sizes(self) -> dict[tuple[str, str], int]:
         return self.inner.index_sizes()
+
+    def reported_loads(self) -> dict[str, tuple[int, int]]:
+        return self.inner.reported_loads()

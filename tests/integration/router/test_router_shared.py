@@ -86,7 +86,9 @@ def fleet_of(count: int, replicas: list[str], model: Path, redis_url: str, *extr
 
 def caught_up(routers: list[RouterProcess], learnt: dict[int, float] | None = None) -> None:
     """Wait until every router has applied every key the others learnt (``learnt``: keys learnt by routers no
-    longer running, which the others still replay), and its view is within the staleness bound."""
+    longer running, which the others still replay), has heard that the others' requests are over (it is called
+    between turns: a request another router just finished, still counted in flight, is a queue the ``kv`` policy
+    would route around), and its view is within the staleness bound."""
 
     seen: list[object] = []
 
@@ -94,16 +96,18 @@ def caught_up(routers: list[RouterProcess], learnt: dict[int, float] | None = No
         counts = [r.metric_sum("preheat_router_shared_learnt_keys_total") for r in routers]
         applied = [r.metric_sum("preheat_router_shared_applied_keys_total") for r in routers]
         stale = [r.staleness() for r in routers]
-        seen[:] = [counts, applied, stale]
+        remote = [r.metric_sum("preheat_router_remote_in_flight") for r in routers]
+        seen[:] = [counts, applied, stale, remote]
         gone = sum((learnt or {}).values())
         return all(
-            applied[i] >= sum(counts) - counts[i] + gone and _within_bound(stale[i]) for i in range(len(routers))
+            applied[i] >= sum(counts) - counts[i] + gone and _within_bound(stale[i]) and remote[i] == 0
+            for i in range(len(routers))
         )
 
     try:
         wait_until(done, "the routers to apply each other's learnt keys", deadline=60)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}: learnt, applied, staleness: {seen}") from None
+        raise AssertionError(f"{exc}: learnt, applied, staleness, remote in flight: {seen}") from None
 
 
 def _within_bound(staleness: float | None) -> bool:
@@ -257,6 +261,21 @@ def l1_sizes(router: RouterProcess, replicas: list[str]) -> list[float]:
     return [router.metric_sum("preheat_router_index_keys", replica=url, index="l1") for url in replicas]
 
 
+def settled(routers: list[RouterProcess]) -> None:
+    """``caught_up``, and every router's last poll of the replicas' events says nothing runs there: a poll taken
+    while the last turn ran would price a queue the next turn does not have (``kv`` would route around it)."""
+    caught_up(routers)
+
+    def idle(router: RouterProcess) -> bool:
+        running = [line for line in router.client.get("/metrics").body.decode().splitlines()
+                   if line.startswith('preheat_router_replica_requests{') and 'state="running"' in line]  # fmt: skip
+        return len(running) == 2 and all(float(line.rpartition(" ")[2]) == 0 for line in running)
+
+    wait_until(
+        lambda: all(idle(r) for r in routers), "the routers to hear from the replicas that the last turn is over"
+    )
+
+
 def test_kv_routers_build_the_same_index_from_the_replicas_events(
     kv_replicas: list[str], kv_model: Path, redis_server: RedisServer
 ) -> None:
@@ -264,15 +283,16 @@ def test_kv_routers_build_the_same_index_from_the_replicas_events(
     try:
         chat = Chat(TOPICS[0])
         home, _ = chat.turn(routers[0])
+
         # Each router polls the replicas' KV events itself: the same events, the same index, without Redis.
         def alike() -> bool:  # each router's sizes read once: a second read could see a newer poll
             first, second = (l1_sizes(router, kv_replicas) for router in routers)
             return first == second and sum(first) > 0
 
         wait_until(alike, "both routers to index the replicas' L1 alike")
-        caught_up(routers)
+        settled(routers)
         assert chat.turn(routers[1]) == (home, "kv_hit")
-        caught_up(routers)
+        settled(routers)
         assert chat.turn(routers[0]) == (home, "kv_hit")
     finally:
         stopped(routers)

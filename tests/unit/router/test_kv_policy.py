@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from preheat.kv.keys import chunk_keys
 from preheat.router.index import KVIndex, PrefixIndex, parse_update
+from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, KVAware, LeastLoad, LoadGuard, RouteRequest
 from preheat.router.score import Estimate
 
@@ -117,3 +118,15 @@ def test_each_queued_request_is_priced_with_the_answer_it_still_generates() -> N
     queue_up(kv, "a", [0.01] * 6)  # six short hits ahead, each then generating for ~1 s: ~6 s, not 0.06 s
     candidates = [Candidate("a", 6, 1.0), Candidate("b", 0, 1.0)]
     assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "b"  # 0.41 s to compute it there
+
+
+def test_the_load_each_replica_reported_reaches_metrics() -> None:
+    index = KVIndex()
+    index.apply("a", parse_update({**snapshot(2), "load": {"running": 3, "waiting": 1}}, "a"))
+    index.apply("b", parse_update(snapshot(0), "b"))
+    policy = KVAware(index, LoadGuard(), PrefixIndex(ttl=5.0), clock=lambda: 100.0)
+    assert policy.reported_loads() == {"a": (3, 1), "b": (0, 0)}
+    text = RouterMetrics(list, policy.index_sizes, policy.reported_loads).render()
+    assert 'preheat_router_replica_requests{replica="a",state="running"} 3' in text
+    assert 'preheat_router_replica_requests{replica="a",state="waiting"} 1' in text
+    assert 'preheat_router_replica_requests{replica="b",state="running"} 0' in text
