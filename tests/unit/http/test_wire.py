@@ -93,3 +93,10 @@ def test_what_is_written_parses_back() -> None:
     assert isinstance(answer, ResponseHead)
     assert answer.status == 201
     assert answer.headers.get("server") == "preheat-router"
+
+
+def test_a_bare_cr_or_lf_inside_a_header_line_is_refused() -> None:
+    for line in (b"X-A: one\ntwo", b"X-A: one\rtwo", b"X-A\n: v"):
+        refusal = parse_request_head(b"GET / HTTP/1.1\r\n" + line + b"\r\n\r\n")
+        assert isinstance(refusal, WireRefusal), line
+        assert refusal.status == 400
