@@ -67,3 +67,8 @@ def depth(value: object) -> int:
     if isinstance(value, dict):
         return 1 + max((depth(v) for v in value.values()), default=0)
     return 0
+
+
+# What moves a tokenizer's splits: runs of spaces and newlines, special tokens, digits, non-ASCII, punctuation.
+FRAGMENTS = ["hello", " world", " ", "  ", "\n", "\n\n", "\t", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im",
+             "12345", "é", "\U0001f600", "'s", ".", "-", "abcdefghij" * 3]  # fmt: skip

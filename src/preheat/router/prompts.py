@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from preheat.checkpoint.jsonfile import read_config
 from preheat.core.errors import APIError, JSONInputError, PreheatError, RouterError
@@ -28,11 +28,13 @@ from preheat.core.jsonsafe import loads_bounded
 from preheat.router.policies import RouteRequest
 from preheat.router.upstream import parse_replica_spec
 from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, parse_body
+from preheat.text.segments import SegmentEncoder
 
 if TYPE_CHECKING:
     from preheat.text.tokenizer import TextTokenizer
 
 SESSION_HEADER = "X-Session-Id"
+_NEEDS_TOKENIZER: list[int] = []  # _token_ids's "not without the tokenizer" (compared by identity)
 ROUTE_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 DEFAULT_PROMPT_TOKENS = 131_072  # when the model's config.json names no context window: the largest common one
 
@@ -43,6 +45,8 @@ class PromptReader:
     def __init__(self, tokenizer: TextTokenizer | None, max_tokens: int = DEFAULT_PROMPT_TOKENS) -> None:
         # No lock: the Rust tokenizer encodes from many threads at once (its encode takes it shared, never mutably).
         self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        # A chat's pieces encoded once each (text/segments.py), where that gives the tokenizer's exact ids.
+        self.pieces = SegmentEncoder.for_tokenizer(tokenizer) if tokenizer is not None else None
 
     @classmethod
     def from_model(cls, model_dir: str | None, max_tokens: int | None = None) -> PromptReader:
@@ -57,8 +61,17 @@ class PromptReader:
         except PreheatError as exc:
             raise RouterError(f"--model {model_dir}: cannot read its tokenizer: {exc}") from exc
 
-    def read(self, path: str, body: bytes, session_header: str | None) -> RouteRequest:
-        """The session id (``X-Session-Id``, else the body's ``user``) and, with a tokenizer, the prompt's ids."""
+    @overload
+    def read(self, path: str, body: bytes, session_header: str | None) -> RouteRequest: ...
+    @overload
+    def read(self, path: str, body: bytes, session_header: str | None, *, cached_only: bool) -> RouteRequest | None: ...
+
+    def read(
+        self, path: str, body: bytes, session_header: str | None, *, cached_only: bool = False
+    ) -> RouteRequest | None:
+        """The session id (``X-Session-Id``, else the body's ``user``) and, with a tokenizer, the prompt's ids.
+        ``cached_only``: None when the prompt's ids would need the tokenizer (a chat with a piece not seen before,
+        or a plain prompt): a cheap read, for the event loop; the caller then reads it again on a thread."""
         request = RouteRequest(session=session_header or None)
         kind = ROUTE_KINDS.get(path)
         if kind is None:
@@ -73,25 +86,39 @@ class PromptReader:
         if request.session is None and isinstance(raw.get("user"), str) and raw["user"]:
             request.session = raw["user"]
         if self.tokenizer is not None:
-            request.token_ids = self._token_ids(kind, raw)
+            ids = self._token_ids(kind, raw, cached_only)
+            if ids is _NEEDS_TOKENIZER:
+                return None
+            request.token_ids = ids
         return request
 
-    def _token_ids(self, kind: str, raw: dict[str, object]) -> list[int] | None:
+    def _token_ids(self, kind: str, raw: dict[str, object], cached_only: bool = False) -> list[int] | None:
         model = raw.get("model")
         try:
             # The replica checks the model name; here any name is accepted, only the prompt matters.
             parsed = parse_body(raw, kind, model if isinstance(model, str) else "")
         except APIError:
             return None
-        assert self.tokenizer is not None
         try:
-            if parsed.messages is not None:
-                return self.tokenizer.encode_chat_head(parsed.messages, self.max_tokens)
-            if isinstance(parsed.prompt, str):
-                return self.tokenizer.encode_head(parsed.prompt, self.max_tokens)
+            return self._encode(parsed.messages, parsed.prompt, cached_only)
         except PreheatError:
             return None  # e.g. a chat the template cannot render: the replica will say why
-        return list(parsed.prompt or [])[: self.max_tokens]
+
+    def _encode(
+        self, messages: list[dict[str, str]] | None, prompt: str | list[int] | None, cached_only: bool
+    ) -> list[int] | None:
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+        if messages is not None and self.pieces is not None:
+            ids = self.pieces.encode_head(tokenizer.render_chat(messages), self.max_tokens, cached_only=cached_only)
+            return _NEEDS_TOKENIZER if ids is None else ids
+        if cached_only and (messages is not None or isinstance(prompt, str)):
+            return _NEEDS_TOKENIZER
+        if messages is not None:
+            return tokenizer.encode_chat_head(messages, self.max_tokens)
+        if isinstance(prompt, str):
+            return tokenizer.encode_head(prompt, self.max_tokens)
+        return list(prompt or [])[: self.max_tokens]
 
 
 def context_window(model_dir: str) -> int:

@@ -12,11 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from preheat.text.tokenizer import TextTokenizer
-from strategies import FUZZ
-
-# What moves a tokenizer's splits: runs of spaces and newlines, special tokens, digits, non-ASCII, punctuation.
-FRAGMENTS = ["hello", " world", " ", "  ", "\n", "\n\n", "\t", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im",
-             "12345", "é", "\U0001f600", "'s", ".", "-", "abcdefghij" * 3]  # fmt: skip
+from strategies import FRAGMENTS, FUZZ
 
 
 @pytest.fixture(scope="module")
