@@ -77,6 +77,15 @@ request = function()
   return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, bodies[(n % 64) + 1])
 end
 """
+# --fresh: the same 64 bodies, each request's message made new by its thread and number ("user 2-81: ..."), so a
+# router that tokenizes meets a piece it has not seen in every request.
+WRK_FRESH = WRK_SCRIPT.replace(
+    "local n = 0",
+    'local n = 0\nlocal made = 0\nfunction setup(thread) made = made + 1; thread:set("id", made) end',
+).replace(
+    "bodies[(n % 64) + 1])",
+    '(bodies[(n % 64) + 1]:gsub("user %d+:", "user " .. tostring(id) .. "-" .. n .. ":", 1)))',
+)
 
 
 @dataclass
@@ -169,6 +178,11 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=1, help="runs of every contender, interleaved; medians shown")
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument(
+        "--fresh", action="store_true",
+        help="every request's message new (the 64 prompts with a per-request number): a tokenizing router's cache "
+        "of chat pieces never holds the last message",
+    )  # fmt: skip
     args = parser.parse_args()
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
@@ -186,7 +200,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="router-capacity-") as tmp:
         workdir = Path(tmp)
         script = workdir / "chat.lua"
-        script.write_text(WRK_SCRIPT, encoding="utf-8")
+        script.write_text(WRK_FRESH if args.fresh else WRK_SCRIPT, encoding="utf-8")
         nginx, upstreams = start_nginx(workdir)
         try:
             for _round in range(args.rounds):
@@ -205,7 +219,9 @@ def main() -> int:
     smg = {r.connections: r for r in results if r.router.startswith("smg")}
     rounds = f"median of {args.rounds} interleaved rounds, " if args.rounds > 1 else ""
     cores = os.cpu_count()
-    print(f"\ninstant upstream (nginx, 2 ports); wrk -t2, {args.duration} s each; {rounds}{cores} cores shared by all")
+    fresh = "; every message new (--fresh)" if args.fresh else ""
+    print(f"\ninstant upstream (nginx, 2 ports); wrk -t2, {args.duration} s each; {rounds}{cores} cores shared by all"
+          f"{fresh}")  # fmt: skip
     print(f"{'router':26s} {'conns':>5s} {'req/s':>8s} {'range':>13s} {'x smg':>6s} {'p50 ms':>8s} {'p99 ms':>8s} "
           f"{'p99 x smg':>9s} {'over 2 s':>8s} {'errors':>6s}")  # fmt: skip
     for r in results:

@@ -27,6 +27,8 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from preheat.core.errors import RequestError
+
 if TYPE_CHECKING:
     from preheat.text.tokenizer import TextTokenizer
 
@@ -66,7 +68,10 @@ class SegmentEncoder:
         if not added or tokenizer.template is None:
             return None
         encoder = cls(tokenizer, added)
-        text = tokenizer.render_chat(_PROBE)
+        try:
+            text = tokenizer.render_chat(_PROBE)
+        except RequestError:  # a template that wants other roles (no system prompt): the whole-text way, as before
+            return None
         whole = tokenizer.encode(text, add_special_tokens=False)
         if len(encoder._split.split(text)) < 3 or encoder.encode_head(text, len(whole) + 1) != whole:
             return None

@@ -226,6 +226,21 @@ def test_a_4_mib_prompt_is_read_only_as_far_as_the_context_window(kv_model: Path
     assert request.token_ids == whole[:window]
 
 
+def test_a_chat_whose_pieces_were_read_before_needs_no_tokenizer(kv_model: Path) -> None:
+    """What the event loop reads itself (``cached_only``): a chat whose every piece is known, with the ids a whole
+    encoding gives; anything else is left for a thread (None), a plain prompt always."""
+    reader = PromptReader.from_model(str(kv_model))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The capital of France is"}]
+    chat = json.dumps({"model": NAME, "messages": messages}).encode()
+    assert reader.read("/v1/chat/completions", chat, None, cached_only=True) is None
+    first = reader.read("/v1/chat/completions", chat, "s-1")
+    again = reader.read("/v1/chat/completions", chat, "s-1", cached_only=True)
+    assert again is not None
+    assert again.token_ids == first.token_ids == TextTokenizer.from_dir(str(kv_model)).encode_chat(messages)
+    assert again.session == "s-1"
+    assert reader.read("/v1/completions", body("The capital of France is"), None, cached_only=True) is None
+
+
 class HeldTokenizer:
     """The ``tokenizers`` library's tokenizer, held inside any encoding of a long text until ``release`` is set:
     what a 4 MiB prompt looks like to other requests while it is being tokenized, without depending on how fast."""
