@@ -376,8 +376,8 @@ def quiet_collector() -> None:
     """For a router process about to serve: what its start built (imports, the tokenizer, the indexes) is frozen out
     of the cyclic collector's scans, and young collections come every 20,000 allocations, not 700. A request
     allocates dozens of objects and leaves almost no cycles, and the collections were ~7% of a busy router's time
-    (py-spy; ~10% more requests/s in bench/router_capacity.py). The process's own: never called where the router
-    is a library (a test, an embedding program)."""
+    (py-spy; ~13% more requests/s on one process in bench/router_capacity.py). The process's own: never called
+    where the router is a library (a test, an embedding program)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Final, Literal, overload
 
 from preheat.checkpoint.jsonfile import read_config
 from preheat.core.errors import APIError, JSONInputError, PreheatError, RouterError
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from preheat.text.tokenizer import TextTokenizer
 
 SESSION_HEADER = "X-Session-Id"
-_NEEDS_TOKENIZER: list[int] = []  # _token_ids's "not without the tokenizer" (compared by identity)
+# What a cached_only read of a prompt the tokenizer must see gives (``PromptReader.read`` then returns None).
+NEEDS_TOKENIZER: Final = "needs the tokenizer"
 ROUTE_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 DEFAULT_PROMPT_TOKENS = 131_072  # when the model's config.json names no context window: the largest common one
 
@@ -87,12 +88,14 @@ class PromptReader:
             request.session = raw["user"]
         if self.tokenizer is not None:
             ids = self._token_ids(kind, raw, cached_only)
-            if ids is _NEEDS_TOKENIZER:
+            if ids == NEEDS_TOKENIZER:
                 return None
             request.token_ids = ids
         return request
 
-    def _token_ids(self, kind: str, raw: dict[str, object], cached_only: bool = False) -> list[int] | None:
+    def _token_ids(
+        self, kind: str, raw: dict[str, object], cached_only: bool = False
+    ) -> list[int] | Literal["needs the tokenizer"] | None:
         model = raw.get("model")
         try:
             # The replica checks the model name; here any name is accepted, only the prompt matters.
@@ -106,14 +109,14 @@ class PromptReader:
 
     def _encode(
         self, messages: list[dict[str, str]] | None, prompt: str | list[int] | None, cached_only: bool
-    ) -> list[int] | None:
+    ) -> list[int] | Literal["needs the tokenizer"] | None:
         tokenizer = self.tokenizer
         assert tokenizer is not None
         if messages is not None and self.pieces is not None:
             ids = self.pieces.encode_head(tokenizer.render_chat(messages), self.max_tokens, cached_only=cached_only)
-            return _NEEDS_TOKENIZER if ids is None else ids
+            return NEEDS_TOKENIZER if ids is None else ids
         if cached_only and (messages is not None or isinstance(prompt, str)):
-            return _NEEDS_TOKENIZER
+            return NEEDS_TOKENIZER
         if messages is not None:
             return tokenizer.encode_chat_head(messages, self.max_tokens)
         if isinstance(prompt, str):

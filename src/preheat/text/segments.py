@@ -55,7 +55,7 @@ class SegmentEncoder:
         self._lock = threading.Lock()
         self._known: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._chars = 0
-        self.hits = self.misses = 0
+        self.encoded = 0  # pieces the tokenizer was asked for
 
     @classmethod
     def for_tokenizer(cls, tokenizer: TextTokenizer) -> SegmentEncoder | None:
@@ -93,15 +93,13 @@ class SegmentEncoder:
                 known = (token,) if token is not None else self._known.get(piece)
                 if known is None:
                     if cached_only:
-                        self.misses += 1
                         return None
                     missing.setdefault(piece, []).append(len(parts))
                     known = ()
                 elif token is None:
                     self._known.move_to_end(piece)
-                    self.hits += 1
                 parts.append(known)
-            self.misses += len(missing)
+            self.encoded += len(missing)
         if missing:
             self._encode(missing, parts)
         ids = [token for part in parts for token in part]
@@ -126,7 +124,7 @@ class SegmentEncoder:
         with self._lock:
             self._known.clear()
             self._chars = 0
-            self.hits = self.misses = 0
+            self.encoded = 0
 
     def size(self) -> tuple[int, int]:
         """Pieces and characters remembered."""

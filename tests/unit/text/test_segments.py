@@ -58,9 +58,9 @@ def test_a_conversation_s_next_turn_encodes_only_its_new_message(
     chat += [{"role": "assistant", "content": " Paris."}, {"role": "user", "content": "And of Germany?"}]
     text = tokenizer.render_chat(chat)
     assert encoder.encode_head(text, 10_000, cached_only=True) is None  # two new pieces: not without the tokenizer
-    misses = encoder.misses
+    encoded = encoder.encoded
     assert encoder.encode_head(text, 10_000) == tokenizer.encode(text, add_special_tokens=False)
-    assert encoder.misses - misses == 2  # the answer and the new question; the system prompt and turn 1 were known
+    assert encoder.encoded - encoded == 2  # the answer and the new question; the system prompt and turn 1 were known
     assert encoder.encode_head(text, 10_000, cached_only=True) == tokenizer.encode(text, add_special_tokens=False)
 
 
