@@ -65,7 +65,7 @@ def router_command(
             cmd += ["--workers", words[2][1:]]
         for url in upstreams:
             cmd += ["--replica", url]
-        if policy in ("prefix", "kv"):
+        if policy == "kv":  # prefix reads prompts as text
             cmd += ["--model", tokenizer]
         return [*cmd, *preheat_args]
     if name.startswith("vllm-router"):

@@ -31,11 +31,11 @@ policies:
   round-robin  each replica in turn
   least-load   the fewest requests in flight through this router
   session      sticky by session id: the X-Session-Id header, else the body's "user" field
-  prefix       the replica this router already sent the longest run of the prompt's KV chunks to
+  prefix       the replica this router already sent the longest run of the prompt's leading text to (no tokenizer)
   kv           the lowest expected time to first token, from the replicas' own KV events: tokens to recompute x
                prefill cost + tokens in L1/L2 x that tier's cost + queue wait (replicas with --kv-l1)
                vLLM and SGLang replicas: give their ZMQ KV events with --kv-events (docs/integrations.md)
-  prefix and kv read prompts with --model DIR's tokenizer (--model @replicas: the replicas', asked at start).
+  kv reads prompts with --model DIR's tokenizer (--model @replicas: the replicas', asked at start).
   prefix and kv fall back to the least-loaded replica when queues are imbalanced (--guard-gap), and spread a prefix
   hot enough to queue on one replica to a second one (--hot-in-flight).
 
@@ -83,7 +83,7 @@ examples:
   preheat router --replica http://127.0.0.1:8001 --standby http://127.0.0.1:8002 --standby-model s3://models/smollm2 \
       --served-model-name smollm2 --saturation 2          # a second replica, activated when the first is busy
   preheat router --replicas-from k8s://llm/preheat-replicas?port=http --policy kv --model /models/smollm2  # in a pod
-  PREHEAT_ROUTER_SHARED_STATE=redis://redis:6379/0 preheat router --replica ... --policy prefix --model ./smollm2
+  PREHEAT_ROUTER_SHARED_STATE=redis://redis:6379/0 preheat router --replica ... --policy prefix
 
 docs: docs/router.md, docs/kv-events.md, docs/integrations.md (vLLM, SGLang)
 """

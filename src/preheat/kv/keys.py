@@ -108,12 +108,22 @@ def chunk_keys(
         raise KVError("this platform's array('I') is not 32-bit")
     if array("I", [1]).tobytes() != b"\x01\x00\x00\x00":
         packed.byteswap()  # keys are defined on little-endian ids
-    data = memoryview(packed).cast("B")
-    step = chunk_tokens * 4
+    return chained_keys(seed, memoryview(packed).cast("B"), chunk_tokens * 4, count)
+
+
+def chained_keys(seed: bytes, data: bytes | memoryview, step: int, count: int) -> list[str]:
+    """The chain of ``chunk_keys`` over any bytes: ``count`` keys of ``step``-byte chunks of ``data``, each the
+    XXH3-128 of the key before it (``seed`` for the first) and its chunk. The router keys prompt text with it too.
+
+    >>> a, b = chained_keys(b"\\0" * 16, b"abcdef", 2, 3), chained_keys(b"\\0" * 16, b"abXdef", 2, 3)
+    >>> a[0] == b[0], a[1] == b[1], a[2] == b[2]  # a chunk's key names every byte before it too
+    (True, False, False)
+    """
     keys: list[str] = []
     prev = seed
+    view = memoryview(data)
     for i in range(count):
-        digest = xxhash.xxh3_128_digest(prev + bytes(data[i * step : (i + 1) * step]))
+        digest = xxhash.xxh3_128_digest(prev + bytes(view[i * step : (i + 1) * step]))
         keys.append(digest.hex())
         prev = digest
     return keys

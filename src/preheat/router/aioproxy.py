@@ -376,7 +376,7 @@ class ClientConnection:
             # the tokenizer must see is read again on a thread, off the loop (text/segments.py).
             cached = router.prompts.read(head.path, body, session, cached_only=True) if len(body) <= INLINE else None
             request = cached if cached is not None else await asyncio.to_thread(self.read_prompt, head, body, session)
-        elif generation and router.policy.name == "session":
+        elif generation and (router.policy.needs_text or router.policy.name == "session"):  # JSON only: on the loop
             request = router.prompts.read(head.path, body, session)
         else:
             request = RouteRequest(session=session)

@@ -25,7 +25,7 @@ from preheat.router.aioproxy import AsyncRouterServer
 from preheat.router.events import KVEventPoller
 from preheat.router.health import HealthChecker
 from preheat.router.index import KVIndex
-from preheat.router.policies import LoadGuard, Policy, make_policy
+from preheat.router.policies import LoadGuard, Policy, make_policy, text_fingerprint
 from preheat.router.prompts import PromptReader, tokenizer_from_replicas
 from preheat.router.proxy import Router
 from preheat.router.scrape import MetricsPoller
@@ -62,6 +62,14 @@ def prefix_fingerprint(model: str, chunk_tokens: int) -> str:
     return fingerprint(identity=identity, layout={"index": "preheat-router"}, chunk_tokens=chunk_tokens)
 
 
+def routing_fingerprint(settings: RouterSettings) -> str | None:
+    """The seed of the keys this router learns from the prompts it routes: ``prefix``'s text keys, ``kv``'s token
+    keys (``prefix_fingerprint`` of --model); None for policies that learn none."""
+    if settings.policy == "prefix":
+        return text_fingerprint(settings.kv_chunk_tokens)
+    return prefix_fingerprint(settings.model, settings.kv_chunk_tokens) if settings.model else None
+
+
 class RouterService:
     """A router with its background checks: ``start()`` binds and checks, ``serve()`` blocks, ``close()`` ends all."""
 
@@ -81,7 +89,7 @@ class RouterService:
             sources = []
         self.kv_index = KVIndex(max_keys=settings.index_keys, snapshot_interval=settings.kv_snapshot_interval)
         guard = LoadGuard(gap=settings.guard_gap, hot=settings.hot_in_flight)
-        needs_model = settings.policy in ("prefix", "kv")
+        needs_model = settings.policy == "kv"  # prefix reads prompts as text
         if needs_model and settings.model == FROM_REPLICAS:
             # The replicas' own tokenizer: a preheat replica serves its files, vLLM names its local directory.
             key = settings.replica_api_key or settings.api_key
@@ -91,7 +99,7 @@ class RouterService:
             self.settings = settings
         policy = make_policy(
             settings.policy,
-            fingerprint=prefix_fingerprint(settings.model, settings.kv_chunk_tokens) if settings.model else None,
+            fingerprint=routing_fingerprint(settings),
             chunk_tokens=settings.kv_chunk_tokens,
             kv_index=self.kv_index,
             guard=guard,
@@ -103,7 +111,9 @@ class RouterService:
         if settings.shared_state is not None:
             # Late-bound: the shared state is made once the router it reads exists, below.
             policy = SharedPolicy(policy, self._remote_in_flight, self._learnt)
-        prompts = PromptReader.from_model(settings.model if needs_model else None, settings.max_prompt_tokens)
+        prompts = PromptReader.from_model(
+            settings.model if needs_model else None, settings.max_prompt_tokens, text=policy.needs_text
+        )
         self.router = Router(
             replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key,
             newest_version=settings.newest_version, max_answer_bytes=parse_size(settings.max_answer_bytes),
@@ -218,7 +228,7 @@ class RouterService:
             settings.shared_state, settings.shared_fleet,
             policy=policy if isinstance(policy, SharedPolicy) else None,
             replicas=lambda: self.router.replicas, decisions=decisions, hint_down=self.health.check_now,
-            fingerprint=prefix_fingerprint(settings.model, settings.kv_chunk_tokens) if settings.model else None,
+            fingerprint=routing_fingerprint(settings),
             learn_ttl=settings.index_ttl,
         )  # fmt: skip
         for series in shared.metrics.series():

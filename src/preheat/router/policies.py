@@ -5,8 +5,9 @@ socket; ``Router`` (proxy.py) feeds it and counts its reasons in ``/metrics``.
 - ``least-load``: the fewest requests in flight through this router, ties in turn (``least_load``);
 - ``session``: the replica a session id hashes to, by rendezvous hashing, so that only a dead replica's sessions
   move (``session``; ``no_session``: least-load);
-- ``prefix``: the longest run of leading chunk keys this router already sent there (``prefix_match``;
-  ``no_match``: least-load);
+- ``prefix``: the longest run of leading chunks of the prompt's text this router already sent there
+  (``prefix_match``; ``no_match``: least-load). Text, not tokens, as SGLang's and vLLM's ``cache_aware`` routers
+  match: only this router compares the keys, so no tokenizer is needed and a request costs its JSON and a hash;
 - ``kv``: the lowest expected time to first token from the replicas' own KV events and the work queued at each,
   score.py (``kv_hit``; ``kv_no_hit``: nobody holds any of the prompt, and ``kv_even``: every replica holds as much
   of it: least-load).
@@ -31,13 +32,16 @@ from dataclasses import dataclass, field
 import xxhash
 
 from preheat.core.errors import ConfigError
-from preheat.kv.keys import chunk_keys
+from preheat.kv.keys import chained_keys, chunk_keys
+from preheat.kv.keys import fingerprint as kv_fingerprint
 from preheat.router.index import InFlight, KVIndex, PrefixIndex
 from preheat.router.score import Estimate, Queue, expected_ttft, rank_cost, resolve_costs
 from preheat.router.settings import POLICIES  # spelt once: the flag's choices
 from preheat.router.upstream import moving_mean
 
 log = logging.getLogger("preheat.router.kv")
+# ``prefix`` keys text in chunks of C tokens' worth of bytes (--kv-chunk-tokens C): ~4 bytes a token in English.
+TEXT_BYTES_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,13 @@ class Candidate:
 
 @dataclass
 class RouteRequest:
-    """What a policy may know about a request: its session id and its prompt's token ids (None when the policy
-    needs none, or the body could not be read: such a request goes by load, and the replica answers its 400)."""
+    """What a policy may know about a request: its session id, its prompt's token ids (``kv``) or its prompt as
+    text (``prefix``: ``prompt_text``'s bytes); None when the policy needs none, or the body could not be read: such
+    a request goes by load, and the replica answers its 400."""
 
     session: str | None = None
     token_ids: list[int] | None = None
+    text: bytes | None = None
     _keys: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     in_flight_keys: list[str] = field(default_factory=list)  # what ``Policy.sent`` marked, for ``answered``
     estimates: dict[str, Estimate] = field(default_factory=dict)  # ``kv``: per replica, as last chosen
@@ -74,6 +80,15 @@ class RouteRequest:
         memo = (fingerprint, chunk_tokens)
         if memo not in self._keys:
             self._keys[memo] = chunk_keys(fingerprint, self.token_ids, chunk_tokens)
+        return self._keys[memo]
+
+    def text_keys(self, seed: bytes, chunk_bytes: int) -> list[str]:
+        """The keys of the text's full ``chunk_bytes`` chunks, chained from ``seed`` (computed once)."""
+        if self.text is None:
+            return []
+        memo = (seed.hex(), -chunk_bytes)  # negative: never a token chunk size, so never ``keys``' memo
+        if memo not in self._keys:
+            self._keys[memo] = chained_keys(seed, self.text, chunk_bytes, len(self.text) // chunk_bytes)
         return self._keys[memo]
 
 
@@ -116,6 +131,7 @@ class Policy:
 
     name = ""
     needs_tokens = False  # whether the request's prompt must be tokenized before choosing
+    needs_text = False  # whether it reads the request's prompt as text (``RouteRequest.text``)
 
     def __init__(self) -> None:
         self._turn = itertools.count()
@@ -206,17 +222,21 @@ def rendezvous(session: str, names: Sequence[str]) -> str:
 
 
 class Prefix(Policy):
-    """The replica this router already sent the longest run of the prompt's leading chunks to."""
+    """The replica this router already sent the longest run of the prompt text's leading ``chunk_bytes`` chunks to;
+    ``fingerprint`` seeds the keys (every router of a fleet that shares what it learnt uses the same one)."""
 
     name = "prefix"
-    needs_tokens = True
+    needs_text = True
 
-    def __init__(self, fingerprint: str, chunk_tokens: int, index: PrefixIndex, guard: LoadGuard) -> None:
+    def __init__(self, fingerprint: str, chunk_bytes: int, index: PrefixIndex, guard: LoadGuard) -> None:
         super().__init__()
-        self.fingerprint, self.chunk_tokens, self.index, self.guard = fingerprint, chunk_tokens, index, guard
+        if chunk_bytes < 1:
+            raise ConfigError(f"prefix: a chunk is at least one byte (got {chunk_bytes})")
+        self.fingerprint, self.chunk_bytes, self.index, self.guard = fingerprint, chunk_bytes, index, guard
+        self._seed = bytes.fromhex(fingerprint)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        keys = request.keys(self.fingerprint, self.chunk_tokens)
+        keys = request.text_keys(self._seed, self.chunk_bytes)
         matches = {c.name: self.match(c.name, keys) for c in candidates} if keys else {}
         if not any(matches.values()):
             return Decision(self.least_loaded(candidates).name, "no_match")
@@ -228,7 +248,7 @@ class Prefix(Policy):
         return self.index.match(replica, keys, also=lambda key: self.in_flight.contains(replica, key))
 
     def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
-        return request.keys(self.fingerprint, self.chunk_tokens)
+        return request.text_keys(self._seed, self.chunk_bytes)
 
     def learn(self, replica: str, keys: list[str]) -> None:
         self.index.record(replica, keys)
@@ -451,6 +471,12 @@ class _Either:
         return key in self._keys or (isinstance(key, str) and self._predicate(key))
 
 
+def text_fingerprint(chunk_tokens: int) -> str:
+    """The seed of ``prefix``'s text keys: the same in every router (no model in it: text is text), so a fleet's
+    routers that share what they learnt (--shared-state) compare like with like."""
+    return kv_fingerprint(identity="prompt text", layout={"index": "preheat-router-text"}, chunk_tokens=chunk_tokens)
+
+
 def make_policy(
     name: str,
     *,
@@ -471,9 +497,9 @@ def make_policy(
     if name == "session":
         return Session()
     if name == "prefix":
-        if fingerprint is None:
-            raise ConfigError("--policy prefix needs a fingerprint (the router derives one from --model)")
-        return Prefix(fingerprint, chunk_tokens, PrefixIndex(max_keys=index_keys, ttl=index_ttl), guard)
+        fingerprint = fingerprint or text_fingerprint(chunk_tokens)
+        chunk_bytes = chunk_tokens * TEXT_BYTES_PER_TOKEN
+        return Prefix(fingerprint, chunk_bytes, PrefixIndex(max_keys=index_keys, ttl=index_ttl), guard)
     if name == "kv":
         # Keys answered there recently stand in for the replica's store events for a few poll intervals only.
         return KVAware(

@@ -1,4 +1,5 @@
-"""A request body, read the way the replica reads it: the session id, and the prompt's token ids.
+"""A request body, read the way the replica reads it: the session id, and the prompt's token ids (``kv``) or its
+text (``prefix``: ``prompt_text``, no tokenizer).
 
 The token ids must be exactly the replica's, or no chunk key would match: the body is validated by the replica's own
 pure ``preheat.text.request.parse_body``, a chat is rendered by the model's chat template and encoded without the
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Final, Literal, overload
 from preheat.checkpoint.jsonfile import read_config
 from preheat.core.errors import APIError, JSONInputError, PreheatError, RouterError
 from preheat.core.jsonsafe import loads_bounded
-from preheat.router.policies import RouteRequest
+from preheat.router.policies import TEXT_BYTES_PER_TOKEN, RouteRequest
 from preheat.router.upstream import parse_replica_spec
 from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, parse_body
 from preheat.text.segments import SegmentEncoder
@@ -41,20 +42,24 @@ DEFAULT_PROMPT_TOKENS = 131_072  # when the model's config.json names no context
 
 
 class PromptReader:
-    """Turns request bodies into ``RouteRequest``s; ``tokenizer`` is None for policies that need no tokens."""
+    """Turns request bodies into ``RouteRequest``s; ``tokenizer`` is None for policies that need no tokens, ``text``
+    True for those that read the prompt as text (at most ``max_tokens`` tokens' worth of its bytes)."""
 
-    def __init__(self, tokenizer: TextTokenizer | None, max_tokens: int = DEFAULT_PROMPT_TOKENS) -> None:
+    def __init__(
+        self, tokenizer: TextTokenizer | None, max_tokens: int = DEFAULT_PROMPT_TOKENS, *, text: bool = False
+    ) -> None:
         # No lock: the Rust tokenizer encodes from many threads at once (its encode takes it shared, never mutably).
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        self.tokenizer, self.max_tokens, self.text = tokenizer, max_tokens, text
         # A chat's pieces encoded once each (text/segments.py), where that gives the tokenizer's exact ids.
         self.pieces = SegmentEncoder.for_tokenizer(tokenizer) if tokenizer is not None else None
 
     @classmethod
-    def from_model(cls, model_dir: str | None, max_tokens: int | None = None) -> PromptReader:
+    def from_model(cls, model_dir: str | None, max_tokens: int | None = None, *, text: bool = False) -> PromptReader:
         """A reader with ``model_dir``'s tokenizer (``RouterError`` when there is none), reading at most
-        ``max_tokens`` of each prompt (None: the model's context window, else ``DEFAULT_PROMPT_TOKENS``)."""
+        ``max_tokens`` of each prompt (None: the model's context window, else ``DEFAULT_PROMPT_TOKENS``); with
+        ``text``, one that reads prompts as text (no model needed)."""
         if model_dir is None:
-            return cls(None)
+            return cls(None, max_tokens or DEFAULT_PROMPT_TOKENS, text=text)
         from preheat.text.tokenizer import TextTokenizer  # tokenizers only for policies that need tokens
 
         try:
@@ -86,6 +91,8 @@ class PromptReader:
             return request
         if request.session is None and isinstance(raw.get("user"), str) and raw["user"]:
             request.session = raw["user"]
+        if self.text:
+            request.text = prompt_text(kind, raw, self.max_tokens * TEXT_BYTES_PER_TOKEN)
         if self.tokenizer is not None:
             ids = self._token_ids(kind, raw, cached_only)
             if ids == NEEDS_TOKENIZER:
@@ -122,6 +129,46 @@ class PromptReader:
         if isinstance(prompt, str):
             return tokenizer.encode_head(prompt, self.max_tokens)
         return list(prompt or [])[: self.max_tokens]
+
+
+def prompt_text(kind: str, raw: Mapping[str, object], max_bytes: int) -> bytes | None:
+    """The prompt as ``prefix`` keys it: a chat's messages, each its role and text between separators (a later turn's
+    text starts with an earlier one's), or a completion's prompt; its first ``max_bytes`` bytes. None: no prompt in
+    the body that routing can read (it goes by load; the replica says what is wrong with it). Lenient where the
+    replica is strict: an engine may take fields preheat's own server refuses, and the keys need only be the same
+    for the same prompt.
+
+    >>> chat = [{"role": "user", "content": "hi"}]
+    >>> prompt_text("chat", {"messages": chat}, 100)
+    b'user\\x1fhi\\x1e'
+    >>> parts = [{"type": "text", "text": "yo"}]
+    >>> prompt_text("chat", {"messages": chat + [{"role": "assistant", "content": parts}]}, 11)
+    b'user\\x1fhi\\x1eass'
+    """
+    if kind == "chat":
+        messages = raw.get("messages")
+        if not isinstance(messages, list):
+            return None
+        parts: list[str] = []
+        for message in messages:
+            if not isinstance(message, dict):
+                return None
+            role, content = message.get("role"), message.get("content")
+            if isinstance(content, list):  # content parts: their text, as the replica joins them
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            parts += (role if isinstance(role, str) else "", "\x1f")
+            parts += (content if isinstance(content, str) else "", "\x1e")
+        text = "".join(parts)
+    else:
+        prompt = raw.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text = ",".join(map(str, prompt))  # token ids: as text, so that a longer prompt starts with a shorter
+        elif isinstance(prompt, str):
+            text = prompt
+        else:
+            return None
+    # surrogatepass: a lone surrogate (JSON allows "\ud800") is still a key, not an error
+    return text[:max_bytes].encode("utf-8", "surrogatepass")[:max_bytes]
 
 
 def context_window(model_dir: str) -> int:

@@ -93,7 +93,7 @@ class RouterSettings:
         ),
     )
     policy: str = field(default="round-robin", metadata=option("routing policy", choices=POLICIES))
-    # Tokenizer source for prefix and kv: a directory, or FROM_REPLICAS.
+    # Tokenizer source for kv (prefix reads prompts as text): a directory, or FROM_REPLICAS.
     model: str | None = field(
         default=None,
         metadata=option(
@@ -101,17 +101,21 @@ class RouterSettings:
             metavar="MODEL",
         ),
     )
-    # prefix only: kv uses each replica's published chunk size. The replicas' --kv-chunk-tokens: one name for one
-    # chunk size (`up` gives the replicas the same value).
+    # prefix (C tokens' worth of text, 4 bytes a token) and kv's own keys of what it routed: kv reads each
+    # replica's published chunk size for its events. The replicas' --kv-chunk-tokens: one name for one chunk size
+    # (`up` gives the replicas the same value).
     kv_chunk_tokens: int = field(
-        default=256, metadata=option("prefix: tokens per chunk key", metavar="C", renamed=("--chunk-tokens",))
+        default=256,
+        metadata=option(
+            "prefix: tokens per chunk key (of text: 4 bytes a token)", metavar="C", renamed=("--chunk-tokens",)
+        ),
     )
-    # prefix, kv: a prompt is tokenized only as far as routing can use it (no replica serves a longer one), with no
+    # prefix, kv: a prompt is read only as far as routing can use it (no replica serves a longer one), with no
     # lock between requests (router/prompts.py). None: the model's context window (config.json), else 131072.
     max_prompt_tokens: int | None = field(
         default=None,
         metadata=option(
-            "prefix, kv: route on at most a prompt's first N tokens (a longer prompt is tokenized no further)",
+            "prefix, kv: route on at most a prompt's first N tokens (a longer prompt is read no further)",
             metavar="N",
             default_text="the model's context window (its config.json), else 131072",
         ),
@@ -321,9 +325,9 @@ class RouterSettings:
 
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy {self.policy!r}: use one of {', '.join(POLICIES)}")
-        if self.policy in ("prefix", "kv") and not self.model:
+        if self.policy == "kv" and not self.model:
             raise ConfigError(
-                f"--policy {self.policy} tokenizes prompts: pass --model DIR (the replicas' model), "
+                "--policy kv tokenizes prompts: pass --model DIR (the replicas' model), "
                 f"or --model {FROM_REPLICAS} to ask the replicas for their tokenizer"
             )
         if not 0 <= self.port <= 65535:

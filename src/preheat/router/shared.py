@@ -256,7 +256,7 @@ class SharedPolicy(Policy):
     ) -> None:
         super().__init__()
         self.inner, self._remote, self._learnt = inner, remote_in_flight, learnt
-        self.name, self.needs_tokens = inner.name, inner.needs_tokens
+        self.name, self.needs_tokens, self.needs_text = inner.name, inner.needs_tokens, inner.needs_text
         self.in_flight = inner.in_flight
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:

@@ -463,7 +463,7 @@ def test_model_at_replicas_reads_prompts_with_the_replicas_tokenizer(
     assert TOKENIZER_FILES == SERVED
     body = json.dumps({"messages": [{"role": "user", "content": "Which lighthouse is oldest?"}]}).encode()
     expected = PromptReader.from_model(str(kv_model)).read("/v1/chat/completions", body, None).token_ids
-    with running_router([r.url for r in plain_replicas], "prefix", model="@replicas") as router:
+    with running_router([r.url for r in plain_replicas], "kv", model="@replicas") as router:
         assert router.router.prompts.read("/v1/chat/completions", body, None).token_ids == expected
         reply = Client(router.url).post("/v1/chat/completions", {"model": NAME, "messages": [], "max_tokens": 1})
         assert reply.status == 400  # the replica's own answer, relayed

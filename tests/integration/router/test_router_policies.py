@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
@@ -171,9 +172,15 @@ def idle(*names: str) -> list[Candidate]:
     return [Candidate(n) for n in names]
 
 
+def prompt(tokens: list[int]) -> RouteRequest:
+    """A request for ``tokens``: its ids (``kv``) and, for ``prefix``, a text of 4 bytes a token (so that a chunk of
+    C tokens is one of prefix's 4C-byte text chunks, and both policies see the same prefixes)."""
+    return RouteRequest(token_ids=tokens, text=array("I", tokens).tobytes())
+
+
 def served(policy: Policy, tokens: list[int], replica: str, *, ok: bool = True) -> None:
     """``tokens`` sent to ``replica``, which answered (``ok``: a 2xx; else a 4xx/5xx or a failure)."""
-    request = RouteRequest(token_ids=tokens)
+    request = prompt(tokens)
     policy.sent(request, replica)
     policy.answered(request, replica, ok=ok)
 
@@ -201,42 +208,42 @@ def test_prefix_routes_to_the_longest_match() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C)
     served(policy, TOKENS[:8], "a")
     served(policy, TOKENS[:20], "b")
-    decision = policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b"))
+    decision = policy.choose(prompt(TOKENS), idle("a", "b"))
     assert (decision.replica, decision.reason) == ("b", "prefix_match")
-    assert policy.choose(RouteRequest(token_ids=[99] * 40), idle("a", "b")).reason == "no_match"
+    assert policy.choose(prompt([99] * 40), idle("a", "b")).reason == "no_match"
 
 
 def test_prefix_learns_nothing_from_a_request_that_was_not_answered_2xx() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C)
     served(policy, TOKENS, "a", ok=False)  # the replica answered 401, 404, 500... or never answered
-    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).reason == "no_match"
+    assert policy.choose(prompt(TOKENS), idle("a", "b")).reason == "no_match"
     assert policy.index_sizes() == {}
 
 
 def test_prefix_counts_a_request_still_in_flight_where_it_was_sent() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=100, hot=100))
-    first = RouteRequest(token_ids=TOKENS)
+    first = prompt(TOKENS)
     policy.sent(first, "a")  # a burst sharing a new prefix stays together while the first one is computed
-    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 1), Candidate("b", 0)])
+    decision = policy.choose(prompt(TOKENS), [Candidate("a", 1), Candidate("b", 0)])
     assert (decision.replica, decision.reason) == ("a", "prefix_match")
     policy.answered(first, "a", ok=False)
-    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).reason == "no_match"
+    assert policy.choose(prompt(TOKENS), idle("a", "b")).reason == "no_match"
 
 
 def test_prefix_falls_back_to_least_load_when_queues_are_imbalanced() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=4, hot=100))
     served(policy, TOKENS, "a")
-    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 5), Candidate("b", 1)])
+    decision = policy.choose(prompt(TOKENS), [Candidate("a", 5), Candidate("b", 1)])
     assert (decision.replica, decision.reason) == ("b", "load_guard")
 
 
 def test_a_hot_prefix_spreads_to_a_second_replica() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C, guard=LoadGuard(gap=100, hot=3))
     served(policy, TOKENS, "a")
-    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 3), Candidate("b", 1)])
+    decision = policy.choose(prompt(TOKENS), [Candidate("a", 3), Candidate("b", 1)])
     assert (decision.replica, decision.reason) == ("b", "hot_spread")
     served(policy, TOKENS, "b")  # now both hold it: load decides between them
-    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 3), Candidate("b", 2)])
+    decision = policy.choose(prompt(TOKENS), [Candidate("a", 3), Candidate("b", 2)])
     assert (decision.replica, decision.reason) == ("b", "prefix_match")
 
 
@@ -250,7 +257,7 @@ def test_kv_prefers_the_replica_holding_the_prefix_in_l1() -> None:
     index = KVIndex()
     index.apply("a", parse_update(snapshot([], [], l2_id=None), "a"))
     index.apply("b", parse_update(snapshot(KEYS[:6], [], l2_id=None), "b"))
-    decision = kv_policy(index).choose(RouteRequest(token_ids=TOKENS), idle("a", "b"))
+    decision = kv_policy(index).choose(prompt(TOKENS), idle("a", "b"))
     assert (decision.replica, decision.reason) == ("b", "kv_hit")
     assert decision.estimate is not None
     assert decision.estimate.l1_tokens == 24
@@ -260,7 +267,7 @@ def test_kv_prices_the_tier_a_hit_lives_in() -> None:
     index = KVIndex()  # same number of cached chunks on both; a's are in L2 only, b's in L1
     index.apply("a", parse_update(snapshot([], KEYS[:6], l2_id=None), "a"))
     index.apply("b", parse_update(snapshot(KEYS[:6], [], l2_id=None), "b"))
-    assert kv_policy(index).choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).replica == "b"
+    assert kv_policy(index).choose(prompt(TOKENS), idle("a", "b")).replica == "b"
 
 
 def test_kv_counts_a_shared_l2_hit_for_every_replica() -> None:
@@ -268,7 +275,7 @@ def test_kv_counts_a_shared_l2_hit_for_every_replica() -> None:
     index.apply("a", parse_update(snapshot([], KEYS[:6]), "a"))
     index.apply("b", parse_update(snapshot([], []), "b"))
     policy = kv_policy(index)
-    decision = policy.choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 1, 2.0), Candidate("b", 0, 2.0)])
+    decision = policy.choose(prompt(TOKENS), [Candidate("a", 1, 2.0), Candidate("b", 0, 2.0)])
     assert (decision.replica, decision.reason) == ("b", "kv_even")  # the L2 hit is b's too, and b is idle
 
 
@@ -276,7 +283,7 @@ def test_kv_goes_by_load_when_nobody_holds_anything() -> None:
     index = KVIndex()
     index.apply("a", parse_update(snapshot([], []), "a"))
     index.apply("b", parse_update(snapshot([], []), "b"))
-    decision = kv_policy(index).choose(RouteRequest(token_ids=TOKENS), [Candidate("a", 2), Candidate("b", 0)])
+    decision = kv_policy(index).choose(prompt(TOKENS), [Candidate("a", 2), Candidate("b", 0)])
     assert (decision.replica, decision.reason) == ("b", "kv_no_hit")
 
 
@@ -286,7 +293,7 @@ def test_kv_counts_what_it_just_routed_before_the_events_arrive() -> None:
     index.apply("b", parse_update(snapshot([], []), "b"))
     policy = kv_policy(index)
     served(policy, TOKENS, "b")
-    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).replica == "b"
+    assert policy.choose(prompt(TOKENS), idle("a", "b")).replica == "b"
 
 
 def test_kv_learns_nothing_from_a_request_that_was_not_answered_2xx() -> None:
@@ -295,7 +302,7 @@ def test_kv_learns_nothing_from_a_request_that_was_not_answered_2xx() -> None:
     index.apply("b", parse_update(snapshot([], [], l2_id=None), "b"))
     policy = kv_policy(index)
     served(policy, TOKENS, "b", ok=False)
-    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).reason == "kv_no_hit"
+    assert policy.choose(prompt(TOKENS), idle("a", "b")).reason == "kv_no_hit"
     assert all(n == 0 for (_, kind), n in policy.index_sizes().items() if kind in ("recent", "in_flight"))
 
 
@@ -307,10 +314,10 @@ def test_kv_does_not_count_load_this_router_saw_finish_since_the_last_poll() -> 
     index.apply("b", parse_update(snapshot([], KEYS[:6]), "b"), finished=0)
     policy = kv_policy(index)
     after_it_finished = [Candidate("a", 0, 2.0, finished=1), Candidate("b", 0, 2.0)]
-    assert policy.choose(RouteRequest(token_ids=TOKENS), after_it_finished).replica == "a"
+    assert policy.choose(prompt(TOKENS), after_it_finished).replica == "a"
     # Work the router did not send (another router's, a direct client's) still counts: a is busy.
     someone_elses = [Candidate("a", 0, 2.0, finished=0), Candidate("b", 0, 2.0)]
-    assert policy.choose(RouteRequest(token_ids=TOKENS), someone_elses).replica == "b"
+    assert policy.choose(prompt(TOKENS), someone_elses).replica == "b"
 
 
 # -- KV-event index under an L2 that forgets silently (Redis TTL and eviction emit no events) ------------------------
@@ -353,7 +360,8 @@ def test_settings_refuse_what_cannot_work() -> None:
     with pytest.raises(ConfigError, match="--replica"):
         RouterSettings.resolve({}, {})
     with pytest.raises(ConfigError, match="--model"):
-        RouterSettings.resolve({"replicas": ["http://127.0.0.1:1"], "policy": "prefix"}, {})
+        RouterSettings.resolve({"replicas": ["http://127.0.0.1:1"], "policy": "kv"}, {})
+    assert RouterSettings.resolve({"replicas": ["http://127.0.0.1:1"], "policy": "prefix"}, {}).model is None
     with pytest.raises(RouterError, match="http://host:port"):
         RouterSettings.resolve({"replicas": ["https://127.0.0.1:1/v1"]}, {})
     with pytest.raises(ConfigError, match="twice"):

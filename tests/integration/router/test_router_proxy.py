@@ -164,8 +164,8 @@ def test_session_requests_stick_to_one_replica(urls: list[str]) -> None:
     assert len(by_user) == 1
 
 
-def test_prefix_sends_a_shared_prefix_where_it_went_before(urls: list[str], tiny_servable_model: Path) -> None:
-    with running_router(urls, "prefix", model=str(tiny_servable_model), kv_chunk_tokens=16) as router:
+def test_prefix_sends_a_shared_prefix_where_it_went_before(urls: list[str]) -> None:
+    with running_router(urls, "prefix", kv_chunk_tokens=16) as router:  # no --model: prefix reads text
         client = Client(router.url)
         first = client.post("/v1/completions", {**GREEDY, "prompt": STORY + "The keeper"})
         followers = [client.post("/v1/completions", {**GREEDY, "prompt": STORY + f"Then {n}"}) for n in range(3)]
@@ -176,11 +176,18 @@ def test_prefix_sends_a_shared_prefix_where_it_went_before(urls: list[str], tiny
     assert other.headers["X-Preheat-Route"] == "no_match"
 
 
-def test_prefix_matches_chat_requests_by_their_rendered_tokens(urls: list[str], tiny_servable_model: Path) -> None:
+def test_prefix_matches_chat_requests_by_their_messages_text(urls: list[str]) -> None:
     system = {"role": "system", "content": STORY}
-    with running_router(urls, "prefix", model=str(tiny_servable_model), kv_chunk_tokens=16) as router:
+    parts = {"role": "system", "content": [{"type": "text", "text": STORY[:50]}, {"type": "text", "text": STORY[50:]}]}
+    with running_router(urls, "prefix", kv_chunk_tokens=16) as router:
         client = Client(router.url)
         first = client.post("/v1/chat/completions", {**GREEDY, "messages": [system, {"role": "user", "content": "A"}]})
         second = client.post("/v1/chat/completions", {**GREEDY, "messages": [system, {"role": "user", "content": "B"}]})
-    assert second.headers["X-Preheat-Route"] == "prefix_match"
-    assert replica_of(second) == replica_of(first)
+        split = client.post("/v1/chat/completions", {**GREEDY, "messages": [parts, {"role": "user", "content": "C"}]})
+        turn = [system, {"role": "user", "content": "A"}, {"role": "assistant", "content": "ok"}]
+        later = client.post("/v1/chat/completions", {**GREEDY, "messages": [*turn, {"role": "user", "content": "D"}]})
+        other = client.post("/v1/chat/completions", {**GREEDY, "messages": [{"role": "user", "content": STORY}]})
+    assert first.status == 200, first.body
+    assert [r.headers["X-Preheat-Route"] for r in (second, split, later)] == ["prefix_match"] * 3
+    assert {replica_of(r) for r in (second, split, later)} == {replica_of(first)}
+    assert other.headers["X-Preheat-Route"] == "no_match"  # the same words as another role: another prompt

@@ -124,7 +124,7 @@ def test_keys_answered_here_are_published_and_keys_from_elsewhere_are_not() -> N
     published: list[tuple[str, list[str]]] = []
     index = PrefixIndex()
     policy = SharedPolicy(Prefix("ab" * 16, 4, index, LoadGuard()), dict, lambda r, k: published.append((r, k)))
-    request = RouteRequest(token_ids=list(range(12)))
+    request = RouteRequest(text=b"0123456789ab")
     policy.sent(request, A)
     policy.answered(request, A, ok=True)
     assert [replica for replica, _ in published] == [A]
@@ -132,7 +132,7 @@ def test_keys_answered_here_are_published_and_keys_from_elsewhere_are_not() -> N
     policy.learn_remote(B, published[0][1])
     assert len(published) == 1
     assert index.match(B, published[0][1]) == 3  # learnt as if routed here
-    request = RouteRequest(token_ids=list(range(12)))
+    request = RouteRequest(text=b"0123456789ab")
     decision = policy.choose(request, [Candidate(A), Candidate(B)])
     assert decision.reason == "prefix_match"
 
@@ -140,7 +140,7 @@ def test_keys_answered_here_are_published_and_keys_from_elsewhere_are_not() -> N
 def test_a_failed_answer_publishes_nothing() -> None:
     published: list[tuple[str, list[str]]] = []
     policy = SharedPolicy(Prefix("ab" * 16, 4, PrefixIndex(), LoadGuard()), dict, lambda r, k: published.append((r, k)))
-    request = RouteRequest(token_ids=list(range(12)))
+    request = RouteRequest(text=b"0123456789ab")
     policy.sent(request, A)
     policy.answered(request, A, ok=False)
     assert published == []
