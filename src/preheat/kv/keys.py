@@ -10,8 +10,9 @@ chain with everything that makes K/V bytes comparable: the checkpoint identity, 
 heads, head dim, block size), the stored KV dtype, the TP rank and size, C, and the RoPE settings. It is a hash of
 canonical JSON, so it is the same in every process and on every machine (no ``hash()``, no PYTHONHASHSEED).
 
-Pure: no torch, no I/O. The engine, the router (``preheat router --policy prefix|kv``) and ``preheat analyze`` all
-call these functions, so a key computed anywhere names the same chunk everywhere.
+Pure: no torch, no I/O. The engine, the router (``preheat router --policy kv``) and ``preheat analyze`` all call
+these functions, so a key computed anywhere names the same chunk everywhere (``--policy prefix`` chains the same
+hash over prompt text, ``chained_keys``: keys of its own, naming no cached K/V).
 """
 
 from __future__ import annotations
