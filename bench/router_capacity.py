@@ -7,8 +7,8 @@ router alone: its accept loop, parsing, policy, the relay and its connections to
 ``wrk`` (2 threads, keep-alive, ``--timeout 2s``: a request slower than 2 s counts as a timeout) posting chat
 requests with 64 distinct prompts. Contenders, each started fresh as a new user would start it:
 
-- ``preheat router`` with each policy (``prefix`` and ``kv`` tokenize with SmolLM2's tokenizer), as one process and
-  as two (``--workers 2``: one per core here, as smg and vllm-router use every core by default);
+- ``preheat router`` with each policy (``kv`` tokenizes with SmolLM2's tokenizer, ``prefix`` reads text), as one
+  process and as two (``--workers 2``: one per core here, as smg and vllm-router use every core by default);
 - vLLM's ``vllm-router`` (Rust) ``--policy cache_aware``;
 - SGLang's gateway ``smg launch`` (``sglang-router``, Rust) ``--policy cache_aware``.
 

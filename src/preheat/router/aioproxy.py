@@ -13,9 +13,9 @@ accepts too few per turn of a busy loop, and 256 clients arriving together at a 
 their first answer (measured with ``bench/router_capacity.py``; the standard loop's server has no such lag).
 
 What cannot be asynchronous runs on the loop's worker threads (``asyncio.to_thread``): tokenizing a prompt for
-``prefix``/``kv`` (lock-free, prompts.py), a wait for a cold start, and the router's own GET routes (``/health``,
-``/metrics``, the dashboard), which are answered by ``RouterHandler`` itself on an in-memory connection so that
-they have one home.
+``kv`` (lock-free, prompts.py), reading a body over 64 KiB for ``prefix`` or ``session``, a wait for a cold start,
+and the router's own GET routes (``/health``, ``/metrics``, the dashboard), which are answered by ``RouterHandler``
+itself on an in-memory connection so that they have one home.
 """
 
 from __future__ import annotations
@@ -376,8 +376,12 @@ class ClientConnection:
             # the tokenizer must see is read again on a thread, off the loop (text/segments.py).
             cached = router.prompts.read(head.path, body, session, cached_only=True) if len(body) <= INLINE else None
             request = cached if cached is not None else await asyncio.to_thread(self.read_prompt, head, body, session)
-        elif generation and (router.policy.needs_text or router.policy.name == "session"):  # JSON only: on the loop
-            request = router.prompts.read(head.path, body, session)
+        elif generation and (router.policy.needs_text or router.policy.name == "session"):
+            # JSON and a hash (prefix): on the loop, ~6 us; a body past INLINE on a thread, so none holds the loop.
+            if len(body) <= INLINE:
+                request = router.prompts.read(head.path, body, session)
+            else:
+                request = await asyncio.to_thread(self.read_prompt, head, body, session)
         else:
             request = RouteRequest(session=session)
         # Expect is answered here (read_body); the replica gets the body at once.

@@ -474,7 +474,10 @@ class _Either:
 def text_fingerprint(chunk_tokens: int) -> str:
     """The seed of ``prefix``'s text keys: the same in every router (no model in it: text is text), so a fleet's
     routers that share what they learnt (--shared-state) compare like with like."""
-    return kv_fingerprint(identity="prompt text", layout={"index": "preheat-router-text"}, chunk_tokens=chunk_tokens)
+    # The text's format (prompts.prompt_text) and its bytes a token are in it: a router that reads text otherwise
+    # makes other keys, and the fleet ignores them by fingerprint instead of missing silently.
+    layout = {"index": "preheat-router-text", "format": 1, "bytes_per_token": TEXT_BYTES_PER_TOKEN}
+    return kv_fingerprint(identity="prompt text", layout=layout, chunk_tokens=chunk_tokens)
 
 
 def make_policy(

@@ -63,7 +63,7 @@ class PromptReader:
         from preheat.text.tokenizer import TextTokenizer  # tokenizers only for policies that need tokens
 
         try:
-            return cls(TextTokenizer.from_dir(model_dir), max_tokens or context_window(model_dir))
+            return cls(TextTokenizer.from_dir(model_dir), max_tokens or context_window(model_dir), text=text)
         except PreheatError as exc:
             raise RouterError(f"--model {model_dir}: cannot read its tokenizer: {exc}") from exc
 
@@ -133,10 +133,11 @@ class PromptReader:
 
 def prompt_text(kind: str, raw: Mapping[str, object], max_bytes: int) -> bytes | None:
     """The prompt as ``prefix`` keys it: a chat's messages, each its role and text between separators (a later turn's
-    text starts with an earlier one's), or a completion's prompt; its first ``max_bytes`` bytes. None: no prompt in
-    the body that routing can read (it goes by load; the replica says what is wrong with it). Lenient where the
-    replica is strict: an engine may take fields preheat's own server refuses, and the keys need only be the same
-    for the same prompt.
+    text starts with an earlier one's), or a completion's prompt (a string, a list of one string, or token ids, each
+    id followed by a comma); its first ``max_bytes`` bytes, and no more of the body looked at than those need. None:
+    no prompt in the body that routing can read (it goes by load; the replica says what is wrong with it). Lenient
+    where the replica is strict: an engine may take fields preheat's own server refuses, and the keys need only be
+    the same for the same prompt.
 
     >>> chat = [{"role": "user", "content": "hi"}]
     >>> prompt_text("chat", {"messages": chat}, 100)
@@ -144,29 +145,45 @@ def prompt_text(kind: str, raw: Mapping[str, object], max_bytes: int) -> bytes |
     >>> parts = [{"type": "text", "text": "yo"}]
     >>> prompt_text("chat", {"messages": chat + [{"role": "assistant", "content": parts}]}, 11)
     b'user\\x1fhi\\x1eass'
+    >>> prompt_text("completion", {"prompt": [1, 22]}, 100), prompt_text("completion", {"prompt": ["hi"]}, 100)
+    (b'1,22,', b'hi')
     """
     if kind == "chat":
-        messages = raw.get("messages")
-        if not isinstance(messages, list):
+        return _chat_text(raw.get("messages"), max_bytes)
+    prompt = raw.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one prompt, as the OpenAI client sends for prompt=["..."]
+    if isinstance(prompt, str):
+        text = prompt[:max_bytes]
+    elif isinstance(prompt, list) and prompt:
+        head = prompt[: max_bytes // 2 + 1]  # an id takes at least 2 bytes ("7,"): no more of them can count
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in head):
             return None
-        parts: list[str] = []
-        for message in messages:
-            if not isinstance(message, dict):
-                return None
-            role, content = message.get("role"), message.get("content")
-            if isinstance(content, list):  # content parts: their text, as the replica joins them
-                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-            parts += (role if isinstance(role, str) else "", "\x1f")
-            parts += (content if isinstance(content, str) else "", "\x1e")
-        text = "".join(parts)
+        text = "".join(f"{t}," for t in head)  # the comma ends each id: "3," never starts "34,"
     else:
-        prompt = raw.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text = ",".join(map(str, prompt))  # token ids: as text, so that a longer prompt starts with a shorter
-        elif isinstance(prompt, str):
-            text = prompt
-        else:
+        return None
+    return _bounded(text, max_bytes)
+
+
+def _chat_text(messages: object, max_bytes: int) -> bytes | None:
+    if not isinstance(messages, list):
+        return None
+    parts: list[str] = []
+    size = 0
+    for message in messages:
+        if not isinstance(message, dict):
             return None
+        role, content = message.get("role"), message.get("content")
+        if isinstance(content, list):  # content parts: their text, as the replica joins them
+            content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        parts += (role if isinstance(role, str) else "", "\x1f", content if isinstance(content, str) else "", "\x1e")
+        size += len(parts[-4]) + len(parts[-2]) + 2
+        if size >= max_bytes:  # characters: at least as many bytes, so the rest of the chat cannot count
+            break
+    return _bounded("".join(parts), max_bytes)
+
+
+def _bounded(text: str, max_bytes: int) -> bytes:
     # surrogatepass: a lone surrogate (JSON allows "\ud800") is still a key, not an error
     return text[:max_bytes].encode("utf-8", "surrogatepass")[:max_bytes]
 

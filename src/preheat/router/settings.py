@@ -117,7 +117,7 @@ class RouterSettings:
         metadata=option(
             "prefix, kv: route on at most a prompt's first N tokens (a longer prompt is read no further)",
             metavar="N",
-            default_text="the model's context window (its config.json), else 131072",
+            default_text="kv: the model's context window (its config.json), else 131072; prefix: 131072",
         ),
     )
     guard_gap: int = field(default=2, metadata=option("in-flight gap that forces least-load"))

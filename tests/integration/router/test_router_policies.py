@@ -213,6 +213,16 @@ def test_prefix_routes_to_the_longest_match() -> None:
     assert policy.choose(prompt([99] * 40), idle("a", "b")).reason == "no_match"
 
 
+def test_prefix_reads_the_prompt_s_text_not_its_token_ids() -> None:
+    policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C)
+    text = b"a system prompt of some length, " * 4  # 128 bytes: eight 16-byte chunks
+    request = RouteRequest(text=text)
+    policy.sent(request, "b")
+    policy.answered(request, "b", ok=True)
+    assert policy.choose(RouteRequest(text=text + b"and a question"), idle("a", "b")).reason == "prefix_match"
+    assert policy.choose(RouteRequest(token_ids=TOKENS), idle("a", "b")).reason == "no_match"  # ids alone: no text
+
+
 def test_prefix_learns_nothing_from_a_request_that_was_not_answered_2xx() -> None:
     policy = make_policy("prefix", fingerprint=FP, chunk_tokens=C)
     served(policy, TOKENS, "a", ok=False)  # the replica answered 401, 404, 500... or never answered

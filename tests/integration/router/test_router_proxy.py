@@ -16,7 +16,7 @@ from serving import Client
 
 LONG = "The capital of France is"
 GREEDY = {"model": NAME, "temperature": 0, "max_tokens": 8}
-# A prompt long enough for several 16-token chunks on the tiny model's byte-level tokenizer.
+# A prompt long enough for several of prefix's 64-byte text chunks (--kv-chunk-tokens 16: 4 bytes a token).
 STORY = "Once upon a time, in a kingdom by the sea, there lived a keeper of lighthouses and old maps. " * 3
 
 

@@ -1,5 +1,5 @@
 """``prefix``'s reading of a prompt as text (router/prompts.py ``prompt_text``): a later turn starts with an earlier
-one, a body routing cannot read goes by load, and a prompt of megabytes costs only its first bytes."""
+one, a body routing cannot read goes by load, and a prompt of megabytes is looked at only as far as its first bytes."""
 
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ def test_roles_and_message_boundaries_are_part_of_the_text() -> None:
     )
 
 
+def test_completion_prompts_as_text_a_batch_of_one_or_token_ids() -> None:
+    assert prompt_text("completion", {"prompt": ["Once upon"]}, 100) == b"Once upon"  # the OpenAI client's prompt=[...]
+    ids = [prompt_text("completion", {"prompt": p}, 100) for p in ([1, 2, 3], [1, 2, 34])]
+    assert ids[0] is not None
+    assert ids[1] is not None
+    assert not ids[1].startswith(ids[0])  # each id ends with its comma: 3 is not the start of 34
+
+
 def test_completion_prompts_as_text_or_token_ids() -> None:
     assert prompt_text("completion", {"prompt": "Once upon"}, 100) == b"Once upon"
     short, longer = (
@@ -49,6 +57,7 @@ def test_a_body_routing_cannot_read_has_no_text() -> None:
         ("completion", {"prompt": {"text": "hi"}}),
         ("completion", {"prompt": [1, "2"]}),
         ("completion", {"prompt": [True]}),
+        ("completion", {"prompt": ["a", "b"]}),  # a batch: the replica refuses it
     ]
     for kind, body in unreadable:
         assert prompt_text(kind, body, 100) is None, body
@@ -70,3 +79,13 @@ def test_a_reader_for_prefix_needs_no_model_and_reads_the_session_beside_the_tex
     assert request.text is not None
     assert len(request.text) == 32
     assert reader.read("/v1/chat/completions", b"{not json", None).text is None
+
+
+def test_no_more_of_a_body_is_looked_at_than_the_bytes_that_count() -> None:
+    # What lies past the bound is never read: not even checked (a bad element there does not spoil the prompt).
+    ids = prompt_text("completion", {"prompt": [7] * 1_000 + ["not an id"]}, 100)
+    assert ids == b"7," * 50
+    chat = [SYSTEM] + [{"role": "user", "content": "x" * 100}] * 1_000 + ["not a message"]
+    text = prompt_text("chat", {"messages": chat}, 300)
+    assert text is not None
+    assert len(text) == 300
