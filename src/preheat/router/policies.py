@@ -68,7 +68,8 @@ class RouteRequest:
     session: str | None = None
     token_ids: list[int] | None = None
     text: bytes | None = None
-    _keys: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    # Keys computed once per seed and chunk size: (fingerprint, C) for ``keys``, (seed bytes, bytes) for ``text_keys``.
+    _keys: dict[tuple[str | bytes, int], list[str]] = field(default_factory=dict)
     in_flight_keys: list[str] = field(default_factory=list)  # what ``Policy.sent`` marked, for ``answered``
     estimates: dict[str, Estimate] = field(default_factory=dict)  # ``kv``: per replica, as last chosen
     tickets: dict[str, int] = field(default_factory=dict)  # ``kv``: its place in each replica's queue
@@ -86,7 +87,7 @@ class RouteRequest:
         """The keys of the text's full ``chunk_bytes`` chunks, chained from ``seed`` (computed once)."""
         if self.text is None:
             return []
-        memo = (seed.hex(), -chunk_bytes)  # negative: never a token chunk size, so never ``keys``' memo
+        memo = (seed, chunk_bytes)  # a bytes seed: never equal to ``keys``' hex fingerprint
         if memo not in self._keys:
             self._keys[memo] = chained_keys(seed, self.text, chunk_bytes, len(self.text) // chunk_bytes)
         return self._keys[memo]

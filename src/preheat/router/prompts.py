@@ -154,7 +154,7 @@ def prompt_text(kind: str, raw: Mapping[str, object], max_bytes: int) -> bytes |
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # a batch of one prompt, as the OpenAI client sends for prompt=["..."]
     if isinstance(prompt, str):
-        text = prompt[:max_bytes]
+        text = prompt
     elif isinstance(prompt, list) and prompt:
         head = prompt[: max_bytes // 2 + 1]  # an id takes at least 2 bytes ("7,"): no more of them can count
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in head):
@@ -176,8 +176,10 @@ def _chat_text(messages: object, max_bytes: int) -> bytes | None:
         role, content = message.get("role"), message.get("content")
         if isinstance(content, list):  # content parts: their text, as the replica joins them
             content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-        parts += (role if isinstance(role, str) else "", "\x1f", content if isinstance(content, str) else "", "\x1e")
-        size += len(parts[-4]) + len(parts[-2]) + 2
+        role_text = role if isinstance(role, str) else ""
+        content_text = content if isinstance(content, str) else ""
+        parts += (role_text, "\x1f", content_text, "\x1e")
+        size += len(role_text) + len(content_text) + 2
         if size >= max_bytes:  # characters: at least as many bytes, so the rest of the chat cannot count
             break
     return _bounded("".join(parts), max_bytes)
