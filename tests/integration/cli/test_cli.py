@@ -115,7 +115,12 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     names = {row["name"] for row in doc["contenders"]}
     assert {"preheat read", "preheat mmap", "safetensors load_file (mmap)", "raw pread, 2 threads"} <= names
-    assert all(row["within_bound"] for row in doc["tp"] if row["mode"] in ("read", "direct"))
+    # Each rank reads its slices' pages, not the file. ``within_bound`` is exact (read bytes <= page bound): a page or
+    # two of incidental reads by the process (filesystem metadata evicted under CI's load) crossed it once, so the
+    # test allows 1% of the file over the bound; reading the whole file would be nearly twice the bound.
+    over = [row for row in doc["tp"] if row["mode"] in ("read", "direct")
+            and row["disk_bytes"] > row["page_bound"] + row["file_bytes"] // 100]  # fmt: skip
+    assert not over, over
 
 
 def test_each_command_module_adds_exactly_the_commands_the_table_says() -> None:
