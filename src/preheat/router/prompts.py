@@ -1,11 +1,12 @@
 """A request body, read the way the replica reads it: the session id, and the prompt's token ids (``kv``) or its
 text (``prefix``: ``prompt_text``, no tokenizer).
 
-The token ids must be exactly the replica's, or no chunk key would match: the body is validated by the replica's own
-pure ``preheat.text.request.parse_body``, a chat is rendered by the model's chat template and encoded without the
-tokenizer's post-processor, a completions prompt is encoded with it (BOS), and token-id prompts are taken as they
-are: the same ``preheat.text`` code and steps as ``preheat.server.generation._tokenize`` through
-``Engine.encode_chat`` / ``encode_prompt``. Nothing here imports torch, the engine or the server (a test checks it).
+The token ids must be exactly the replica's, or no chunk key would match: the prompt is read by the replica's own
+pure ``preheat.text.request.prompt_fields`` (``parse_body``'s reading of it; the replica checks the other fields), a
+chat is rendered by the model's chat template and encoded without the tokenizer's post-processor, a completions
+prompt is encoded with it (BOS), and token-id prompts are taken as they are: the same ``preheat.text`` code and steps
+as ``preheat.server.generation._tokenize`` through ``Engine.encode_chat`` / ``encode_prompt``. Nothing here imports
+torch, the engine or the server (a test checks it).
 
 A body the router cannot read is not refused here: it is routed by load and the replica answers its 400, so clients
 see one server's errors whether or not a router stands in front of it.
@@ -28,7 +29,7 @@ from preheat.core.errors import APIError, JSONInputError, PreheatError, RouterEr
 from preheat.core.jsonsafe import loads_bounded
 from preheat.router.policies import TEXT_BYTES_PER_TOKEN, RouteRequest
 from preheat.router.upstream import parse_replica_spec
-from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, parse_body
+from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, prompt_fields
 from preheat.text.segments import SegmentEncoder
 
 if TYPE_CHECKING:
@@ -103,14 +104,13 @@ class PromptReader:
     def _token_ids(
         self, kind: str, raw: dict[str, object], cached_only: bool = False
     ) -> list[int] | Literal["needs the tokenizer"] | None:
-        model = raw.get("model")
         try:
-            # The replica checks the model name; here any name is accepted, only the prompt matters.
-            parsed = parse_body(raw, kind, model if isinstance(model, str) else "")
+            # Only the prompt matters here: the replica checks the other fields (and answers its 400).
+            messages, prompt = prompt_fields(raw, kind)
         except APIError:
             return None
         try:
-            return self._encode(parsed.messages, parsed.prompt, cached_only)
+            return self._encode(messages, prompt, cached_only)
         except PreheatError:
             return None  # e.g. a chat the template cannot render: the replica will say why
 

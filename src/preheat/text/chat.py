@@ -75,9 +75,13 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         try:
-            self._template = env.from_string(self.source)
+            template = env.from_string(self.source)
         except jinja2.exceptions.TemplateError as exc:
             raise CheckpointError(f"{self.where}: the chat template does not compile: {exc}", path=self.where) from None
+        # The same names and values as a plain dict: a template's globals are a ChainMap over the environment's,
+        # which every render copies name by name (half of a short chat's render; the router renders every chat).
+        template.globals = dict(template.globals)
+        self._template = template
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages``; ``RequestError`` when the template refuses them (e.g. roles that do

@@ -112,6 +112,15 @@ def parse_body(
     )
 
 
+def prompt_fields(body: dict[str, object], kind: str) -> tuple[list[dict[str, str]] | None, str | list[int] | None]:
+    """A body's prompt as ``parse_body`` reads it: ``(messages, None)`` for a chat, ``(None, prompt)`` for a
+    completion, ``APIError`` where ``parse_body`` would refuse the prompt itself. No other field is looked at: what a
+    router needs to route a request (the replica checks the rest, and answers its 400 wherever it is routed)."""
+    if kind == "chat":
+        return _messages(body.get("messages")), None
+    return None, _prompt(body.get("prompt"))
+
+
 def _refuse_unsupported(body: dict[str, object]) -> None:
     n = body.get("n", 1)
     if n != 1 and n is not None:

@@ -49,6 +49,7 @@ class SegmentEncoder:
 
     def __init__(self, tokenizer: TextTokenizer, added: dict[str, int]) -> None:
         self.tokenizer, self.added = tokenizer, added
+        self._added_ids: dict[str, tuple[int, ...]] = {text: (token_id,) for text, token_id in added.items()}
         # Longest first: at one position the longest added token wins, as the tokenizer's own matcher does.
         alternatives = sorted(added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(token) for token in alternatives) + ")")
@@ -85,25 +86,30 @@ class SegmentEncoder:
             return None if cached_only else self.tokenizer.encode_head(text, max_tokens, add_special_tokens=False)
         parts: list[tuple[int, ...]] = []
         missing: dict[str, list[int]] = {}  # piece -> where its ids go in ``parts``
+        # Every known request is read on the router's event loop: names bound once, no tuple made per piece.
+        added, known_ids, recent = self._added_ids.get, self._known.get, self._known.move_to_end
         with self._lock:
             for piece in self._split.split(text):
                 if not piece:
                     continue
-                token = self.added.get(piece)
-                known = (token,) if token is not None else self._known.get(piece)
+                known = added(piece)
                 if known is None:
-                    if cached_only:
-                        return None
-                    missing.setdefault(piece, []).append(len(parts))
-                    known = ()
-                elif token is None:
-                    self._known.move_to_end(piece)
+                    known = known_ids(piece)
+                    if known is None:
+                        if cached_only:
+                            return None
+                        missing.setdefault(piece, []).append(len(parts))
+                        known = ()
+                    else:
+                        recent(piece)
                 parts.append(known)
             self.encoded += len(missing)
         if missing:
             self._encode(missing, parts)
-        ids = [token for part in parts for token in part]
-        return ids[:max_tokens]
+        ids: list[int] = []
+        for part in parts:
+            ids += part
+        return ids if len(ids) <= max_tokens else ids[:max_tokens]
 
     def _encode(self, missing: dict[str, list[int]], parts: list[tuple[int, ...]]) -> None:
         """Encode the pieces not known yet (one call, the GIL released) into ``parts``, and remember them."""

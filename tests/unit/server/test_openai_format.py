@@ -8,7 +8,14 @@ import pytest
 
 from preheat.core.errors import APIError
 from preheat.server import openai, sse
-from preheat.text.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, GenerationRequest, parse_request
+from preheat.text.request import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    GenerationRequest,
+    parse_body,
+    parse_request,
+    prompt_fields,
+)
 
 
 def parse(body: dict[str, object], kind: str = "completion") -> GenerationRequest:
@@ -35,6 +42,38 @@ def test_prompt_forms() -> None:
     assert parse({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
     with pytest.raises(APIError, match="batches are not supported"):
         parse({"prompt": ["a", "b"]})
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("chat", {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": [
+            {"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}]}),
+        ("chat", {"messages": [{"role": "user", "content": None}]}),
+        ("completion", {"prompt": "Hi"}),
+        ("completion", {"prompt": ["Hi"]}),
+        ("completion", {"prompt": [1, 2, 3]}),
+    ],
+)  # fmt: skip
+def test_the_routers_reading_of_a_prompt_is_the_servers(kind: str, body: dict[str, object]) -> None:
+    # The router reads only the prompt (prompt_fields); the replica parses the whole body: the same prompt.
+    parsed = parse_body(body, kind, "m")
+    assert prompt_fields(body, kind) == (parsed.messages, parsed.prompt)
+
+
+def test_the_routers_reading_refuses_a_prompt_as_the_server_does_and_ignores_the_rest() -> None:
+    refused: list[tuple[str, dict[str, object]]] = [("chat", {"messages": []}), ("completion", {"prompt": ["a", "b"]})]
+    for kind, body in refused:
+        with pytest.raises(APIError) as by_server:
+            parse_body(body, kind, "m")
+        with pytest.raises(APIError) as by_router:
+            prompt_fields(body, kind)
+        assert by_router.value.param == by_server.value.param
+    # A field only the replica checks: it answers the 400, wherever the router sent the request.
+    odd = {"prompt": "Hi", "temperature": 7, "n": 3}
+    with pytest.raises(APIError):
+        parse_body(odd, "completion", "m")
+    assert prompt_fields(odd, "completion") == (None, "Hi")
 
 
 def test_chat_content_parts_are_joined_and_non_text_parts_refused() -> None:
