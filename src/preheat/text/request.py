@@ -96,26 +96,28 @@ def parse_body(
         "stream": stream,
         "include_usage": include_usage,
     }
+    messages, prompt = prompt_fields(body, kind)
     if kind == "chat":
         limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return GenerationRequest(
             kind="chat",
-            messages=_messages(body.get("messages")),
+            messages=messages,
             max_tokens=_integer(body, limit_name, None, 1),
             **common,  # type: ignore[arg-type]  # each value was checked against its field's type above
         )
     return GenerationRequest(
         kind="completion",
-        prompt=_prompt(body.get("prompt")),
+        prompt=prompt,
         max_tokens=_integer(body, "max_tokens", 16, 1),
         **common,  # type: ignore[arg-type]  # same as above
     )
 
 
 def prompt_fields(body: dict[str, object], kind: str) -> tuple[list[dict[str, str]] | None, str | list[int] | None]:
-    """A body's prompt as ``parse_body`` reads it: ``(messages, None)`` for a chat, ``(None, prompt)`` for a
-    completion, ``APIError`` where ``parse_body`` would refuse the prompt itself. No other field is looked at: what a
-    router needs to route a request (the replica checks the rest, and answers its 400 wherever it is routed)."""
+    """A body's prompt, read as ``parse_body`` reads it (it calls this): ``(messages, None)`` for a chat, ``(None,
+    prompt)`` for a completion, ``APIError`` naming the field where the prompt itself is refused. No other field is
+    looked at: what a router needs to route a request (the replica checks the rest, and answers its 400 wherever it
+    is routed)."""
     if kind == "chat":
         return _messages(body.get("messages")), None
     return None, _prompt(body.get("prompt"))

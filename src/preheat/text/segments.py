@@ -48,7 +48,8 @@ class SegmentEncoder:
     """Encodes texts piece by piece (the pieces between added tokens), remembering each piece's ids; thread-safe."""
 
     def __init__(self, tokenizer: TextTokenizer, added: dict[str, int]) -> None:
-        self.tokenizer, self.added = tokenizer, added
+        self.tokenizer = tokenizer
+        # Each added token's text and its id, as the piece of ids it stands for.
         self._added_ids: dict[str, tuple[int, ...]] = {text: (token_id,) for text, token_id in added.items()}
         # Longest first: at one position the longest added token wins, as the tokenizer's own matcher does.
         alternatives = sorted(added, key=len, reverse=True)
