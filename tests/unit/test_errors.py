@@ -23,7 +23,7 @@ REPO = SRC.parent.parent
 HOME = "preheat.core.errors"
 # The signals of errors.py (see its last section): not errors, so neither PreheatError nor exported. Adding one here
 # is a decision to write down there first.
-SIGNALS = {"Reframe", "_NoRoomError", "DirectIOUnsupported"}
+SIGNALS = {"Reframe", "_NoRoomError", "DirectIOUnsupported", "_LookedError"}
 BUILTIN_EXCEPTIONS = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
 
 

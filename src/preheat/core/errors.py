@@ -54,6 +54,7 @@ Every exception class of preheat is defined here, and every ``PreheatError`` is 
         Reframe                     the KV file tier
         _NoRoomError                the KV file tier
         DirectIOUnsupported         the loader's O_DIRECT reads
+        _LookedError                the router's chat skeletons (text/skeleton.py)
 """
 
 from __future__ import annotations
@@ -309,7 +310,8 @@ class ForbiddenPathError(PreheatError):
 
 # -- signals ---------------------------------------------------------------------------------------------------------
 # Not errors: nothing failed. Each tells a read path to read a file another way, is raised and caught inside that path
-# (the KV file tier: kv/fs.py, kv/blob_reads.py; the loader: io/reads.py, loader/load.py) and never reaches a caller of
+# (the KV file tier: kv/fs.py, kv/blob_reads.py; the loader: io/reads.py, loader/load.py; the router's chat skeletons:
+# text/skeleton.py) and never reaches a caller of
 # preheat. So they are no PreheatError (an `except PreheatError`/`except KVError` meant for failures must never swallow
 # one) and not exported.
 
@@ -331,3 +333,7 @@ class DirectIOUnsupported(Exception):  # noqa: N818  # a signal to read the file
     def __init__(self, path: str) -> None:
         super().__init__(f"{path}: the filesystem does not support O_DIRECT")
         self.path = path
+
+
+class _LookedError(Exception):  # private to text/skeleton, which renders the chat by its template instead
+    """A skeleton render touched a content beyond writing it out: this shape must be rendered by the template."""

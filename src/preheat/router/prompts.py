@@ -31,6 +31,7 @@ from preheat.router.policies import TEXT_BYTES_PER_TOKEN, RouteRequest
 from preheat.router.upstream import parse_replica_spec
 from preheat.text.request import MAX_BODY_BYTES, MAX_CONTAINERS, prompt_fields
 from preheat.text.segments import SegmentEncoder
+from preheat.text.skeleton import Skeletons
 
 if TYPE_CHECKING:
     from preheat.text.tokenizer import TextTokenizer
@@ -53,6 +54,9 @@ class PromptReader:
         self.tokenizer, self.max_tokens, self.text = tokenizer, max_tokens, text
         # A chat's pieces encoded once each (text/segments.py), where that gives the tokenizer's exact ids.
         self.pieces = SegmentEncoder.for_tokenizer(tokenizer) if tokenizer is not None else None
+        # ... and its text laid out from its shape's skeleton (text/skeleton.py), where the template allows it.
+        template = tokenizer.template if tokenizer is not None else None
+        self.skeletons = Skeletons.for_template(template) if template is not None and self.pieces else None
 
     @classmethod
     def from_model(cls, model_dir: str | None, max_tokens: int | None = None, *, text: bool = False) -> PromptReader:
@@ -120,7 +124,8 @@ class PromptReader:
         tokenizer = self.tokenizer
         assert tokenizer is not None
         if messages is not None and self.pieces is not None:
-            ids = self.pieces.encode_head(tokenizer.render_chat(messages), self.max_tokens, cached_only=cached_only)
+            text = self.skeletons.render(messages) if self.skeletons is not None else tokenizer.render_chat(messages)
+            ids = self.pieces.encode_head(text, self.max_tokens, cached_only=cached_only)
             return NEEDS_TOKENIZER if ids is None else ids
         if cached_only and (messages is not None or isinstance(prompt, str)):
             return NEEDS_TOKENIZER

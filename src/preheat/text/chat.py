@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -83,16 +84,23 @@ class ChatTemplate:
         template.globals = dict(template.globals)
         self._template = template
 
-    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        names: Mapping[str, object] | None = None,
+    ) -> str:
         """The prompt text for ``messages``; ``RequestError`` when the template refuses them (e.g. roles that do
-        not alternate), with the template's own message."""
+        not alternate), with the template's own message. ``names``: template names to shadow for this render (a
+        global such as ``strftime_now``; text/skeleton.py)."""
         self.compile()
         assert self._template is not None  # compile() set it or raised
         import jinja2
 
         try:
             text: str = self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **(names or {})
             )
         except jinja2.exceptions.TemplateError as exc:
             raise RequestError(f"the chat template rejected these messages: {exc}") from None

@@ -15,16 +15,16 @@ piece apart, as ``Metaspace``'s ``prepend_scheme: first`` does, fails it). Any o
 the router encodes whole texts, as before. An added token's text inside a message splits it here as it splits it in
 the tokenizer, so users cannot make the two differ.
 
-Bounded: at most ``MAX_PIECES`` pieces and ``MAX_CHARS`` characters remembered, least recently used first out, no
-piece longer than ``MAX_PIECE_CHARS``; a text longer than ``max_tokens`` could fill is read as before, only as far as
-those tokens (``TextTokenizer.encode_head``), not piece by piece.
+Bounded: at most ``MAX_PIECES`` pieces and ``MAX_CHARS`` characters remembered, the oldest first out (not the least
+recently used: a lookup then changes nothing, so known chats are read without a lock; a hot piece pushed out is
+encoded once more), no piece longer than ``MAX_PIECE_CHARS``; a text longer than ``max_tokens`` could fill is read as
+before, only as far as those tokens (``TextTokenizer.encode_head``), not piece by piece.
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from preheat.core.errors import RequestError
@@ -49,13 +49,17 @@ class SegmentEncoder:
 
     def __init__(self, tokenizer: TextTokenizer, added: dict[str, int]) -> None:
         self.tokenizer = tokenizer
-        # Each added token's text and its id, as the piece of ids it stands for.
+        # Each added token's text and its id, as the piece of ids it stands for (and "" for none, which splitting
+        # leaves between two added tokens).
         self._added_ids: dict[str, tuple[int, ...]] = {text: (token_id,) for text, token_id in added.items()}
+        self._added_ids[""] = ()
         # Longest first: at one position the longest added token wins, as the tokenizer's own matcher does.
         alternatives = sorted(added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(token) for token in alternatives) + ")")
-        self._lock = threading.Lock()
-        self._known: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()  # held to learn and forget pieces, never to look one up
+        # The pieces learnt, oldest first; and every piece's ids, learnt or added, in one map for the lookup.
+        self._known: dict[str, tuple[int, ...]] = {}
+        self._ids: dict[str, tuple[int, ...]] = dict(self._added_ids)
         self._chars = 0
         self.encoded = 0  # pieces the tokenizer was asked for
 
@@ -87,24 +91,16 @@ class SegmentEncoder:
             return None if cached_only else self.tokenizer.encode_head(text, max_tokens, add_special_tokens=False)
         parts: list[tuple[int, ...]] = []
         missing: dict[str, list[int]] = {}  # piece -> where its ids go in ``parts``
-        # Every known request is read on the router's event loop: names bound once, no tuple made per piece.
-        added, known_ids, recent = self._added_ids.get, self._known.get, self._known.move_to_end
-        with self._lock:
-            for piece in self._split.split(text):
-                if not piece:
-                    continue
-                known = added(piece)
-                if known is None:
-                    known = known_ids(piece)
-                    if known is None:
-                        if cached_only:
-                            return None
-                        missing.setdefault(piece, []).append(len(parts))
-                        known = ()
-                    else:
-                        recent(piece)
-                parts.append(known)
-            self.encoded += len(missing)
+        # Every known request is read on the router's event loop: one lookup a piece, no lock, no tuple made.
+        known_ids = self._ids.get
+        for piece in self._split.split(text):
+            known = known_ids(piece)
+            if known is None:
+                if cached_only:
+                    return None
+                missing.setdefault(piece, []).append(len(parts))
+                known = ()
+            parts.append(known)
         if missing:
             self._encode(missing, parts)
         ids: list[int] = []
@@ -117,19 +113,22 @@ class SegmentEncoder:
         pieces = list(missing)
         encoded = self.tokenizer.encode_many(pieces, add_special_tokens=False)
         with self._lock:
+            self.encoded += len(pieces)
             for piece, ids in zip(pieces, encoded, strict=True):
                 for at in missing[piece]:
                     parts[at] = ids
                 if len(piece) <= MAX_PIECE_CHARS and piece not in self._known:
-                    self._known[piece] = ids
+                    self._known[piece] = self._ids[piece] = ids
                     self._chars += len(piece)
             while self._known and (len(self._known) > MAX_PIECES or self._chars > MAX_CHARS):
-                oldest, _ = self._known.popitem(last=False)
+                oldest = next(iter(self._known))
+                del self._known[oldest], self._ids[oldest]
                 self._chars -= len(oldest)
 
     def clear(self) -> None:
         with self._lock:
             self._known.clear()
+            self._ids = dict(self._added_ids)
             self._chars = 0
             self.encoded = 0
 

@@ -403,10 +403,14 @@ def test_the_router_tokenizes_like_the_replica_without_torch_the_engine_or_the_s
         f"reader = PromptReader.from_model({str(tiny_servable_model)!r})\n"
         f"body = json.dumps({{'messages': {chat!r}}}).encode()\n"
         "ids = reader.read('/v1/chat/completions', body, None).token_ids\n"
+        "again = reader.read('/v1/chat/completions', body, None, cached_only=True).token_ids\n"
         "heavy = ('torch', 'transformers', 'preheat.engine', 'preheat.server')\n"
-        "print(json.dumps({'ids': ids, 'loaded': [m for m in heavy if m in sys.modules]}))\n"
+        "print(json.dumps({'ids': ids, 'again': again, 'laid_out': reader.skeletons.laid_out,\n"
+        "                  'loaded': [m for m in heavy if m in sys.modules]}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     answer = json.loads(out)
     assert answer["loaded"] == []
     assert answer["ids"] == TextTokenizer.from_dir(str(tiny_servable_model)).encode_chat(chat)
+    # Read again: laid out from the chat's skeleton (text/skeleton.py), its pieces known: the same ids.
+    assert (answer["again"], answer["laid_out"]) == (answer["ids"], 1)
