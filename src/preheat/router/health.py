@@ -158,8 +158,8 @@ class HealthChecker(ReplicaLoop):
             return
         if replica.held_out or replica.slept != slept:  # this router put it to sleep while we asked: stale
             return
-        self._observe(replica, "ok" if ok else phase, body)
         if ok:
+            self._observe(replica, "ok", body)
             self._failed[replica.url] = 0
             if not replica.healthy and not replica.retired:  # a replica that left stays out
                 self.on_change(replica, True, why)
@@ -167,6 +167,9 @@ class HealthChecker(ReplicaLoop):
         self._failed[replica.url] = self._failed.get(replica.url, 0) + 1
         if replica.healthy and (definitive or self._failed[replica.url] >= self.failures):
             self.on_change(replica, False, why)
+        # Out of rotation first, then the phase shown: whoever reads "sleeping" (or "down") in the router's state
+        # can rely on no request going there any more.
+        self._observe(replica, phase, body)
 
     def _asleep(self, replica: Replica, body: dict[str, object]) -> bool:
         """Whether a replica whose ``/health`` said 200 is a vLLM asleep (its ``/is_sleeping``). A preheat replica
