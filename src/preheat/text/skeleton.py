@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
 from typing import NoReturn
 
 from preheat.core.errors import RequestError, _LookedError
@@ -134,16 +133,12 @@ class Skeletons:
             self._make(messages, add_generation_prompt, rendered)
         return rendered
 
-    def _make(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool, rendered: str | None = None
-    ) -> str | None:
+    def _make(self, messages: list[dict[str, str]], add_generation_prompt: bool, rendered: str) -> str | None:
         """Make and keep the skeleton of ``messages``' shape (None: the template must render it), checked against
-        ``rendered``, the template's own text for ``messages`` (rendered here when not given)."""
+        ``rendered``, the template's own text for ``messages``."""
         roles = tuple(message["role"] for message in messages)
         skeleton = self._skeleton(roles, add_generation_prompt)
         if skeleton is not None:
-            if rendered is None:
-                rendered = self.template.render(messages, add_generation_prompt=add_generation_prompt)
             shows = [{"role": role, "content": f"{_SHOWS}{i}{_SHOWS}"} for i, role in enumerate(roles)]
             try:
                 checks = [
@@ -165,10 +160,9 @@ class Skeletons:
         """The template's text for a chat of ``roles`` with stand-ins for the contents, as a format string; None
         when the template looks into a content (or asks for the date)."""
         stand_ins = [{"role": role, "content": _Opaque(f"{_OPEN}{i}{_CLOSE}")} for i, role in enumerate(roles)]
-        asks_date: Callable[..., NoReturn] = _stop
         try:
             text = self.template.render(
-                stand_ins, add_generation_prompt=add_generation_prompt, names={"strftime_now": asks_date}
+                stand_ins, add_generation_prompt=add_generation_prompt, names={"strftime_now": _stop}
             )
         except (_LookedError, RequestError):
             return None
