@@ -55,7 +55,8 @@ from preheat.http.wire import (
     response_head,
 )
 from preheat.router.capacity import refused_code, saturated
-from preheat.router.policies import Decision, RouteRequest
+from preheat.router.hold import NOT_HELD, Pass
+from preheat.router.policies import Candidate, Decision, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER
 from preheat.router.proxy import (
     HOP_HEADERS,
@@ -398,13 +399,15 @@ class ClientConnection:
         def replica_over() -> None:
             upstream_done[0] = time.perf_counter()
             replica.end(upstream_done[0] - sent)
+            exchange.admitted.leave()
 
         over = _once(replica_over)
 
         def count(status: int) -> None:
             over()
             router.metrics.routed.inc(replica=replica.url, status=str(status))
-            router.metrics.overhead.observe((sent - started) + max(time.perf_counter() - upstream_done[0], 0.0))
+            routing = sent - started - exchange.admitted.held_seconds  # held for the replica: its queue, not ours
+            router.metrics.overhead.observe(routing + max(time.perf_counter() - upstream_done[0], 0.0))
 
         try:
             reason = "retry" if exchange.tries > 1 else exchange.decision.reason
@@ -442,6 +445,7 @@ class ClientConnection:
             replica.begin()
             if generation:
                 router.policy.sent(request, replica.url)
+            admitted = await self.admit(replica, request) if generation else NOT_HELD
             sent = time.perf_counter()
             upstream = self.server.pool(replica)
             host = replica.url.split("://", 1)[1]
@@ -449,6 +453,7 @@ class ClientConnection:
             try:
                 conn, answer = await upstream.send(replica.connection_epoch, wire, body, replica.url + head.path)
             except HTTPClientError as exc:
+                admitted.leave()
                 failed.append(replica)
                 error = UpstreamError(str(exc), before_first_byte=not isinstance(exc, ResponseTimeoutError))
                 if await self.retry_failed(replica, error, failed, request if generation else None):
@@ -458,6 +463,7 @@ class ClientConnection:
                           (204, 304) or 100 <= answer.status < 200)  # fmt: skip
             early = await self.read_refusal(conn, answer, reader)
             if isinstance(early, str):
+                admitted.leave()
                 replica.end(None)
                 if generation:
                     router.policy.answered(request, replica.url, ok=False)
@@ -467,13 +473,34 @@ class ClientConnection:
                 continue
             look = await self.first_look(replica, conn, answer, reader, early)
             if isinstance(look, Refused):
+                admitted.leave()
                 failed.append(replica)
                 if await self.retry_refused(replica, look, failed, request if generation else None):
                     continue
                 return None
             if generation:
                 router.policy.answered(request, replica.url, ok=200 <= answer.status < 300)
-            return AioExchange(replica, decision, conn, answer, reader, sent=sent, tries=tries, look=look)
+            return AioExchange(
+                replica, decision, conn, answer, reader, sent=sent, tries=tries, look=look, admitted=admitted
+            )
+
+    async def admit(self, replica: Replica, request: RouteRequest) -> Pass:
+        """Let a generation through to ``replica`` (``begin``-ed, ``sent`` to the policy) at once, or hold it while
+        the replica has enough of this router's requests, when the policy holds them (router/hold.py: ``kv`` before
+        a replica that generates one sequence at a time)."""
+        router = self.router
+        candidate = Candidate(replica.url, replica.in_flight, replica.service_seconds, replica.finished)
+        terms = router.policy.hold(request, candidate)
+        if terms is None:
+            return NOT_HELD
+        try:
+            admitted = await router.holds.enter(replica.url, *terms)
+        except BaseException:  # the client went away while it was held: it never reached the replica
+            replica.end(None)
+            router.policy.answered(request, replica.url, ok=False)
+            raise
+        request.held_seconds = admitted.held_seconds
+        return admitted
 
     async def no_replica(self, failed: list[Replica]) -> None:
         cold = self.router.cold
@@ -682,14 +709,14 @@ class ClientConnection:
 class AioExchange:
     """A request sent and its answer's head in (proxy.py's ``Exchange``, on the event loop's connection)."""
 
-    __slots__ = ("answer", "body", "conn", "decision", "look", "replica", "sent", "tries")
+    __slots__ = ("admitted", "answer", "body", "conn", "decision", "look", "replica", "sent", "tries")
 
     def __init__(
         self, replica: Replica, decision: Decision, conn: Connection, answer: ResponseHead, body: Body, *,
-        sent: float, tries: int, look: Head,
+        sent: float, tries: int, look: Head, admitted: Pass,
     ) -> None:  # fmt: skip
         self.replica, self.decision, self.conn, self.answer, self.body = replica, decision, conn, answer, body
-        self.sent, self.tries, self.look = sent, tries, look
+        self.sent, self.tries, self.look, self.admitted = sent, tries, look, admitted
 
 
 def describe(exc: BaseException, conn: Connection) -> str:

@@ -30,6 +30,7 @@ TIERS = ("l1", "l2")
 # so an answer with a longer one (or a longer epoch or l2_id) is refused whole rather than held.
 MAX_KEY_CHARS = 64
 MAX_NAME_CHARS = 1024
+MAX_SLOTS = 1 << 16  # a replica's load.slots: sequences generated at once
 
 
 class PrefixIndex:
@@ -199,6 +200,7 @@ class KVUpdate:
     events: tuple[KVEvent, ...] = ()
     costs: tuple[float | None, float | None, float | None] = (None, None, None)
     load: tuple[int, int] = (0, 0)  # (running, waiting)
+    slots: int | None = None  # sequences the replica generates at once, when it says
 
 
 def parse_update(payload: object, where: str) -> KVUpdate:
@@ -219,9 +221,10 @@ def parse_update(payload: object, where: str) -> KVUpdate:
             raise RouterError(f"{what}: field {name!r} is missing or not a {kind}")
         return value
 
-    def number(value: object, name: str, low: int) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise RouterError(f"{what}: {name} must be an integer >= {low}, got {_brief(value)}")
+    def number(value: object, name: str, low: int, high: int | None = None) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"from {low} to {high}"
+            raise RouterError(f"{what}: {name} must be an integer {bounds}, got {_brief(value)}")
         return value
 
     def keys(name: str) -> tuple[str, ...]:
@@ -276,6 +279,7 @@ def parse_update(payload: object, where: str) -> KVUpdate:
             _seconds(costs.get("l2_s_per_token")),
         ),
         load=(number(load.get("running") or 0, "load.running", 0), number(load.get("waiting") or 0, "load.waiting", 0)),
+        slots=None if load.get("slots") is None else number(load.get("slots"), "load.slots", 1, MAX_SLOTS),
     )
 
 
@@ -324,6 +328,7 @@ class ReplicaCache:
     snapshot_at: float  # when its last snapshot was applied (index clock)
     costs: tuple[float | None, float | None, float | None] = (None, None, None)
     load: tuple[int, int] = (0, 0)
+    slots: int | None = None
     # How many of this router's requests had finished on the replica when the answer was asked for: the ones that
     # finish later are still in ``load``, though over (see ``KVAware.estimate``).
     finished: int = 0
@@ -403,6 +408,7 @@ class KVIndex:
                     self._evict_shared(replica, state.l2_id, gone)
             state.fingerprint, state.chunk_tokens, state.l2_id = update.fingerprint, update.chunk_tokens, update.l2_id
             state.costs, state.load, state.finished = update.costs, update.load, finished
+            state.slots = update.slots
 
     def _evict_shared(self, replica: str, l2_id: str | None, keys: list[str]) -> None:
         # An L2 key evicted from a shared store is gone for everyone, even if the others have not said so yet.

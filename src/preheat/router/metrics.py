@@ -18,10 +18,12 @@ class RouterMetrics:
         replica_state: Callable[[], Sequence[tuple[str, bool, int]]],
         index_sizes: Callable[[], Mapping[tuple[str, str], int]] = dict,
         reported_loads: Callable[[], Mapping[str, tuple[int, int]]] = dict,
+        held: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self._replica_state = replica_state  # (url, healthy, in flight) per replica
         self._index_sizes = index_sizes  # keys per (replica, index) the policy remembers
         self._reported_loads = reported_loads  # (running, waiting) per replica, as it said last
+        self._held = held  # requests held at the router per replica (hold.py)
         self.routed = Counter(
             "preheat_router_requests_total", "Requests answered through the router, by replica and status code."
         )
@@ -84,9 +86,15 @@ class RouterMetrics:
             "every 0.25 s), every router's requests included.",
             self._reported,
         )
+        held_now = Gauge(
+            "preheat_router_held",
+            "kv: requests held at the router for each replica that generates one sequence at a time, sent the "
+            "cheapest first (counted in preheat_router_in_flight too).",
+            self._held_now,
+        )
         self._all: list[Series] = [
             self.routed, self.decisions, self.retries, self.ejections, self.errors, self.refused,
-            self.connections_refused, self.overhead, up, flight, index, reported,
+            self.connections_refused, self.overhead, up, flight, index, reported, held_now,
             self.activations, self.wakes, self.sleeps, self.activation_seconds, self.wake_seconds,
         ]  # fmt: skip
 
@@ -95,6 +103,10 @@ class RouterMetrics:
 
     def _flight(self) -> Samples:
         return [({"replica": url}, float(n)) for url, _, n in self._replica_state()]
+
+    def _held_now(self) -> Samples:
+        held = self._held()
+        return [({"replica": url}, float(held.get(url, 0))) for url, _, _ in self._replica_state()]
 
     def _index(self) -> Samples:
         return [({"replica": url, "index": index}, float(n)) for (url, index), n in self._index_sizes().items()]

@@ -73,6 +73,7 @@ class RouteRequest:
     in_flight_keys: list[str] = field(default_factory=list)  # what ``Policy.sent`` marked, for ``answered``
     estimates: dict[str, Estimate] = field(default_factory=dict)  # ``kv``: per replica, as last chosen
     tickets: dict[str, int] = field(default_factory=dict)  # ``kv``: its place in each replica's queue
+    held_seconds: float = 0.0  # how long the router held it before sending it (hold.py)
 
     def keys(self, fingerprint: str, chunk_tokens: int) -> list[str]:
         """The prompt's chunk keys under ``fingerprint`` (computed once per fingerprint and chunk size)."""
@@ -145,6 +146,11 @@ class Policy:
     def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
         """The chunk keys of ``request`` that this policy tracks on ``replica`` (none: the policy keeps no index)."""
         return []
+
+    def hold(self, request: RouteRequest, candidate: Candidate) -> tuple[int, float] | None:
+        """``(slots, cost)`` when requests for ``candidate`` beyond its ``slots`` are held at the router and sent by
+        ``cost`` (seconds of service there: hold.py); None: sent at once (a policy that prices no request)."""
+        return None
 
     def sent(self, request: RouteRequest, replica: str) -> None:
         """``request`` is on its way to ``replica``: its keys count as held there until it is answered."""
@@ -304,9 +310,10 @@ class KVAware(Policy):
         self._answered_seq: dict[str, int] = {}
         self._tickets = itertools.count()
 
-    def estimate(self, request: RouteRequest, candidate: Candidate) -> Estimate | None:
+    def estimate(self, request: RouteRequest, candidate: Candidate, *, in_flight: bool = True) -> Estimate | None:
         """``candidate``'s expected TTFT; None when it has published no KV state yet (an engine replica without
-        mapped events: what ``prefix`` would say, ``_by_prefix``)."""
+        mapped events: what ``prefix`` would say, ``_by_prefix``). ``in_flight`` False: the keys of requests still
+        in flight there do not count as held (hold.py's order)."""
         state = self.index.state(candidate.name)
         if request.token_ids is None:
             return None
@@ -323,7 +330,9 @@ class KVAware(Policy):
         unconfirmed = name in self.engines or state.seq <= self._answered_seq.get(name, -1)
 
         def pending(key: str) -> bool:
-            return self.in_flight.contains(name, key) or (unconfirmed and self.recent.contains(name, key))
+            return (in_flight and self.in_flight.contains(name, key)) or (
+                unconfirmed and self.recent.contains(name, key)
+            )
 
         if name in self.engines:  # an engine computes a prompt into its GPU cache
             return expected_ttft(
@@ -388,8 +397,7 @@ class KVAware(Policy):
         waiting = tuple(service for _, service in sent)
         streaming = max(candidate.in_flight - len(waiting), 0)
         service = candidate.service_seconds
-        # What a request has left once its first byte came: the mean request less the mean wait for the first byte.
-        tail = max(service - first_byte, 0.0) if service is not None and first_byte is not None else 0.0
+        tail = _tail(service, first_byte)
         if candidate.load is not None:
             load, finished = candidate.load, candidate.load_finished
         # The replica's running + waiting are as old as its last report: this router's requests that finished
@@ -401,6 +409,20 @@ class KVAware(Policy):
             waiting, now - sent[0][0] if sent else 0.0, streaming, tail, others,
             typical if typical is not None else (service or 0.0),
         )  # fmt: skip
+
+    def hold(self, request: RouteRequest, candidate: Candidate) -> tuple[int, float] | None:
+        """A preheat replica that says how many sequences it generates at once (its events' ``load.slots``): its
+        requests past that wait at the router, priced by their service there and the answer after it, without the
+        keys still in flight (hold.py). An engine batches what it is sent: nothing is held for it."""
+        state = self.index.state(candidate.name)
+        if candidate.name in self.engines or state is None or state.slots is None:
+            return None
+        estimate = self.estimate(request, candidate, in_flight=False)
+        if estimate is None:
+            return None
+        with self._lock:
+            first_byte = self._first_byte.get(candidate.name)
+        return state.slots, estimate.service + _tail(candidate.service_seconds, first_byte)
 
     def sent(self, request: RouteRequest, replica: str) -> None:
         super().sent(request, replica)
@@ -426,8 +448,9 @@ class KVAware(Policy):
         with self._lock:
             ticket = request.tickets.pop(replica, None)
             entry = (self._waiting.get(replica) or {}).pop(ticket, None) if ticket is not None else None
-            if ok and entry is not None:
-                self._first_byte[replica] = moving_mean(self._first_byte.get(replica), self._clock() - entry[0])
+            if ok and entry is not None:  # from its sending on, not from when it was routed and held
+                seconds = self._clock() - entry[0] - request.held_seconds
+                self._first_byte[replica] = moving_mean(self._first_byte.get(replica), seconds)
             if ok and state is not None:
                 self._answered_seq[replica] = state.seq
         # What an engine replica answered is its prefix fallback's index, kept while its events are also mapped:
@@ -456,6 +479,11 @@ class KVAware(Policy):
     def reported_loads(self) -> dict[str, tuple[int, int]]:
         # An engine's event stream carries no load (its /metrics does, read into Candidate.load).
         return {name: load for name, load in self.index.loads().items() if name not in self.engines}
+
+
+def _tail(service: float | None, first_byte: float | None) -> float:
+    """What a request has left once its first byte came: the mean request less the mean wait for the first byte."""
+    return max(service - first_byte, 0.0) if service is not None and first_byte is not None else 0.0
 
 
 def _cost(estimate: Estimate | None, busy: float) -> float:

@@ -47,6 +47,7 @@ from preheat.dashboard.web import answer, is_dashboard_path
 from preheat.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from preheat.http.server import CLOSE, TrackedHandler
 from preheat.router.activation import ColdStarter
+from preheat.router.hold import Holds
 from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import PromptReader
@@ -93,8 +94,12 @@ class Router:
         self.newest_version = newest_version  # route only to replicas on the newest weights version (docs/refit.md)
         self.api_key = api_key
         self.replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
+        self.holds = Holds()  # kv's requests held for replicas that generate one sequence at a time (data path's)
         self.metrics = RouterMetrics(
-            lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas], policy.index_sizes, policy.reported_loads
+            lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas],
+            policy.index_sizes,
+            policy.reported_loads,
+            self.holds.held,
         )
         self.cold: ColdStarter | None = None  # standby and sleeping replicas to bring up (RouterService sets it)
         self._membership = threading.Lock()

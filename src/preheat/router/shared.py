@@ -268,6 +268,9 @@ class SharedPolicy(Policy):
     def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
         return self.inner.keys_for(request, replica)
 
+    def hold(self, request: RouteRequest, candidate: Candidate) -> tuple[int, float] | None:
+        return self.inner.hold(request, candidate)
+
     def sent(self, request: RouteRequest, replica: str) -> None:
         self.inner.sent(request, replica)
 

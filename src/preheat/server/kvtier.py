@@ -14,6 +14,7 @@ from preheat.core.timeline import Timeline
 from preheat.http.metrics import Family
 from preheat.http.ranges import parse_length
 from preheat.server.settings import ServeSettings
+from preheat.server.worker import SLOTS
 
 if TYPE_CHECKING:
     from preheat.engine import Engine
@@ -140,7 +141,7 @@ def events_payload(tiers: TieredKV, query: str, load: Callable[[], tuple[int, in
         "reset": events is None,
         "l2_id": tiers.l2.describe() if tiers.l2 is not None else None,
         "costs": tiers.costs.to_dict(),
-        "load": {"running": running, "waiting": waiting},
+        "load": {"running": running, "waiting": waiting, "slots": SLOTS},
     }
     if events is None:
         payload["l1"] = tiers.l1.keys(SNAPSHOT_LIMIT) if tiers.l1 is not None else []

@@ -53,6 +53,9 @@ class Job:
         self.cancelled.set()
 
 
+SLOTS = 1  # sequences the worker generates at once (one after another): the KV events' ``load.slots``
+
+
 class Worker:
     """Runs jobs one at a time on a daemon thread; ``submit`` refuses when ``max_queue`` jobs already wait."""
 

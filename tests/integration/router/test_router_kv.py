@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,28 @@ def test_a_shared_l2_hit_counts_for_a_replica_that_never_saw_the_prompt(
         reply = ask(alone, prompt + "Two")
     assert reply.headers["X-Preheat-Route"] == "kv_hit"
     assert cached_tokens(reply) > 0  # restored from the shared L2 by a replica that never computed it
+
+
+def test_kv_holds_what_a_replica_cannot_start_yet_and_answers_every_request(
+    kv_replicas: list[ServerProcess], kv_model: Path
+) -> None:
+    """A preheat replica generates one sequence at a time (``load.slots`` 1): in front of it, ``kv`` sends it at
+    most two of a burst and holds the rest (docs/router.md, *Held at the router*), and every request is answered."""
+    url = kv_replicas[0].url
+    body = {"model": NAME, "max_tokens": 200, "stream": True}
+    with running_router([url], "kv", model=str(kv_model)) as router:
+        wait_until(lambda: getattr(router.kv_index.state(url), "slots", None) == 1, "the replica's slots")
+        client, replica = Client(router.url), Client(url)
+        seen = {"held": 0.0, "waiting": 0.0}
+        with ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(client.stream, "/v1/completions", {**body, "prompt": f"Tale {n}: once upon a time"})
+                       for n in range(8)]  # fmt: skip
+            while not all(a.done() for a in answers):
+                seen["held"] = max(seen["held"], client.metric("preheat_router_held", replica=url))
+                seen["waiting"] = max(seen["waiting"], replica.metric("preheat_queue_depth"))
+            streams = [a.result() for a in answers]
+        left = client.metric("preheat_router_held", replica=url)
+    assert all(s.status == 200 and s.done and s.finish_reason in ("stop", "length") for s in streams)
+    assert seen["held"] >= 1  # the burst waited at the router...
+    assert seen["waiting"] <= 1  # ...not in the replica's queue: one generating, at most one waiting there
+    assert left == 0

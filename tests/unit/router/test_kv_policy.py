@@ -5,9 +5,11 @@ queue is priced as the work in it, not as a count of requests."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from preheat.core.errors import RouterError
 from preheat.kv.keys import chunk_keys
 from preheat.router.index import KVIndex, PrefixIndex, parse_update
 from preheat.router.metrics import RouterMetrics
@@ -130,3 +132,33 @@ def test_the_load_each_replica_reported_reaches_metrics() -> None:
     assert 'preheat_router_replica_requests{replica="a",state="running"} 3' in text
     assert 'preheat_router_replica_requests{replica="a",state="waiting"} 1' in text
     assert 'preheat_router_replica_requests{replica="b",state="running"} 0' in text
+
+
+def test_requests_are_held_only_for_a_replica_that_says_its_slots_and_priced_without_keys_in_flight() -> None:
+    index = KVIndex()
+    index.apply("one", parse_update({**snapshot(0), "load": {"running": 1, "waiting": 0, "slots": 1}}, "one"))
+    index.apply("batches", parse_update(snapshot(0), "batches"))  # says no slots: sent at once
+    kv = KVAware(index, LoadGuard(), PrefixIndex(ttl=5.0), clock=lambda: 100.0)
+    one, batches = Candidate("one", 0, 1.0), Candidate("batches", 0, 1.0)
+    assert kv.hold(RouteRequest(token_ids=TOKENS), batches) is None
+    miss = kv.hold(RouteRequest(token_ids=TOKENS), one)
+    assert miss is not None
+    assert miss[0] == 1
+    assert miss[1] == pytest.approx(41 * 1e-2)
+    # The same prompt in flight there: a request that would hit only once that one computed it is priced as the
+    # miss it is now (it must not pass the one computing its prefix)...
+    first = RouteRequest(token_ids=TOKENS)
+    kv.sent(first, "one")
+    assert kv.hold(RouteRequest(token_ids=TOKENS), one) == (1, pytest.approx(miss[1]))
+    # ...and as the hit it is once that one was answered there.
+    kv.answered(first, "one", ok=True)
+    hit = kv.hold(RouteRequest(token_ids=TOKENS), one)
+    assert hit is not None
+    # (and with the answer after it: 1 s a request there, its first byte at once on this still clock)
+    assert hit[1] == pytest.approx(1 * 1e-2 + 40 * 1e-4 + 1.0)
+
+
+@pytest.mark.parametrize("slots", [0, -1, True, 1.5, "1", 65_537])
+def test_a_replica_saying_slots_out_of_bounds_is_refused(slots: object) -> None:
+    with pytest.raises(RouterError, match=r"load\.slots"):
+        parse_update({**snapshot(0), "load": {"running": 0, "waiting": 0, "slots": slots}}, "r")
