@@ -32,7 +32,7 @@ async def _settle() -> None:
 
 def test_two_go_through_for_one_slot_and_the_cheapest_held_one_goes_next() -> None:
     async def scenario() -> list[str]:
-        clock, order = Clock(), []
+        clock, order = Clock(), list[str]()
         holds = Holds(clock)
         first = await holds.enter("r", 1, 5.0)
         second = await holds.enter("r", 1, 5.0)
@@ -61,7 +61,7 @@ def test_two_go_through_for_one_slot_and_the_cheapest_held_one_goes_next() -> No
 
 def test_a_long_request_that_has_waited_passes_a_short_one_that_just_came() -> None:
     async def scenario() -> list[str]:
-        clock, order = Clock(), []
+        clock, order = Clock(), list[str]()
         holds = Holds(clock)
         sent = [await holds.enter("r", 1, 1.0) for _ in range(2)]
         long = asyncio.create_task(_hold(holds, order, "long", 2.0))
