@@ -130,6 +130,8 @@ class Stream(asyncio.Protocol):
         self.expired = False  # a read's deadline passed and aborted the connection
         self._waiter: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
+        self._lost: asyncio.Future[None] | None = None  # ``lost()``'s, made on first asking
+        self._gone = False  # the connection was lost (not half-closed)
         self._paused_reading = self._paused_writing = False
         self._deadline = _NEVER  # when the read now waiting must give up
         self._timer: asyncio.TimerHandle | None = None
@@ -155,7 +157,10 @@ class Stream(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         self.error = exc
+        self._gone = True
         self._wake()
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer, self._timer_at = None, _NEVER
@@ -230,6 +235,15 @@ class Stream(asyncio.Protocol):
 
     def at_eof(self) -> bool:
         return self.eof and not self.buffer
+
+    def lost(self) -> asyncio.Future[None]:
+        """Done once the connection is lost, without reading it: a peer that half-closed after its request is still
+        there, waiting for the answer."""
+        if self._lost is None:
+            self._lost = self.loop.create_future()
+            if self._gone:
+                self._lost.set_result(None)
+        return self._lost
 
     # -- writes -----------------------------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:

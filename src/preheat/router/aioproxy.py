@@ -56,7 +56,7 @@ from preheat.http.wire import (
 )
 from preheat.router.capacity import refused_code, saturated
 from preheat.router.hold import NOT_HELD, Pass
-from preheat.router.policies import Candidate, Decision, RouteRequest
+from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER
 from preheat.router.proxy import (
     HOP_HEADERS,
@@ -398,15 +398,15 @@ class ClientConnection:
 
         def replica_over() -> None:
             upstream_done[0] = time.perf_counter()
-            replica.end(upstream_done[0] - sent)
             exchange.admitted.leave()
+            replica.end(upstream_done[0] - sent)
 
         over = _once(replica_over)
 
         def count(status: int) -> None:
             over()
             router.metrics.routed.inc(replica=replica.url, status=str(status))
-            routing = sent - started - exchange.admitted.held_seconds  # held for the replica: its queue, not ours
+            routing = sent - started - exchange.held  # held for a replica: its queue, not the router's work
             router.metrics.overhead.observe(routing + max(time.perf_counter() - upstream_done[0], 0.0))
 
         try:
@@ -423,7 +423,7 @@ class ClientConnection:
     ) -> AioExchange | None:
         router = self.router
         failed: list[Replica] = []
-        tries = 0
+        tries, held = 0, 0.0
         most = 2 * len(router.replicas) + 1
         self.last_refusal = None
         while True:
@@ -442,63 +442,72 @@ class ClientConnection:
                 cold.need("every replica in rotation is saturated")
             replica, decision = router.choose(request, pool, retry=bool(tries))
             tries += 1
-            replica.begin()
-            if generation:
-                router.policy.sent(request, replica.url)
-            admitted = await self.admit(replica, request) if generation else NOT_HELD
-            sent = time.perf_counter()
-            upstream = self.server.pool(replica)
-            host = replica.url.split("://", 1)[1]
-            wire = request_head(head.method, head.target, host, headers, len(body))
+            attempt = Attempt(replica, router.policy, request if generation else None)
             try:
-                conn, answer = await upstream.send(replica.connection_epoch, wire, body, replica.url + head.path)
-            except HTTPClientError as exc:
-                admitted.leave()
-                failed.append(replica)
-                error = UpstreamError(str(exc), before_first_byte=not isinstance(exc, ResponseTimeoutError))
-                if await self.retry_failed(replica, error, failed, request if generation else None):
+                outcome = await self.attempt(attempt, head, body, headers, failed)
+            except BaseException:  # whatever ends it before its answer is handed over leaves no count behind
+                attempt.fail()
+                raise
+            finally:
+                held += attempt.admitted.held_seconds
+            if isinstance(outcome, bool):
+                if outcome:
                     continue
                 return None
-            reader = Body(conn, answer, replica.timeouts.read, bodiless=head.method == "HEAD" or answer.status in
-                          (204, 304) or 100 <= answer.status < 200)  # fmt: skip
-            early = await self.read_refusal(conn, answer, reader)
-            if isinstance(early, str):
-                admitted.leave()
-                replica.end(None)
-                if generation:
-                    router.policy.answered(request, replica.url, ok=False)
-                replica.phase = early
-                router.set_health(replica, False, f"answered 503 {early}")
-                router.metrics.retries.inc()
-                continue
-            look = await self.first_look(replica, conn, answer, reader, early)
-            if isinstance(look, Refused):
-                admitted.leave()
-                failed.append(replica)
-                if await self.retry_refused(replica, look, failed, request if generation else None):
-                    continue
-                return None
-            if generation:
-                router.policy.answered(request, replica.url, ok=200 <= answer.status < 300)
+            conn, answer, reader, look, sent = outcome
             return AioExchange(
-                replica, decision, conn, answer, reader, sent=sent, tries=tries, look=look, admitted=admitted
-            )
+                replica, decision, conn, answer, reader, sent=sent, tries=tries, look=look, admitted=attempt.admitted,
+                held=held,
+            )  # fmt: skip
+
+    async def attempt(
+        self, attempt: Attempt, head: RequestHead, body: bytes, headers: list[tuple[str, str]], failed: list[Replica]
+    ) -> tuple[Connection, ResponseHead, Body, Head, float] | bool:
+        """Send the request to ``attempt``'s replica (after its hold, for a generation ``kv`` holds): the answer's
+        head, once it is worth relaying; True to try another replica, False when the client got an error."""
+        router, replica, request = self.router, attempt.replica, attempt.request
+        if request is not None:
+            attempt.admitted = await self.admit(replica, request)
+        sent = time.perf_counter()
+        upstream = self.server.pool(replica)
+        host = replica.url.split("://", 1)[1]
+        wire = request_head(head.method, head.target, host, headers, len(body))
+        try:
+            conn, answer = await upstream.send(replica.connection_epoch, wire, body, replica.url + head.path)
+        except HTTPClientError as exc:
+            attempt.fail()
+            failed.append(replica)
+            error = UpstreamError(str(exc), before_first_byte=not isinstance(exc, ResponseTimeoutError))
+            return await self.retry_failed(replica, error, failed)
+        reader = Body(conn, answer, replica.timeouts.read, bodiless=head.method == "HEAD" or answer.status in
+                      (204, 304) or 100 <= answer.status < 200)  # fmt: skip
+        early = await self.read_refusal(conn, answer, reader)
+        if isinstance(early, str):
+            attempt.fail()
+            replica.phase = early
+            router.set_health(replica, False, f"answered 503 {early}")
+            router.metrics.retries.inc()
+            return True
+        look = await self.first_look(replica, conn, answer, reader, early)
+        if isinstance(look, Refused):
+            attempt.fail()
+            failed.append(replica)
+            return await self.retry_refused(replica, look, failed)
+        if request is not None:
+            router.policy.answered(request, replica.url, ok=200 <= answer.status < 300)
+        attempt.handed_over()
+        return conn, answer, reader, look, sent
 
     async def admit(self, replica: Replica, request: RouteRequest) -> Pass:
-        """Let a generation through to ``replica`` (``begin``-ed, ``sent`` to the policy) at once, or hold it while
-        the replica has enough of this router's requests, when the policy holds them (router/hold.py: ``kv`` before
-        a replica that generates one sequence at a time)."""
-        router = self.router
+        """Let a generation through to ``replica`` at once, or hold it while the replica has enough of this
+        router's requests, when the policy holds them (router/hold.py: ``kv`` before a replica that generates one
+        sequence at a time); ``ConnectionResetError`` when the client goes away while it is held."""
+        request.held_seconds = 0.0
         candidate = Candidate(replica.url, replica.in_flight, replica.service_seconds, replica.finished)
-        terms = router.policy.hold(request, candidate)
+        terms = self.router.policy.hold(request, candidate)
         if terms is None:
             return NOT_HELD
-        try:
-            admitted = await router.holds.enter(replica.url, *terms)
-        except BaseException:  # the client went away while it was held: it never reached the replica
-            replica.end(None)
-            router.policy.answered(request, replica.url, ok=False)
-            raise
+        admitted = await self.router.holds.enter(replica.url, *terms, gone=self.client.lost())
         request.held_seconds = admitted.held_seconds
         return admitted
 
@@ -516,13 +525,8 @@ class ClientConnection:
             why = "no healthy replica"
         await self.send_error_json(503, f"{why}; retry later", "service_unavailable", "no_replica")
 
-    async def retry_failed(
-        self, replica: Replica, exc: UpstreamError, failed: list[Replica], request: RouteRequest | None
-    ) -> bool:
+    async def retry_failed(self, replica: Replica, exc: UpstreamError, failed: list[Replica]) -> bool:
         router = self.router
-        replica.end(None)
-        if request is not None:
-            router.policy.answered(request, replica.url, ok=False)
         if exc.before_first_byte:
             router.set_health(replica, False, str(exc))
         if exc.before_first_byte and len(failed) == 1:
@@ -531,14 +535,9 @@ class ClientConnection:
         await self.send_error_json(502, f"replica failed before answering: {exc}", "server_error", "bad_gateway")
         return False
 
-    async def retry_refused(
-        self, replica: Replica, refused: Refused, failed: list[Replica], request: RouteRequest | None
-    ) -> bool:
+    async def retry_refused(self, replica: Replica, refused: Refused, failed: list[Replica]) -> bool:
         router = self.router
-        replica.end(None)
         router.metrics.refused.inc(replica=replica.url, code=refused.code)
-        if request is not None:
-            router.policy.answered(request, replica.url, ok=False)
         if refused.code == "replica_failed":
             router.set_health(replica, False, refused.message)
         if len(failed) == 1 and router.healthy(exclude=failed):
@@ -709,14 +708,43 @@ class ClientConnection:
 class AioExchange:
     """A request sent and its answer's head in (proxy.py's ``Exchange``, on the event loop's connection)."""
 
-    __slots__ = ("admitted", "answer", "body", "conn", "decision", "look", "replica", "sent", "tries")
+    __slots__ = ("admitted", "answer", "body", "conn", "decision", "held", "look", "replica", "sent", "tries")
 
     def __init__(
         self, replica: Replica, decision: Decision, conn: Connection, answer: ResponseHead, body: Body, *,
-        sent: float, tries: int, look: Head, admitted: Pass,
+        sent: float, tries: int, look: Head, admitted: Pass, held: float,
     ) -> None:  # fmt: skip
+        """``admitted``: its hold's pass (``leave`` once the replica is done); ``held``: seconds held, every try."""
         self.replica, self.decision, self.conn, self.answer, self.body = replica, decision, conn, answer, body
-        self.sent, self.tries, self.look, self.admitted = sent, tries, look, admitted
+        self.sent, self.tries, self.look, self.admitted, self.held = sent, tries, look, admitted, held
+
+
+class Attempt:
+    """One replica tried for a request: counted there (``Replica.begin``), told to the policy (``sent``, for a
+    generation) and let through its hold, until it ``fail``s (once: the count, the policy and the hold all told) or
+    is ``handed_over`` to the relay, whose end (``forward``'s ``replica_over``) tells them instead."""
+
+    __slots__ = ("admitted", "over", "policy", "replica", "request")
+
+    def __init__(self, replica: Replica, policy: Policy, request: RouteRequest | None) -> None:
+        self.replica, self.policy, self.request = replica, policy, request
+        self.admitted = NOT_HELD
+        self.over = False
+        replica.begin()
+        if request is not None:
+            policy.sent(request, replica.url)
+
+    def fail(self) -> None:
+        if self.over:
+            return
+        self.over = True
+        self.admitted.leave()
+        self.replica.end(None)
+        if self.request is not None:
+            self.policy.answered(self.request, self.replica.url, ok=False)
+
+    def handed_over(self) -> None:
+        self.over = True
 
 
 def describe(exc: BaseException, conn: Connection) -> str:

@@ -65,9 +65,10 @@ class Holds:
         self._lines: dict[str, _Line] = {}
         self._clock = clock
 
-    async def enter(self, replica: str, slots: int, cost: float) -> Pass:
+    async def enter(self, replica: str, slots: int, cost: float, *, gone: asyncio.Future[None] | None = None) -> Pass:
         """Wait until ``replica`` has room for one more of this router's requests (at most ``slots + 1`` there),
-        then count this one there; ``cost``: its seconds of service there, which orders the waiting."""
+        then count this one there; ``cost``: its seconds of service there, which orders the waiting. ``gone``: done
+        when the client goes away, which ends the wait (``ConnectionResetError``) and frees its place."""
         line = self._lines.setdefault(replica, _Line())
         line.slots = slots
         if not line.held and line.sent < slots + 1:
@@ -76,8 +77,13 @@ class Holds:
         entry = _Held(max(cost, MIN_COST), self._clock(), asyncio.get_running_loop().create_future())
         line.held.append(entry)
         try:
-            await entry.admitted
-        except asyncio.CancelledError:  # the client went away while held, or just as it was let through
+            if gone is None:
+                await entry.admitted
+            else:
+                await asyncio.wait((entry.admitted, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not entry.admitted.done():
+                    raise ConnectionResetError("the client went away while its request was held")
+        except BaseException:  # gone or cancelled while held, or just as it was let through: its place is freed
             if entry in line.held:
                 line.held.remove(entry)
             elif entry.admitted.done() and not entry.admitted.cancelled():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -109,6 +110,7 @@ def test_a_peer_that_half_closes_after_its_request_still_gets_the_answer(kind: s
         peer.shutdown(socket.SHUT_WR)
         assert await stream.read_exactly(8, 5) == b"question"
         assert await stream.read(10, 5) == b""
+        assert not stream.lost().done()  # a router holding its request keeps it
         stream.write(b"answer")
         await stream.drain()
         peer.settimeout(5)
@@ -134,3 +136,17 @@ def test_drain_waits_for_a_slow_reader_and_fails_once_it_is_gone(kind: str) -> N
         return waiting
 
     assert _run(kind, body) is True
+
+
+@LOOPS
+def test_lost_is_done_once_the_peer_resets_the_connection(kind: str) -> None:
+    async def body(stream: Stream, peer: socket.socket) -> object:
+        lost = stream.lost()
+        await asyncio.sleep(0.05)
+        before = lost.done()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # a reset
+        await asyncio.wait_for(lost, 5)
+        return before, stream.lost().done()  # asked again after: done at once
+
+    assert _run(kind, body) == (False, True)

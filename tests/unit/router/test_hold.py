@@ -128,3 +128,27 @@ def test_a_replica_with_more_slots_takes_more_at_once_and_not_held_leaves_nothin
         assert not holds._lines
 
     asyncio.run(scenario())
+
+
+def test_a_client_whose_connection_is_lost_while_held_leaves_the_line() -> None:
+    async def scenario() -> None:
+        holds = Holds(Clock())
+        sent = [await holds.enter("r", 1, 1.0) for _ in range(2)]
+        gone = asyncio.get_running_loop().create_future()
+        order: list[str] = []
+        lost = asyncio.create_task(holds.enter("r", 1, 0.1, gone=gone))
+        stays = asyncio.create_task(_hold(holds, order, "stays", 1.0))
+        await _settle()
+        gone.set_result(None)  # the client's connection is lost (Stream.lost)
+        await _settle()
+        with pytest.raises(ConnectionResetError):
+            lost.result()
+        assert holds.held() == {"r": 1}
+        sent[0].leave()  # the cheaper request is gone: the place goes to the one still there
+        await _settle()
+        assert order == ["stays"]
+        sent[1].leave()
+        stays.result().leave()
+        assert not holds._lines
+
+    asyncio.run(scenario())
