@@ -57,12 +57,12 @@ def router_command(
     cache_aware``, listening on ``port`` in front of ``upstreams``. ``tokenizer`` is preheat's ``--model`` for the
     policies that tokenize; ``preheat_args`` go to preheat's router only."""
     if name.startswith("preheat "):
-        # "preheat POLICY" or "preheat POLICY xN": N router processes (--workers N)
+        # "preheat POLICY [xN] [--flag ...]": N router processes (--workers N), and flags of preheat's router
         words = name.split()
         policy = words[1]
         cmd = [str(ROOT / ".venv" / "bin" / "preheat"), "router", "--port", str(port), "--policy", policy]
-        if len(words) > 2 and words[2].startswith("x"):
-            cmd += ["--workers", words[2][1:]]
+        for word in words[2:]:
+            cmd += ["--workers", word[1:]] if word.startswith("x") else [word]
         for url in upstreams:
             cmd += ["--replica", url]
         if policy == "kv":  # prefix reads prompts as text

@@ -106,6 +106,7 @@ class RouterService:
             index_keys=settings.index_keys,
             index_ttl=settings.index_ttl,
             engines=[r.url for r, _ in sources],
+            hold=settings.hold,
         )
         self.shared: SharedState | None = None
         if settings.shared_state is not None:

@@ -198,4 +198,3 @@ class HealthChecker(ReplicaLoop):
         replica.phase = phase
         if self.on_phase is not None:
             self.on_phase(replica, body)
-

@@ -291,16 +291,19 @@ class KVAware(Policy):
         fallback: tuple[str, int] | None = None,
         routed: PrefixIndex | None = None,
         clock: Callable[[], float] = time.monotonic,
+        holds: bool = True,
     ) -> None:
         """``engines``: the replicas whose KV state comes from an engine's event stream (vLLM, SGLang); until one of
         them has a mapped block (or while its events cannot be mapped) it is scored as ``prefix`` would: the keys
-        ``(fingerprint, chunk_tokens) = fallback`` of the prompts it answered, kept in ``routed``, as GPU hits."""
+        ``(fingerprint, chunk_tokens) = fallback`` of the prompts it answered, kept in ``routed``, as GPU hits.
+        ``holds`` False: nothing is held at the router (``hold``; ``--no-hold``)."""
         super().__init__()
         self.index, self.guard, self.recent = index, guard, recent
         self.engines = frozenset(engines)
         self.fallback = fallback
         self.routed = routed if routed is not None else PrefixIndex()
         self._clock = clock
+        self.holds = holds
         # Per replica: the requests sent there and not answered yet (ticket -> (sent at, estimated service s)),
         # the mean seconds from sending one to its first byte, the mean estimated service of one, and the event
         # sequence number its KV state had when it last answered (newer events confirm or deny ``recent``).
@@ -415,7 +418,7 @@ class KVAware(Policy):
         requests past that wait at the router, priced by their service there and the answer after it, without the
         keys still in flight (hold.py). An engine batches what it is sent: nothing is held for it."""
         state = self.index.state(candidate.name)
-        if candidate.name in self.engines or state is None or state.slots is None:
+        if not self.holds or candidate.name in self.engines or state is None or state.slots is None:
             return None
         estimate = self.estimate(request, candidate, in_flight=False)
         if estimate is None:
@@ -519,8 +522,9 @@ def make_policy(
     index_keys: int = 100_000,
     index_ttl: float = 600.0,
     engines: Collection[str] = (),
+    hold: bool = True,
 ) -> Policy:
-    """The policy called ``name`` (one of ``POLICIES``)."""
+    """The policy called ``name`` (one of ``POLICIES``); ``hold``: ``kv`` holds requests (``KVAware.hold``)."""
     guard = guard or LoadGuard()
     if name == "round-robin":
         return RoundRobin()
@@ -538,6 +542,6 @@ def make_policy(
             kv_index or KVIndex(), guard, PrefixIndex(max_keys=index_keys, ttl=5.0),
             engines=engines,
             fallback=(fingerprint, chunk_tokens) if fingerprint is not None else None,
-            routed=PrefixIndex(max_keys=index_keys, ttl=index_ttl),
+            routed=PrefixIndex(max_keys=index_keys, ttl=index_ttl), holds=hold,
         )  # fmt: skip
     raise ConfigError(f"--policy {name!r}: use one of {', '.join(POLICIES)}")

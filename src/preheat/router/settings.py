@@ -122,6 +122,16 @@ class RouterSettings:
     )
     guard_gap: int = field(default=2, metadata=option("in-flight gap that forces least-load"))
     hot_in_flight: int = field(default=3, metadata=option("in flight that spreads a hot prefix"))
+    # kv before a replica that generates one sequence at a time (router/hold.py): its requests past that wait at the
+    # router and go cheapest first (by response ratio); off, each goes at once and the replica serves them in order.
+    hold: bool = field(
+        default=True,
+        metadata=option(
+            "kv: send every request at once, first come first served at the replica (PREHEAT_ROUTER_HOLD=0)",
+            flag="--no-hold",
+            default_text="hold what a replica cannot start yet, cheapest first",
+        ),
+    )
     # Per replica: prefix's routed keys; kv's keys per tier.
     index_keys: int = field(default=100_000, metadata=option("keys kept per replica (prefix), per tier (kv)"))
     index_ttl: float = field(default=600.0, metadata=option("prefix: seconds a key is remembered"))
