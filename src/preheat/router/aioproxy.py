@@ -507,7 +507,13 @@ class ClientConnection:
         terms = self.router.policy.hold(request, candidate)
         if terms is None:
             return NOT_HELD
-        admitted = await self.router.holds.enter(replica.url, *terms, gone=self.client.lost())
+
+        def price() -> float:  # its cost as it would be now, asked while it is held
+            now = Candidate(replica.url, replica.in_flight, replica.service_seconds, replica.finished)
+            again = self.router.policy.hold(request, now)
+            return again[1] if again is not None else terms[1]
+
+        admitted = await self.router.holds.enter(replica.url, *terms, gone=self.client.lost(), price=price)
         request.held_seconds = admitted.held_seconds
         return admitted
 

@@ -11,7 +11,8 @@ Hansen 1971). A follow-up sent soon after its context was computed also finds it
 users whose recomputes evict it.
 
 The cost is priced without the keys of requests still in flight: a request that would hit only once an earlier one
-computed its prefix must not pass that one (it would recompute the prefix itself).
+computed its prefix must not pass that one (it would recompute the prefix itself). It is priced again each time the
+next one is chosen: once that earlier one has answered, its prefix is held there and the waiting ones are hits.
 
 Event loop only (the data path, aioproxy.py): nothing here takes a lock.
 """
@@ -31,6 +32,11 @@ class _Held:
     cost: float
     since: float
     admitted: asyncio.Future[None]
+    price: Callable[[], float] | None = None  # its cost now (what it would hit has changed since it came)
+
+    def ratio(self, now: float) -> float:
+        cost = max(self.price(), MIN_COST) if self.price is not None else self.cost
+        return (now - self.since + cost) / cost
 
 
 @dataclass(eq=False)
@@ -65,16 +71,25 @@ class Holds:
         self._lines: dict[str, _Line] = {}
         self._clock = clock
 
-    async def enter(self, replica: str, slots: int, cost: float, *, gone: asyncio.Future[None] | None = None) -> Pass:
+    async def enter(
+        self,
+        replica: str,
+        slots: int,
+        cost: float,
+        *,
+        gone: asyncio.Future[None] | None = None,
+        price: Callable[[], float] | None = None,
+    ) -> Pass:
         """Wait until ``replica`` has room for one more of this router's requests (at most ``slots + 1`` there),
-        then count this one there; ``cost``: its seconds of service there, which orders the waiting. ``gone``: done
+        then count this one there; ``cost``: its seconds of service there, which orders the waiting (``price``:
+        asked again each time one is chosen, since a prefix computed meanwhile makes it cheaper). ``gone``: done
         when the client goes away, which ends the wait (``ConnectionResetError``) and frees its place."""
         line = self._lines.setdefault(replica, _Line())
         line.slots = slots
         if not line.held and line.sent < slots + 1:
             line.sent += 1
             return Pass(self, replica, 0.0)
-        entry = _Held(max(cost, MIN_COST), self._clock(), asyncio.get_running_loop().create_future())
+        entry = _Held(max(cost, MIN_COST), self._clock(), asyncio.get_running_loop().create_future(), price)
         line.held.append(entry)
         try:
             if gone is None:
@@ -99,7 +114,7 @@ class Holds:
         line.sent = max(line.sent - 1, 0)
         now = self._clock()
         while line.held and line.sent < line.slots + 1:
-            best = max(line.held, key=lambda h: (now - h.since + h.cost) / h.cost)
+            best = max(line.held, key=lambda h: h.ratio(now))
             line.held.remove(best)
             if best.admitted.done():  # cancelled: its task removes nothing more
                 continue

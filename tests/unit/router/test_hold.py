@@ -152,3 +152,27 @@ def test_a_client_whose_connection_is_lost_while_held_leaves_the_line() -> None:
         assert not holds._lines
 
     asyncio.run(scenario())
+
+
+def test_a_held_request_is_priced_again_when_the_next_one_is_chosen() -> None:
+    async def scenario() -> list[str]:
+        holds, order = Holds(Clock()), list[str]()
+        sent = [await holds.enter("r", 1, 1.0) for _ in range(2)]
+        now_cheap = [10.0]  # its prefix is computed meanwhile: from a miss to a hit
+
+        async def repriced() -> None:
+            admitted = await holds.enter("r", 1, 10.0, price=lambda: now_cheap[0])
+            order.append("repriced")
+            admitted.leave()
+
+        tasks = [asyncio.create_task(repriced()), asyncio.create_task(_hold(holds, order, "middle", 1.0))]
+        await _settle()
+        now_cheap[0] = 0.1
+        sent[0].leave()
+        await _settle()
+        sent[1].leave()
+        await _settle()
+        tasks[1].result().leave()
+        return order
+
+    assert asyncio.run(scenario()) == ["repriced", "middle"]
