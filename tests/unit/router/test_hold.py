@@ -165,14 +165,16 @@ def test_a_held_request_is_priced_again_when_the_next_one_is_chosen() -> None:
             order.append("repriced")
             admitted.leave()
 
-        tasks = [asyncio.create_task(repriced()), asyncio.create_task(_hold(holds, order, "middle", 1.0))]
+        first = asyncio.create_task(repriced())
+        middle = asyncio.create_task(_hold(holds, order, "middle", 1.0))
         await _settle()
         now_cheap[0] = 0.1
         sent[0].leave()
         await _settle()
         sent[1].leave()
         await _settle()
-        tasks[1].result().leave()
+        middle.result().leave()
+        await first
         return order
 
     assert asyncio.run(scenario()) == ["repriced", "middle"]
