@@ -503,17 +503,16 @@ class ClientConnection:
         router's requests, when the policy holds them (router/hold.py: ``kv`` before a replica that generates one
         sequence at a time); ``ConnectionResetError`` when the client goes away while it is held."""
         request.held_seconds = 0.0
-        candidate = Candidate(replica.url, replica.in_flight, replica.service_seconds, replica.finished)
-        terms = self.router.policy.hold(request, candidate)
-        if terms is None:
+        policy = self.router.policy
+        slots = policy.hold_slots(request, replica.url)
+        if slots is None:
             return NOT_HELD
 
-        def price() -> float:  # its cost as it would be now, asked while it is held
+        def price() -> float:  # its cost as it would be now, asked only while it is held
             now = Candidate(replica.url, replica.in_flight, replica.service_seconds, replica.finished)
-            again = self.router.policy.hold(request, now)
-            return again[1] if again is not None else terms[1]
+            return policy.hold_cost(request, now)
 
-        admitted = await self.router.holds.enter(replica.url, *terms, gone=self.client.lost(), price=price)
+        admitted = await self.router.holds.enter(replica.url, slots, price, gone=self.client.lost())
         request.held_seconds = admitted.held_seconds
         return admitted
 

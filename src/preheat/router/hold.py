@@ -29,13 +29,12 @@ MIN_COST = 1e-3  # seconds: a request priced at nothing (a whole hit) still has 
 
 @dataclass(eq=False)
 class _Held:
-    cost: float
+    price: Callable[[], float]  # its cost now: what it would hit may have changed since it came
     since: float
     admitted: asyncio.Future[None]
-    price: Callable[[], float] | None = None  # its cost now (what it would hit has changed since it came)
 
     def ratio(self, now: float) -> float:
-        cost = max(self.price(), MIN_COST) if self.price is not None else self.cost
+        cost = max(self.price(), MIN_COST)
         return (now - self.since + cost) / cost
 
 
@@ -72,24 +71,19 @@ class Holds:
         self._clock = clock
 
     async def enter(
-        self,
-        replica: str,
-        slots: int,
-        cost: float,
-        *,
-        gone: asyncio.Future[None] | None = None,
-        price: Callable[[], float] | None = None,
+        self, replica: str, slots: int, price: Callable[[], float], *, gone: asyncio.Future[None] | None = None
     ) -> Pass:
         """Wait until ``replica`` has room for one more of this router's requests (at most ``slots + 1`` there),
-        then count this one there; ``cost``: its seconds of service there, which orders the waiting (``price``:
-        asked again each time one is chosen, since a prefix computed meanwhile makes it cheaper). ``gone``: done
-        when the client goes away, which ends the wait (``ConnectionResetError``) and frees its place."""
+        then count this one there. ``price``: its seconds of service there, which order the waiting; asked only
+        while it waits, each time the next one is chosen (a prefix computed meanwhile makes it cheaper), so a
+        request let through at once is never priced. ``gone``: done when the client goes away, which ends the wait
+        (``ConnectionResetError``) and frees its place."""
         line = self._lines.setdefault(replica, _Line())
         line.slots = slots
         if not line.held and line.sent < slots + 1:
             line.sent += 1
             return Pass(self, replica, 0.0)
-        entry = _Held(max(cost, MIN_COST), self._clock(), asyncio.get_running_loop().create_future(), price)
+        entry = _Held(price, self._clock(), asyncio.get_running_loop().create_future())
         line.held.append(entry)
         try:
             if gone is None:

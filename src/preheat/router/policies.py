@@ -147,10 +147,14 @@ class Policy:
         """The chunk keys of ``request`` that this policy tracks on ``replica`` (none: the policy keeps no index)."""
         return []
 
-    def hold(self, request: RouteRequest, candidate: Candidate) -> tuple[int, float] | None:
-        """``(slots, cost)`` when requests for ``candidate`` beyond its ``slots`` are held at the router and sent by
-        ``cost`` (seconds of service there: hold.py); None: sent at once (a policy that prices no request)."""
+    def hold_slots(self, request: RouteRequest, replica: str) -> int | None:
+        """The sequences ``replica`` generates at once when ``request`` waits at the router beyond them (hold.py),
+        sent by ``hold_cost``; None: sent at once (a policy that prices no request)."""
         return None
+
+    def hold_cost(self, request: RouteRequest, candidate: Candidate) -> float:
+        """Seconds of ``candidate``'s work for a held ``request``, as things stand now: the order it is sent in."""
+        return 0.0
 
     def sent(self, request: RouteRequest, replica: str) -> None:
         """``request`` is on its way to ``replica``: its keys count as held there until it is answered."""
@@ -413,19 +417,24 @@ class KVAware(Policy):
             typical if typical is not None else (service or 0.0),
         )  # fmt: skip
 
-    def hold(self, request: RouteRequest, candidate: Candidate) -> tuple[int, float] | None:
+    def hold_slots(self, request: RouteRequest, replica: str) -> int | None:
         """A preheat replica that says how many sequences it generates at once (its events' ``load.slots``): its
-        requests past that wait at the router, priced by their service there and the answer after it, without the
-        keys still in flight (hold.py). An engine batches what it is sent: nothing is held for it."""
-        state = self.index.state(candidate.name)
-        if not self.holds or candidate.name in self.engines or state is None or state.slots is None:
+        requests past that wait at the router (hold.py). An engine batches what it is sent: nothing is held for it;
+        nor a request whose prompt could not be read (it cannot be priced)."""
+        state = self.index.state(replica)
+        if not self.holds or replica in self.engines or state is None or request.token_ids is None:
             return None
+        return state.slots
+
+    def hold_cost(self, request: RouteRequest, candidate: Candidate) -> float:
+        """Its service there and the answer after it, without the keys still in flight (a request must not pass
+        the one computing its prefix); a typical request's there when its KV state is gone meanwhile."""
         estimate = self.estimate(request, candidate, in_flight=False)
-        if estimate is None:
-            return None
         with self._lock:
-            first_byte = self._first_byte.get(candidate.name)
-        return state.slots, estimate.service + _tail(candidate.service_seconds, first_byte)
+            first_byte, typical = self._first_byte.get(candidate.name), self._typical.get(candidate.name)
+        if estimate is None:
+            return typical or 0.0
+        return estimate.service + _tail(candidate.service_seconds, first_byte)
 
     def sent(self, request: RouteRequest, replica: str) -> None:
         super().sent(request, replica)

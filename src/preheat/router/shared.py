@@ -268,8 +268,11 @@ class SharedPolicy(Policy):
     def keys_for(self, request: RouteRequest, replica: str) -> list[str]:
         return self.inner.keys_for(request, replica)
 
-    def hold(self, request: RouteRequest, candidate: Candidate) -> tuple[int, float] | None:
-        return self.inner.hold(request, candidate)
+    def hold_slots(self, request: RouteRequest, replica: str) -> int | None:
+        return self.inner.hold_slots(request, replica)
+
+    def hold_cost(self, request: RouteRequest, candidate: Candidate) -> float:
+        return self.inner.hold_cost(request, candidate)
 
     def sent(self, request: RouteRequest, replica: str) -> None:
         self.inner.sent(request, replica)

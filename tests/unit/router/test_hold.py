@@ -20,7 +20,7 @@ class Clock:
 
 
 async def _hold(holds: Holds, order: list[str], name: str, cost: float) -> Pass:
-    admitted = await holds.enter("r", 1, cost)
+    admitted = await holds.enter("r", 1, lambda: cost)
     order.append(name)
     return admitted
 
@@ -34,8 +34,8 @@ def test_two_go_through_for_one_slot_and_the_cheapest_held_one_goes_next() -> No
     async def scenario() -> list[str]:
         clock, order = Clock(), list[str]()
         holds = Holds(clock)
-        first = await holds.enter("r", 1, 5.0)
-        second = await holds.enter("r", 1, 5.0)
+        first = await holds.enter("r", 1, lambda: 5.0)
+        second = await holds.enter("r", 1, lambda: 5.0)
         tasks = [asyncio.create_task(_hold(holds, order, name, cost)) for name, cost in
                  (("long", 4.0), ("short", 0.1), ("middle", 1.0))]  # fmt: skip
         await _settle()
@@ -63,7 +63,7 @@ def test_a_long_request_that_has_waited_passes_a_short_one_that_just_came() -> N
     async def scenario() -> list[str]:
         clock, order = Clock(), list[str]()
         holds = Holds(clock)
-        sent = [await holds.enter("r", 1, 1.0) for _ in range(2)]
+        sent = [await holds.enter("r", 1, lambda: 1.0) for _ in range(2)]
         long = asyncio.create_task(_hold(holds, order, "long", 2.0))
         await _settle()
         clock.now = 10.0  # the long one waited 10 s: ratio (10 + 2) / 2 = 6
@@ -83,7 +83,7 @@ def test_a_long_request_that_has_waited_passes_a_short_one_that_just_came() -> N
 def test_a_client_gone_while_held_or_as_it_is_let_through_frees_its_place() -> None:
     async def scenario() -> None:
         holds = Holds(Clock())
-        sent = [await holds.enter("r", 1, 1.0) for _ in range(2)]
+        sent = [await holds.enter("r", 1, lambda: 1.0) for _ in range(2)]
         order: list[str] = []
         gone = asyncio.create_task(_hold(holds, order, "gone", 0.1))
         waiting = asyncio.create_task(_hold(holds, order, "waiting", 1.0))
@@ -115,8 +115,8 @@ def test_a_client_gone_while_held_or_as_it_is_let_through_frees_its_place() -> N
 def test_a_replica_with_more_slots_takes_more_at_once_and_not_held_leaves_nothing() -> None:
     async def scenario() -> None:
         holds = Holds(Clock())
-        sent = [await holds.enter("r", 3, 1.0) for _ in range(4)]  # slots + 1 at once
-        held = asyncio.create_task(holds.enter("r", 3, 1.0))
+        sent = [await holds.enter("r", 3, lambda: 1.0) for _ in range(4)]  # slots + 1 at once
+        held = asyncio.create_task(holds.enter("r", 3, lambda: 1.0))
         await _settle()
         assert not held.done()
         sent[0].leave()
@@ -133,10 +133,10 @@ def test_a_replica_with_more_slots_takes_more_at_once_and_not_held_leaves_nothin
 def test_a_client_whose_connection_is_lost_while_held_leaves_the_line() -> None:
     async def scenario() -> None:
         holds = Holds(Clock())
-        sent = [await holds.enter("r", 1, 1.0) for _ in range(2)]
+        sent = [await holds.enter("r", 1, lambda: 1.0) for _ in range(2)]
         gone = asyncio.get_running_loop().create_future()
         order: list[str] = []
-        lost = asyncio.create_task(holds.enter("r", 1, 0.1, gone=gone))
+        lost = asyncio.create_task(holds.enter("r", 1, lambda: 0.1, gone=gone))
         stays = asyncio.create_task(_hold(holds, order, "stays", 1.0))
         await _settle()
         gone.set_result(None)  # the client's connection is lost (Stream.lost)
@@ -157,11 +157,11 @@ def test_a_client_whose_connection_is_lost_while_held_leaves_the_line() -> None:
 def test_a_held_request_is_priced_again_when_the_next_one_is_chosen() -> None:
     async def scenario() -> list[str]:
         holds, order = Holds(Clock()), list[str]()
-        sent = [await holds.enter("r", 1, 1.0) for _ in range(2)]
+        sent = [await holds.enter("r", 1, lambda: 1.0) for _ in range(2)]
         now_cheap = [10.0]  # its prefix is computed meanwhile: from a miss to a hit
 
         async def repriced() -> None:
-            admitted = await holds.enter("r", 1, 10.0, price=lambda: now_cheap[0])
+            admitted = await holds.enter("r", 1, lambda: now_cheap[0])
             order.append("repriced")
             admitted.leave()
 

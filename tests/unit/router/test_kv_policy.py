@@ -139,25 +139,22 @@ def test_requests_are_held_only_for_a_replica_that_says_its_slots_and_priced_wit
     index.apply("one", parse_update({**snapshot(0), "load": {"running": 1, "waiting": 0, "slots": 1}}, "one"))
     index.apply("batches", parse_update(snapshot(0), "batches"))  # says no slots: sent at once
     kv = KVAware(index, LoadGuard(), PrefixIndex(ttl=5.0), clock=lambda: 100.0)
-    one, batches = Candidate("one", 0, 1.0), Candidate("batches", 0, 1.0)
-    assert kv.hold(RouteRequest(token_ids=TOKENS), batches) is None
-    miss = kv.hold(RouteRequest(token_ids=TOKENS), one)
-    assert miss is not None
-    assert miss[0] == 1
-    assert miss[1] == pytest.approx(41 * 1e-2)
+    one = Candidate("one", 0, 1.0)
+    assert kv.hold_slots(RouteRequest(token_ids=TOKENS), "batches") is None
+    assert kv.hold_slots(RouteRequest(), "one") is None  # a prompt that could not be read cannot be priced
+    assert kv.hold_slots(RouteRequest(token_ids=TOKENS), "one") == 1
+    miss = kv.hold_cost(RouteRequest(token_ids=TOKENS), one)
+    assert miss == pytest.approx(41 * 1e-2)
     # The same prompt in flight there: a request that would hit only once that one computed it is priced as the
     # miss it is now (it must not pass the one computing its prefix)...
     first = RouteRequest(token_ids=TOKENS)
     kv.sent(first, "one")
-    again = kv.hold(RouteRequest(token_ids=TOKENS), one)
-    assert again is not None
-    assert again[1] == pytest.approx(miss[1])
+    assert kv.hold_cost(RouteRequest(token_ids=TOKENS), one) == pytest.approx(miss)
     # ...and as the hit it is once that one was answered there.
     kv.answered(first, "one", ok=True)
-    hit = kv.hold(RouteRequest(token_ids=TOKENS), one)
-    assert hit is not None
+    hit = kv.hold_cost(RouteRequest(token_ids=TOKENS), one)
     # (and with the answer after it: 1 s a request there, its first byte at once on this still clock)
-    assert hit[1] == pytest.approx(1 * 1e-2 + 40 * 1e-4 + 1.0)
+    assert hit == pytest.approx(1 * 1e-2 + 40 * 1e-4 + 1.0)
 
 
 @pytest.mark.parametrize("slots", [0, -1, True, 1.5, "1", 65_537])
