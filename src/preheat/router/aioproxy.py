@@ -456,8 +456,8 @@ class ClientConnection:
                 return None
             conn, answer, reader, look, sent = outcome
             return AioExchange(
-                replica, decision, conn, answer, reader, sent=sent, tries=tries, look=look, admitted=attempt.admitted,
-                held=held,
+                attempt.replica, decision, conn, answer, reader, sent=sent, tries=tries, look=look,
+                admitted=attempt.admitted, held=held,
             )  # fmt: skip
 
     async def attempt(
@@ -468,6 +468,13 @@ class ClientConnection:
         router, replica, request = self.router, attempt.replica, attempt.request
         if request is not None:
             attempt.admitted = await self.admit(replica, request)
+            if attempt.admitted is not NOT_HELD and attempt.admitted.replica != replica.url:  # moved while held
+                moved = next((r for r in router.replicas if r.url == attempt.admitted.replica), None)
+                if moved is None:  # gone from the fleet meanwhile: try again, from the start
+                    attempt.fail()
+                    return True
+                replica = attempt.move(moved)
+                router.metrics.moved.inc(replica=replica.url)
         sent = time.perf_counter()
         upstream = self.server.pool(replica)
         host = replica.url.split("://", 1)[1]
@@ -508,11 +515,19 @@ class ClientConnection:
         if slots is None:
             return NOT_HELD
 
-        def price() -> float:  # its cost as it would be now, asked only while it is held
-            now = Candidate(replica.url, replica.in_flight, replica.service_seconds, replica.finished)
+        def cost(there: Replica) -> float:  # its cost there as it would be now, asked only while it is held
+            now = Candidate(there.url, there.in_flight, there.service_seconds, there.finished)
             return policy.hold_cost(request, now)
 
-        admitted = await self.router.holds.enter(replica.url, slots, price, gone=self.client.lost())
+        def cost_at(name: str) -> float | None:  # at a replica fallen idle, if it is one that holds requests too
+            there = next((r for r in self.router.healthy() if r.url == name), None)
+            if there is None or policy.hold_slots(request, name) is None:
+                return None
+            return cost(there)
+
+        admitted = await self.router.holds.enter(
+            replica.url, slots, lambda: cost(replica), price_at=cost_at, gone=self.client.lost()
+        )
         request.held_seconds = admitted.held_seconds
         return admitted
 
@@ -750,6 +765,16 @@ class Attempt:
 
     def handed_over(self) -> None:
         self.over = True
+
+    def move(self, to: Replica) -> Replica:
+        """The request goes to ``to`` instead (an idle replica took it from the hold): counted there, not here."""
+        self.replica.end(None)
+        to.begin()
+        if self.request is not None:
+            self.policy.answered(self.request, self.replica.url, ok=False)
+            self.policy.sent(self.request, to.url)
+        self.replica = to
+        return to
 
 
 def describe(exc: BaseException, conn: Connection) -> str:

@@ -118,7 +118,7 @@ class RouterService:
         self.router = Router(
             replicas, policy, prompts, api_key=settings.api_key, replica_api_key=settings.replica_api_key,
             newest_version=settings.newest_version, max_answer_bytes=parse_size(settings.max_answer_bytes),
-            max_event_bytes=parse_size(settings.max_event_bytes),
+            max_event_bytes=parse_size(settings.max_event_bytes), steal=settings.steal,
         )  # fmt: skip
         cold = ColdSettings(
             model=settings.activation_model if settings.standby else None,

@@ -14,6 +14,14 @@ The cost is priced without the keys of requests still in flight: a request that 
 computed its prefix must not pass that one (it would recompute the prefix itself). It is priced again each time the
 next one is chosen: once that earlier one has answered, its prefix is held there and the waiting ones are hits.
 
+The replica is chosen when a request comes, on estimates; the hold corrects them when a replica falls idle. A replica
+whose own line is empty and has a sequence free takes the held request elsewhere that gains most by moving: the one
+that would wait longest at its own (the work held ahead of it there, and queued there beyond its slots) if that and
+its own cost there come to more than its cost on the idle one (a spike's hits at one replica go on to recompute on
+the other once the line is longer than the recompute). Work stealing, as a thread pool's idle workers do; the router
+then counts the request at its new replica (``Pass.replica``). ``steal`` False: a held request stays where it was
+routed.
+
 Event loop only (the data path, aioproxy.py): nothing here takes a lock.
 """
 
@@ -30,11 +38,15 @@ MIN_COST = 1e-3  # seconds: a request priced at nothing (a whole hit) still has 
 @dataclass(eq=False)
 class _Held:
     price: Callable[[], float]  # its cost now: what it would hit may have changed since it came
+    price_at: Callable[[str], float | None] | None  # its cost at another replica; None: it cannot go there
     since: float
-    admitted: asyncio.Future[None]
+    admitted: asyncio.Future[str]  # the replica it is let through to
 
-    def ratio(self, now: float) -> float:
-        cost = max(self.price(), MIN_COST)
+    def cost(self) -> float:
+        return max(self.price(), MIN_COST)
+
+    def ratio(self, now: float, cost: float | None = None) -> float:
+        cost = self.cost() if cost is None else cost
         return (now - self.since + cost) / cost
 
 
@@ -48,16 +60,17 @@ class _Line:
 
 
 class Pass:
-    """A request let through to its replica; ``leave`` once it is over there (idempotent)."""
+    """A request let through to ``replica`` (the one it was held for, or an idle one that took it); ``leave`` once
+    it is over there (idempotent)."""
 
     def __init__(self, holds: Holds | None, replica: str, held_seconds: float) -> None:
-        self._holds, self._replica, self.held_seconds = holds, replica, held_seconds
+        self._holds, self.replica, self.held_seconds = holds, replica, held_seconds
         self._over = holds is None
 
     def leave(self) -> None:
         if not self._over and self._holds is not None:
             self._over = True
-            self._holds.leave(self._replica)
+            self._holds.leave(self.replica)
 
 
 NOT_HELD = Pass(None, "", 0.0)  # a request no line counts (not a generation, or a policy that holds nothing)
@@ -66,24 +79,33 @@ NOT_HELD = Pass(None, "", 0.0)  # a request no line counts (not a generation, or
 class Holds:
     """Per replica, the requests this router holds for it (module docstring)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, steal: bool = True) -> None:
         self._lines: dict[str, _Line] = {}
         self._clock = clock
+        self.steal = steal
 
     async def enter(
-        self, replica: str, slots: int, price: Callable[[], float], *, gone: asyncio.Future[None] | None = None
+        self,
+        replica: str,
+        slots: int,
+        price: Callable[[], float],
+        *,
+        price_at: Callable[[str], float | None] | None = None,
+        gone: asyncio.Future[None] | None = None,
     ) -> Pass:
         """Wait until ``replica`` has room for one more of this router's requests (at most ``slots + 1`` there),
-        then count this one there. ``price``: its seconds of service there, which order the waiting; asked only
-        while it waits, each time the next one is chosen (a prefix computed meanwhile makes it cheaper), so a
-        request let through at once is never priced. ``gone``: done when the client goes away, which ends the wait
-        (``ConnectionResetError``) and frees its place."""
+        then count this one there; or until another replica falls idle and takes it (``Pass.replica``). ``price``:
+        its seconds of service there, which order the waiting; asked only while it waits, each time the next one is
+        chosen (a prefix computed meanwhile makes it cheaper), so a request let through at once is never priced.
+        ``price_at``: the same at another replica (None: it cannot go there); without it, it is never moved.
+        ``gone``: done when the client goes away, which ends the wait (``ConnectionResetError``) and frees its
+        place."""
         line = self._lines.setdefault(replica, _Line())
         line.slots = slots
         if not line.held and line.sent < slots + 1:
             line.sent += 1
             return Pass(self, replica, 0.0)
-        entry = _Held(price, self._clock(), asyncio.get_running_loop().create_future())
+        entry = _Held(price, price_at, self._clock(), asyncio.get_running_loop().create_future())
         line.held.append(entry)
         try:
             if gone is None:
@@ -96,12 +118,13 @@ class Holds:
             if entry in line.held:
                 line.held.remove(entry)
             elif entry.admitted.done() and not entry.admitted.cancelled():
-                self.leave(replica)
+                self.leave(entry.admitted.result())
             raise
-        return Pass(self, replica, self._clock() - entry.since)
+        return Pass(self, entry.admitted.result(), self._clock() - entry.since)
 
     def leave(self, replica: str) -> None:
-        """One of this router's requests at ``replica`` is over: let the held ones through while there is room."""
+        """One of this router's requests at ``replica`` is over: let the held ones through while there is room,
+        and when none is held for it and it has a sequence free, take one held elsewhere that gains by moving."""
         line = self._lines.get(replica)
         if line is None:
             return
@@ -113,9 +136,41 @@ class Holds:
             if best.admitted.done():  # cancelled: its task removes nothing more
                 continue
             line.sent += 1
-            best.admitted.set_result(None)
+            best.admitted.set_result(replica)
+        while self.steal and not line.held and line.sent < line.slots and self._take(replica, line, now):
+            pass
         if not line.sent and not line.held:
             del self._lines[replica]
+
+    def _take(self, idle: str, line: _Line, now: float) -> bool:
+        """Move to ``idle`` (a sequence free there, nothing held for it) the held request that gains most by it:
+        per other line, the one that would go last there, whose wait is the work held ahead of it and queued there
+        beyond the replica's slots (the held ones' mean each). False when none would gain."""
+        best: tuple[float, str, _Held] | None = None
+        for name, home in self._lines.items():
+            waiting = [h for h in home.held if not h.admitted.done() and h.price_at is not None]
+            if name == idle or not waiting:
+                continue
+            costs = {h: h.cost() for h in home.held}
+            last = min(waiting, key=lambda h: h.ratio(now, costs[h]))
+            there = last.price_at(idle) if last.price_at is not None else None
+            if there is None:
+                continue
+            mean = sum(costs.values()) / len(costs)
+            stay = sum(costs.values()) + max(home.sent - home.slots, 0) * mean
+            gain = stay - max(there, MIN_COST)
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, name, last)
+        if best is None:
+            return False
+        _, source, chosen = best
+        home = self._lines[source]
+        home.held.remove(chosen)
+        if not home.sent and not home.held:
+            del self._lines[source]
+        line.sent += 1
+        chosen.admitted.set_result(idle)
+        return True
 
     def held(self) -> dict[str, int]:
         """Per replica, the requests held now (``/metrics``)."""

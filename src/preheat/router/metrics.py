@@ -28,6 +28,11 @@ class RouterMetrics:
             "preheat_router_requests_total", "Requests answered through the router, by replica and status code."
         )
         self.decisions = Counter("preheat_router_decisions_total", "Routing decisions by policy and reason.")
+        self.moved = Counter(
+            "preheat_router_moved_total",
+            "Held requests an idle replica took from another replica's line (router/hold.py), by the replica that took "
+            "them.",
+        )
         self.retries = Counter(
             "preheat_router_retries_total", "Requests retried on another replica after failing before a response."
         )
@@ -93,7 +98,7 @@ class RouterMetrics:
             self._held_now,
         )
         self._all: list[Series] = [
-            self.routed, self.decisions, self.retries, self.ejections, self.errors, self.refused,
+            self.routed, self.decisions, self.moved, self.retries, self.ejections, self.errors, self.refused,
             self.connections_refused, self.overhead, up, flight, index, reported, held_now,
             self.activations, self.wakes, self.sleeps, self.activation_seconds, self.wake_seconds,
         ]  # fmt: skip

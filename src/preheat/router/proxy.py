@@ -88,13 +88,16 @@ class Router:
         newest_version: bool = False,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        steal: bool = True,
     ) -> None:
+        """``steal``: an idle replica takes a request held for another (hold.py)."""
         self.replicas, self.policy, self.prompts = list(replicas), policy, prompts
         self.max_answer_bytes, self.max_event_bytes = max_answer_bytes, max_event_bytes
         self.newest_version = newest_version  # route only to replicas on the newest weights version (docs/refit.md)
         self.api_key = api_key
         self.replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
-        self.holds = Holds()  # kv's requests held for replicas that generate one sequence at a time (data path's)
+        # kv's requests held for replicas that generate one sequence at a time (the data path's)
+        self.holds = Holds(steal=steal)
         self.metrics = RouterMetrics(
             lambda: [(r.url, r.healthy, r.in_flight) for r in self.replicas],
             policy.index_sizes,

@@ -132,6 +132,15 @@ class RouterSettings:
             default_text="hold what a replica cannot start yet, cheapest first",
         ),
     )
+    # kv's held requests: a replica fallen idle takes the one held elsewhere that gains most by moving (hold.py).
+    steal: bool = field(
+        default=True,
+        metadata=option(
+            "kv: a held request stays at the replica it was routed to (PREHEAT_ROUTER_STEAL=0)",
+            flag="--no-steal",
+            default_text="an idle replica takes a held request that gains by moving",
+        ),
+    )
     # Per replica: prefix's routed keys; kv's keys per tier.
     index_keys: int = field(default=100_000, metadata=option("keys kept per replica (prefix), per tier (kv)"))
     index_ttl: float = field(default=600.0, metadata=option("prefix: seconds a key is remembered"))

@@ -250,7 +250,16 @@ def test_every_serve_and_router_setting_is_a_flag_of_its_name_and_a_variable_of_
     commands = dict(_commands())
     for command, settings, spelt_otherwise in (
         ("serve", ServeSettings, {}),
-        ("router", RouterSettings, {"replicas": "--replica", "wake": "--no-wake", "hold": "--no-hold"}),
+        (
+            "router",
+            RouterSettings,
+            {
+                "replicas": "--replica",
+                "wake": "--no-wake",
+                "hold": "--no-hold",
+                "steal": "--no-steal",
+            },
+        ),
     ):
         flags: dict[str, list[str]] = {}
         for action in _visible_options(commands[command]):

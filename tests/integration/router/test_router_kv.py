@@ -139,3 +139,41 @@ def test_kv_holds_what_a_replica_cannot_start_yet_and_answers_every_request(
     assert seen["held"] >= 1  # the burst waited at the router...
     assert seen["waiting"] <= 1  # ...not in the replica's queue: one generating, at most one waiting there
     assert left == 0
+
+
+def test_a_burst_over_two_replicas_with_requests_held_and_moved_leaves_nothing_counted(
+    kv_replicas: list[ServerProcess], kv_model: Path
+) -> None:
+    """A burst about two prompts, each cached on one replica: long answers about the first, short ones about the
+    second. ``kv`` routes each where it is cheapest, holds what a replica cannot start yet, and a replica done with
+    its own may take held ones (docs/router.md, *Held at the router*; whether it does depends on the replicas'
+    timings, so the move itself is tested in tests/unit/router). Every stream is answered, each replica's answers
+    add up to the burst, and nothing is left held or counted in flight at either replica."""
+    urls = [r.url for r in kv_replicas]
+    long = "The harbour master kept a ledger of every tide, every storm and every ship's name and cargo. " * 3
+    short = "In the valley below, a miller ground the wheat of seven villages and never once raised the price. " * 3
+    body = {"model": NAME, "stream": True}
+
+    def answered() -> dict[str, float]:
+        return {url: client.metric("preheat_router_requests_total", replica=url, status="200") for url in urls}
+
+    with running_router(urls, "kv", model=str(kv_model)) as router:
+        client = Client(router.url)
+        with ThreadPoolExecutor(14) as pool:
+            # Two at once, no hit anywhere: least-load sends one to each replica.
+            first = list(pool.map(lambda p: ask(router, p + "First"), (long, short)))
+            assert replica_of(first[0]) != replica_of(first[1])
+            wait_indexed(router, replica_of(first[0]), long + "First")
+            wait_indexed(router, replica_of(first[1]), short + "First")
+            before = answered()
+            burst = [pool.submit(client.stream, "/v1/completions", {**body, "prompt": long + f"Q{n}", "max_tokens":
+                     160}) for n in range(10)]  # fmt: skip
+            burst += [pool.submit(client.stream, "/v1/completions", {**body, "prompt": short + f"Q{n}", "max_tokens":
+                      2}) for n in range(2)]  # fmt: skip
+            streams = [s.result() for s in burst]
+        after = answered()
+        left = {url: (client.metric("preheat_router_held", replica=url), client.metric("preheat_router_in_flight",
+                replica=url)) for url in urls}  # fmt: skip
+    assert all(s.status == 200 and s.done and s.finish_reason in ("stop", "length") for s in streams)
+    assert sum(after.values()) - sum(before.values()) == len(burst)
+    assert left == dict.fromkeys(urls, (0, 0))

@@ -178,3 +178,79 @@ def test_a_held_request_is_priced_again_when_the_next_one_is_chosen() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["repriced", "middle"]
+
+
+def _moved_to(there: float | None, *, steal: bool = True) -> tuple[list[str], dict[str, int]]:
+    """Replica "a" with two sent and three hits held (1 s each), "b" with one sent; "b" finishes it and falls idle.
+    ``there``: what the held ones would cost on "b". The replicas each held one goes to, in the order they went, and
+    what is still held once "b" took its part."""
+
+    async def scenario() -> tuple[list[str], dict[str, int]]:
+        holds = Holds(Clock(), steal=steal)
+        at_a = [await holds.enter("a", 1, lambda: 1.0) for _ in range(2)]
+        at_b = await holds.enter("b", 1, lambda: 1.0)
+        went: list[str] = []
+
+        async def held() -> Pass:
+            admitted = await holds.enter("a", 1, lambda: 1.0, price_at=lambda name: there if name == "b" else None)
+            went.append(admitted.replica)
+            return admitted
+
+        tasks = [asyncio.create_task(held()) for _ in range(3)]
+        await _settle()
+        at_b.leave()
+        await _settle()
+        after_b = holds.held()
+        for admitted in at_a:
+            admitted.leave()
+        while holds.held():  # each one let through is over in turn
+            await _settle()
+            for task in tasks:
+                if task.done():
+                    task.result().leave()
+        await _settle()
+        for task in tasks:
+            task.result().leave()
+        assert not holds._lines
+        return went, after_b
+
+    return asyncio.run(scenario())
+
+
+def test_an_idle_replica_takes_the_held_request_that_gains_most_by_moving() -> None:
+    # At "a" the last held one waits for the two before it and the one queued there (3 s) besides its own 1 s; on
+    # "b" it costs 2 s (a recompute): it moves, the idle replica counts it, and the rest stay where they were routed.
+    went, after_b = _moved_to(2.0)
+    assert went[0] == "b"
+    assert sorted(went) == ["a", "a", "b"]
+    assert after_b == {"a": 2}
+
+
+def test_a_held_request_stays_where_moving_would_not_gain() -> None:
+    for there, steal in ((10.0, True), (None, True), (2.0, False)):  # dearer there, cannot go there, --no-steal
+        went, after_b = _moved_to(there, steal=steal)
+        assert "b" not in went
+        assert after_b == {"a": 3}
+
+
+def test_a_moved_request_leaves_the_line_of_the_replica_that_took_it() -> None:
+    async def scenario() -> None:
+        holds = Holds(Clock())
+        at_a = [await holds.enter("a", 1, lambda: 1.0) for _ in range(2)]
+        at_b = await holds.enter("b", 1, lambda: 1.0)
+        held = [asyncio.create_task(holds.enter("a", 1, lambda: 1.0, price_at=lambda _: 0.5)) for _ in range(2)]
+        await _settle()
+        at_b.leave()
+        await _settle()
+        moved = next(task.result() for task in held if task.done())
+        assert moved.replica == "b"
+        assert holds._lines["b"].sent == 1
+        assert holds._lines["a"].sent == 2
+        moved.leave()  # "b" is idle again: it takes the other one too
+        await _settle()
+        assert all(task.done() and task.result().replica == "b" for task in held)
+        for admitted in (*at_a, *(task.result() for task in held)):
+            admitted.leave()
+        assert not holds._lines
+
+    asyncio.run(scenario())

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 
 from preheat.core.errors import RouterError
 from preheat.kv.keys import chunk_keys
+from preheat.router.aioproxy import Attempt
 from preheat.router.index import KVIndex, PrefixIndex, parse_update
 from preheat.router.metrics import RouterMetrics
 from preheat.router.policies import Candidate, KVAware, LeastLoad, LoadGuard, RouteRequest
 from preheat.router.score import Estimate
+from preheat.router.upstream import Replica
 
 FINGERPRINT, CHUNK = "f" * 32, 4
 TOKENS = list(range(41))  # 10 cacheable chunks of 4 tokens (the last token is always computed)
@@ -161,3 +163,24 @@ def test_requests_are_held_only_for_a_replica_that_says_its_slots_and_priced_wit
 def test_a_replica_saying_slots_out_of_bounds_is_refused(slots: object) -> None:
     with pytest.raises(RouterError, match=r"load\.slots"):
         parse_update({**snapshot(0), "load": {"running": 0, "waiting": 0, "slots": slots}}, "r")
+
+
+def test_a_request_moved_from_the_hold_is_counted_at_the_replica_that_took_it() -> None:
+    """aioproxy's ``Attempt.move`` (router/hold.py: an idle replica took a held request): the first replica's count,
+    queue and in-flight keys lose it, the second's gain it, and a later failure there settles it there, once."""
+    kv = kv_policy({"http://a:1": 10, "http://b:1": 0})
+    a, b = Replica("http://a:1"), Replica("http://b:1")
+    request = RouteRequest(token_ids=TOKENS)
+    kv.choose(request, [Candidate(a.url, 0, 1.0), Candidate(b.url, 0, 1.0)])
+    attempt = Attempt(a, kv, request)
+    assert (a.in_flight, kv.in_flight.sizes(), len(kv.queue(Candidate(a.url, 1, 1.0), (0, 0), 0).waiting)) == (
+        1, {a.url: len(request.in_flight_keys)}, 1)  # fmt: skip
+    assert attempt.move(b) is b
+    assert attempt.replica is b
+    assert (a.in_flight, b.in_flight) == (0, 1)
+    assert set(kv.in_flight.sizes()) == {b.url}
+    assert not kv.queue(Candidate(a.url, 0, 1.0), (0, 0), 0).waiting
+    assert len(kv.queue(Candidate(b.url, 1, 1.0), (0, 0), 0).waiting) == 1
+    attempt.fail()
+    attempt.fail()
+    assert (a.in_flight, b.in_flight, kv.in_flight.sizes()) == (0, 0, {})
