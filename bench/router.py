@@ -86,6 +86,7 @@ class Result:
     errors: int = 0
     seconds: float = 0.0
     run_means: list[float] = field(default_factory=list)  # each run's mean TTFT, with --repeat
+    moved: int = 0  # preheat kv: held requests an idle replica took from another's line (docs/router.md)
 
     def add(self, run: Result) -> None:
         """Pool another run of the same workload and contender into this one."""
@@ -97,6 +98,7 @@ class Result:
             self.per_replica[f"#{i}"] = self.per_replica.get(f"#{i}", 0) + n
         self.errors += run.errors
         self.seconds += run.seconds
+        self.moved += run.moved
         self.run_means.append(statistics.fmean(run.ttfts) if run.ttfts else float("nan"))
 
     def row(self) -> dict[str, Any]:  # Any: JSON-ready values
@@ -113,6 +115,7 @@ class Result:
             "requests_per_replica": sorted(self.per_replica.values(), reverse=True),
             "errors": self.errors,
             "seconds": self.seconds,
+            "moved": self.moved,
         }
 
 
@@ -240,6 +243,9 @@ def run_one(workload: str, router: str, *, model: str, peers: Path, logs: Path, 
             preheat_args = ["--kv-chunk-tokens", str(args.kv_chunk_tokens)]
             with running_router(router, [r.url for r in replicas], peers, model, log, preheat_args=preheat_args) as url:
                 run_sessions(url, result, WORKLOADS[workload](args), args.max_tokens)
+                if router.startswith("preheat "):
+                    metrics = urlopen_text(url + "/metrics")
+                    result.moved = int(_metric(metrics, "preheat_router_moved_total", every=True))
         finally:
             for replica in replicas:
                 replica.stop()
@@ -288,11 +294,15 @@ def urlopen_text(url: str) -> str:
         return str(response.read().decode())
 
 
-def _metric(text_: str, name: str) -> float:
+def _metric(text_: str, name: str, *, every: bool = False) -> float:
+    """The value of the series ``name`` without labels; ``every``: the sum of its series with labels too."""
+    total = 0.0
     for line in text_.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
-    return 0.0
+        if every and line.startswith(name + "{"):
+            total += float(line.split()[-1])
+    return total
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -307,6 +317,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             row["p90_x_best"] = row["p90_ttft_s"] / best_p90
             per = "/".join(map(str, row["requests_per_replica"])) or "-"
             errors = f"  ({row['errors']} errors)" if row["errors"] else ""
+            errors += f"  ({row['moved']} moved)" if row["moved"] else ""
             means = row["run_means_s"]
             spread = f"{min(means) * 1e3:.0f}-{max(means) * 1e3:.0f}ms" if len(means) > 1 else "-"
             print(f"{workload:<8} {row['router']:<24} {row['mean_ttft_s'] * 1e3:>8.0f}ms {row['mean_x_best']:>6.2f}x "
