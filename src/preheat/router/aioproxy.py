@@ -455,6 +455,8 @@ class ClientConnection:
                     continue
                 return None
             conn, answer, reader, look, sent = outcome
+            if attempt.replica is not replica:  # an idle replica took it from the hold (hold.py)
+                decision = Decision(attempt.replica.url, "moved", decision.estimate)
             return AioExchange(
                 attempt.replica, decision, conn, answer, reader, sent=sent, tries=tries, look=look,
                 admitted=attempt.admitted, held=held,

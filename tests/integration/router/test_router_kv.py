@@ -172,8 +172,12 @@ def test_a_burst_over_two_replicas_with_requests_held_and_moved_leaves_nothing_c
                       2}) for n in range(2)]  # fmt: skip
             streams = [s.result() for s in burst]
         after = answered()
+        moved = {url: client.metric("preheat_router_moved_total", replica=url) for url in urls}
         left = {url: (client.metric("preheat_router_held", replica=url), client.metric("preheat_router_in_flight",
                 replica=url)) for url in urls}  # fmt: skip
     assert all(s.status == 200 and s.done and s.finish_reason in ("stop", "length") for s in streams)
     assert sum(after.values()) - sum(before.values()) == len(burst)
+    # Each request moved says so, and counts at the replica that answered it.
+    said = [(s.headers["X-Preheat-Replica"]) for s in streams if s.headers["X-Preheat-Route"] == "moved"]
+    assert {url: said.count(url) for url in urls} == moved
     assert left == dict.fromkeys(urls, (0, 0))
