@@ -471,8 +471,8 @@ class ClientConnection:
         if request is not None:
             attempt.admitted = await self.admit(replica, request)
             if attempt.admitted is not NOT_HELD and attempt.admitted.replica != replica.url:  # moved while held
-                moved = next((r for r in router.replicas if r.url == attempt.admitted.replica), None)
-                if moved is None:  # gone from the fleet meanwhile: try again, from the start
+                moved = next((r for r in router.healthy() if r.url == attempt.admitted.replica), None)
+                if moved is None:  # out of rotation meanwhile: try again, from the start
                     attempt.fail()
                     return True
                 replica = attempt.move(moved)
@@ -775,6 +775,7 @@ class Attempt:
         if self.request is not None:
             self.policy.answered(self.request, self.replica.url, ok=False)
             self.policy.sent(self.request, to.url)
+            self.request.held_seconds = 0.0  # sent to ``to`` now, after its hold: none of it is ``to``'s wait
         self.replica = to
         return to
 

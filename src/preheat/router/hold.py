@@ -28,9 +28,12 @@ Event loop only (the data path, aioproxy.py): nothing here takes a lock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger("preheat.router")
 
 MIN_COST = 1e-3  # seconds: a request priced at nothing (a whole hit) still has a finite ratio
 
@@ -137,8 +140,11 @@ class Holds:
                 continue
             line.sent += 1
             best.admitted.set_result(replica)
-        while self.steal and not line.held and line.sent < line.slots and self._take(replica, line, now):
-            pass
+        try:
+            while self.steal and not line.held and line.sent < line.slots and self._take(replica, line, now):
+                pass
+        except Exception:  # a price that failed: nothing moves, and the request that is over still leaves
+            log.exception("work stealing for %s failed; nothing moved", replica)
         if not line.sent and not line.held:
             del self._lines[replica]
 
@@ -152,7 +158,8 @@ class Holds:
             if name == idle or not waiting:
                 continue
             costs = {h: h.cost() for h in home.held}
-            last = min(waiting, key=lambda h: h.ratio(now, costs[h]))
+            # The last of equal ratios: leave() lets the first of them through first.
+            last = min(reversed(waiting), key=lambda h: h.ratio(now, costs[h]))
             there = last.price_at(idle) if last.price_at is not None else None
             if there is None:
                 continue

@@ -180,23 +180,23 @@ def test_a_held_request_is_priced_again_when_the_next_one_is_chosen() -> None:
     assert asyncio.run(scenario()) == ["repriced", "middle"]
 
 
-def _moved_to(there: float | None, *, steal: bool = True) -> tuple[list[str], dict[str, int]]:
+def _moved_to(there: float | None, *, steal: bool = True) -> tuple[list[tuple[int, str]], dict[str, int]]:
     """Replica "a" with two sent and three hits held (1 s each), "b" with one sent; "b" finishes it and falls idle.
-    ``there``: what the held ones would cost on "b". The replicas each held one goes to, in the order they went, and
-    what is still held once "b" took its part."""
+    ``there``: what the held ones would cost on "b". Each held one's arrival (0-2) and the replica it went to, in the
+    order they went, and what is still held once "b" took its part."""
 
-    async def scenario() -> tuple[list[str], dict[str, int]]:
+    async def scenario() -> tuple[list[tuple[int, str]], dict[str, int]]:
         holds = Holds(Clock(), steal=steal)
         at_a = [await holds.enter("a", 1, lambda: 1.0) for _ in range(2)]
         at_b = await holds.enter("b", 1, lambda: 1.0)
-        went: list[str] = []
+        went: list[tuple[int, str]] = []
 
-        async def held() -> Pass:
+        async def held(n: int) -> Pass:
             admitted = await holds.enter("a", 1, lambda: 1.0, price_at=lambda name: there if name == "b" else None)
-            went.append(admitted.replica)
+            went.append((n, admitted.replica))
             return admitted
 
-        tasks = [asyncio.create_task(held()) for _ in range(3)]
+        tasks = [asyncio.create_task(held(n)) for n in range(3)]
         await _settle()
         at_b.leave()
         await _settle()
@@ -221,15 +221,15 @@ def test_an_idle_replica_takes_the_held_request_that_gains_most_by_moving() -> N
     # At "a" the last held one waits for the two before it and the one queued there (3 s) besides its own 1 s; on
     # "b" it costs 2 s (a recompute): it moves, the idle replica counts it, and the rest stay where they were routed.
     went, after_b = _moved_to(2.0)
-    assert went[0] == "b"
-    assert sorted(went) == ["a", "a", "b"]
+    assert went[0] == (2, "b")  # of equal ratios the last to come: the others go first at "a"
+    assert sorted(went) == [(0, "a"), (1, "a"), (2, "b")]
     assert after_b == {"a": 2}
 
 
 def test_a_held_request_stays_where_moving_would_not_gain() -> None:
     for there, steal in ((10.0, True), (None, True), (2.0, False)):  # dearer there, cannot go there, --no-steal
         went, after_b = _moved_to(there, steal=steal)
-        assert "b" not in went
+        assert all(replica == "a" for _, replica in went)
         assert after_b == {"a": 3}
 
 
@@ -254,3 +254,24 @@ def test_a_moved_request_leaves_the_line_of_the_replica_that_took_it() -> None:
         assert not holds._lines
 
     asyncio.run(scenario())
+
+
+def test_an_idle_replica_takes_from_the_line_where_moving_gains_most() -> None:
+    async def scenario() -> tuple[int, int]:
+        holds = Holds(Clock())
+        for replica in ("a", "c"):
+            for _ in range(2):
+                await holds.enter(replica, 1, lambda: 1.0)
+        at_b = await holds.enter("b", 1, lambda: 1.0)
+        # "a" holds three, "c" one, each with one queued there: moving gains 3 + 1 - 1.5 from "a", 1 + 1 - 1.5 from "c".
+        tasks = [asyncio.create_task(holds.enter(replica, 1, lambda: 1.0, price_at=lambda _: 1.5))
+                 for replica in ("a", "a", "a", "c")]  # fmt: skip
+        await _settle()
+        at_b.leave()
+        await _settle()
+        moved = [n for n, task in enumerate(tasks) if task.done() and task.result().replica == "b"]
+        for task in tasks:
+            task.cancel()
+        return holds.held()["a"], moved[0]
+
+    assert asyncio.run(scenario()) == (2, 2)

@@ -173,9 +173,11 @@ def test_a_request_moved_from_the_hold_is_counted_at_the_replica_that_took_it() 
     request = RouteRequest(token_ids=TOKENS)
     kv.choose(request, [Candidate(a.url, 0, 1.0), Candidate(b.url, 0, 1.0)])
     attempt = Attempt(a, kv, request)
+    request.held_seconds = 0.3  # held at "a"'s line before "b" took it
     assert (a.in_flight, kv.in_flight.sizes(), len(kv.queue(Candidate(a.url, 1, 1.0), (0, 0), 0).waiting)) == (
         1, {a.url: len(request.in_flight_keys)}, 1)  # fmt: skip
     assert attempt.move(b) is b
+    assert request.held_seconds == 0.0  # sent to "b" after the hold: its first byte there is timed from now
     assert attempt.replica is b
     assert (a.in_flight, b.in_flight) == (0, 1)
     assert set(kv.in_flight.sizes()) == {b.url}
