@@ -56,7 +56,7 @@ from preheat.http.wire import (
 )
 from preheat.router.capacity import refused_code, saturated
 from preheat.router.hold import NOT_HELD, Pass
-from preheat.router.policies import Candidate, Decision, Policy, RouteRequest
+from preheat.router.policies import Decision, Policy, RouteRequest
 from preheat.router.prompts import ROUTE_KINDS, SESSION_HEADER
 from preheat.router.proxy import (
     HOP_HEADERS,
@@ -71,6 +71,7 @@ from preheat.router.proxy import (
     RouterHandler,
     RouterRoutes,
     _once,
+    candidate,
     event_too_large,
 )
 from preheat.router.sse import EventFramer
@@ -471,7 +472,7 @@ class ClientConnection:
         if request is not None:
             attempt.admitted = await self.admit(replica, request)
             if attempt.admitted is not NOT_HELD and attempt.admitted.replica != replica.url:  # moved while held
-                moved = next((r for r in router.healthy() if r.url == attempt.admitted.replica), None)
+                moved = router.in_rotation(attempt.admitted.replica)
                 if moved is None:  # out of rotation meanwhile: try again, from the start
                     attempt.fail()
                     return True
@@ -517,19 +518,17 @@ class ClientConnection:
         if slots is None:
             return NOT_HELD
 
-        def cost(there: Replica) -> float:  # its cost there as it would be now, asked only while it is held
-            now = Candidate(there.url, there.in_flight, there.service_seconds, there.finished)
-            return policy.hold_cost(request, now)
-
         def cost_at(name: str) -> float | None:  # at a replica fallen idle, if it is one that holds requests too
-            there = next((r for r in self.router.healthy() if r.url == name), None)
+            there = self.router.in_rotation(name)
             if there is None or policy.hold_slots(request, name) is None:
                 return None
-            return cost(there)
+            return policy.hold_cost(request, candidate(there))
 
+        # Its cost as it would be now, asked only while it is held.
         admitted = await self.router.holds.enter(
-            replica.url, slots, lambda: cost(replica), price_at=cost_at, gone=self.client.lost()
-        )
+            replica.url, slots, lambda: policy.hold_cost(request, candidate(replica)), price_at=cost_at,
+            gone=self.client.lost(),
+        )  # fmt: skip
         request.held_seconds = admitted.held_seconds
         return admitted
 

@@ -172,14 +172,22 @@ class Router:
         self.metrics.ejections.inc(replica=replica.url)
         log.warning("replica %s ejected: %s", replica.url, why)
 
+    def in_rotation(self, url: str) -> Replica | None:
+        """The replica at ``url`` if it is among ``healthy()`` now."""
+        return next((r for r in self.healthy() if r.url == url), None)
+
     def choose(self, request: RouteRequest, pool: Sequence[Replica], retry: bool = False) -> tuple[Replica, Decision]:
-        candidates = [
-            Candidate(r.url, r.in_flight, r.service_seconds, r.finished, r.load, r.load_finished) for r in pool
-        ]
+        candidates = [candidate(r) for r in pool]
         decision = self.policy.choose(request, candidates)
         reason = "retry" if retry else decision.reason
         self.metrics.decisions.inc(policy=self.policy.name, reason=reason)
         return next(r for r in pool if r.url == decision.replica), decision
+
+
+def candidate(replica: Replica) -> Candidate:
+    """What a policy knows of ``replica`` now."""
+    r = replica
+    return Candidate(r.url, r.in_flight, r.service_seconds, r.finished, r.load, r.load_finished)
 
 
 class RouterRoutes:
