@@ -29,7 +29,9 @@ queueing included), the prompt-token hit rate (``cached_tokens / prompt_tokens``
 per replica (preheat's router names the replica; the peers do not), and the ratios of the mean and p90 to the best
 contender's in the same workload. Then the router's overhead: 2 x N small non-streaming completions, alternately
 straight to a replica and through preheat's router in front of it alone (the difference of the medians, next to the
-router's own ``preheat_router_overhead_seconds`` mean).
+router's own ``preheat_router_overhead_seconds`` mean). With ``--repeat``, ``--paired``'s (``kv``'s) mean over each
+other contender's, repeat by repeat, and in how many repeats it was the lower; ``--json`` keeps every request too
+(its session, round, TTFT, tokens and replica), to compare two contenders' decisions request by request.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class Result:
     seconds: float = 0.0
     run_means: list[float] = field(default_factory=list)  # each run's mean TTFT, with --repeat
     moved: int = 0  # preheat kv: held requests an idle replica took from another's line (docs/router.md)
+    # One entry per answered request (run, session, round, sent at s into the run, TTFT, tokens, replica): for the
+    # JSON, where two contenders' decisions and waits can be compared request by request.
+    requests: list[dict[str, Any]] = field(default_factory=list)  # Any: JSON-ready values
 
     def add(self, run: Result) -> None:
         """Pool another run of the same workload and contender into this one."""
@@ -99,6 +104,7 @@ class Result:
         self.errors += run.errors
         self.seconds += run.seconds
         self.moved += run.moved
+        self.requests += [{**request, "run": len(self.run_means)} for request in run.requests]
         self.run_means.append(statistics.fmean(run.ttfts) if run.ttfts else float("nan"))
 
     def row(self) -> dict[str, Any]:  # Any: JSON-ready values
@@ -116,6 +122,7 @@ class Result:
             "errors": self.errors,
             "seconds": self.seconds,
             "moved": self.moved,
+            "samples": self.requests,
         }
 
 
@@ -196,12 +203,13 @@ def run_sessions(url: str, result: Result, sessions: Sequence[Session], max_toke
     lock = threading.Lock()
     began = time.perf_counter()
 
-    def client(session: Session) -> None:
+    def client(index: int, session: Session) -> None:
         time.sleep(max(session.start - (time.perf_counter() - began), 0.0))
         messages = list(session.messages)
         for r in range(1 + len(session.follow_ups)):
             body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            at = time.perf_counter() - began
             try:
                 ttft, usage, answer, replica = post_stream(url, body)
             except (OSError, RuntimeError, http.client.HTTPException) as exc:
@@ -215,13 +223,19 @@ def run_sessions(url: str, result: Result, sessions: Sequence[Session], max_toke
                 result.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
                 if replica != "?":
                     result.per_replica[replica] = result.per_replica.get(replica, 0) + 1
+                result.requests.append({
+                    "session": index, "round": r, "at_s": round(at, 4), "ttft_s": round(ttft, 4),
+                    "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+                    "cached_tokens": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+                    "replica": replica,
+                })  # fmt: skip
             if r < len(session.follow_ups):
                 messages += [
                     {"role": "assistant", "content": answer},
                     {"role": "user", "content": session.follow_ups[r]},
                 ]
 
-    threads = [threading.Thread(target=client, args=(s,)) for s in sessions]
+    threads = [threading.Thread(target=client, args=(i, s)) for i, s in enumerate(sessions)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -325,6 +339,25 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"{per:>12} {spread:>18}{errors}")  # fmt: skip
 
 
+def print_paired(rows: list[dict[str, Any]], against: str) -> None:
+    """``against``'s mean over each other contender's, repeat by repeat. One repeat runs every contender within a few
+    minutes, so a drift of the machine's speed over the whole run falls on both sides of each ratio; how often
+    ``against`` is lower, out of the repeats, is a sign test the pooled means cannot give."""
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = {r["router"]: r for r in rows if r["workload"] == workload}
+        if against not in mine or len(mine[against]["run_means_s"]) < 2:
+            continue
+        print(f"{workload}: {against}'s mean / each contender's, repeat by repeat")
+        for router, row in mine.items():
+            if router == against:
+                continue
+            ratios = [a / b for a, b in zip(mine[against]["run_means_s"], row["run_means_s"], strict=True)]
+            lower = sum(r < 1.0 for r in ratios)
+            row[f"paired_{against.replace(' ', '_')}"] = ratios
+            print(f"  vs {router:<24} {' '.join(f'{r:.2f}' for r in ratios)}  (lower in {lower} of {len(ratios)}; "
+                  f"geometric mean {statistics.geometric_mean(ratios):.3f})")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="chat,private,hot", help="comma-separated, of " + ",".join(WORKLOADS))
@@ -344,6 +377,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per workload and contender (fresh replicas each), pooled: the table gives the mean "
                              "and p90 of every request of every run, and the range of the runs' means")  # fmt: skip
+    parser.add_argument("--paired", default="preheat kv",
+                        help="with --repeat: this contender's mean over each other's, repeat by repeat")  # fmt: skip
     parser.add_argument("--overhead-requests", type=int, default=50, help="0: skip the overhead measurement")
     parser.add_argument("--logs", default=None, help="keep the routers' logs in this directory")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -375,6 +410,7 @@ def main() -> int:
     print(f"\n2 replicas of SmolLM2-135M-Instruct f32 on CPU, L1 {args.kv_l1} each, seed {args.seed}, "
           f"{args.repeat} run(s) each")
     print_table(rows)
+    print_paired(rows, args.paired)
     if overhead is not None:
         print(
             f"router overhead (small non-streaming, median of {args.overhead_requests}): "
@@ -383,7 +419,8 @@ def main() -> int:
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"rows": rows, "overhead": overhead, "args": vars(args)}, handle, indent=2)
+            requests = {f"{row['workload']}: {row['router']}": row.pop("samples") for row in rows}
+            json.dump({"rows": rows, "overhead": overhead, "args": vars(args), "requests": requests}, handle, indent=1)
     return 0
 
 
