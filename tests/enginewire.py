@@ -33,12 +33,16 @@ class WirePublisher:
     """``publish(payload)`` numbers and sends a batch and keeps it for replay; ``publish(payload, drop=True)`` keeps
     it without sending (a message lost on the way); ``send_raw(frames)`` sends anything at all."""
 
-    def __init__(self, *, replay: bool = True, start_seq: int = 0) -> None:
+    def __init__(self, *, replay: bool = True, start_seq: int = 0, ipc: str | None = None) -> None:
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if ipc is not None:  # a Unix socket at this path: an engine on the router's own host
+            self.endpoint = f"ipc://{ipc}"
+            self.pub.bind(self.endpoint)
+        else:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self.buffer: list[tuple[int, bytes]] = []
         self.seq = start_seq
         self.replays = 0

@@ -107,9 +107,11 @@ class VLLMServer:
         return f"{self.url},events=tcp://127.0.0.1:{self.events},replay=tcp://127.0.0.1:{self.replay}"
 
     def start(self) -> None:
+        # vLLM binds its PUB socket only to a wildcard (``tcp://*``; a host address makes it connect instead) and
+        # its replay socket to whatever it is given: the replay stays on loopback (docs/security.md, *Router*).
         config = (
             '{"enable_kv_cache_events": true, "publisher": "zmq", '
-            f'"endpoint": "tcp://*:{self.events}", "replay_endpoint": "tcp://*:{self.replay}"}}'
+            f'"endpoint": "tcp://*:{self.events}", "replay_endpoint": "tcp://127.0.0.1:{self.replay}"}}'
         )
         command = serve_command(
             self.model,

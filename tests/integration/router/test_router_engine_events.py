@@ -292,6 +292,22 @@ def test_a_gap_in_sequence_numbers_is_filled_from_the_replay_socket(
     assert subscribed.count("unmapped") == 0
 
 
+def test_events_over_a_unix_socket_reach_the_router(tmp_path: Path) -> None:
+    # docs/security.md: an engine on the router's host publishes on ipc://, not on every interface.
+    wire = WirePublisher(ipc=str(tmp_path / "kv-events"))
+    sub = Subscribed(wire)
+    sub.subscriber.start()
+    try:
+        wire.wait_subscribed()
+        for payload in payloads("vllm-0.33.0")[:2]:
+            wire.publish(payload)
+        wait_until(lambda: sub.holds("gpu", keys(PROMPT)), "the blocks published over ipc://")
+        assert sub.count("gap") == 0
+    finally:
+        sub.subscriber.stop()
+        wire.close()
+
+
 def test_a_gap_without_replay_is_counted_and_later_blocks_still_map(caplog: pytest.LogCaptureFixture) -> None:
     publisher = WirePublisher(replay=False)
     sub = Subscribed(publisher)
