@@ -29,9 +29,11 @@ queueing included), the prompt-token hit rate (``cached_tokens / prompt_tokens``
 per replica (preheat's router names the replica; the peers do not), and the ratios of the mean and p90 to the best
 contender's in the same workload. Then the router's overhead: 2 x N small non-streaming completions, alternately
 straight to a replica and through preheat's router in front of it alone (the difference of the medians, next to the
-router's own ``preheat_router_overhead_seconds`` mean). With ``--repeat``, ``--paired``'s (``kv``'s) mean over each
-other contender's, repeat by repeat, and in how many repeats it was the lower; ``--json`` keeps every request too
-(its session, round, TTFT, tokens and replica), to compare two contenders' decisions request by request.
+router's own ``preheat_router_overhead_seconds`` mean). Each row also gives the router's own CPU seconds per run
+(it shares the replicas' two cores here), and preheat's rows their decisions by reason (in the JSON). With
+``--repeat``, ``--paired``'s (``kv``'s) mean over each other contender's, repeat by repeat, and in how many repeats
+it was the lower; ``--json`` keeps every request too (its session, round, TTFT, tokens and replica), to compare two
+contenders' decisions request by request.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class Result:
     seconds: float = 0.0
     run_means: list[float] = field(default_factory=list)  # each run's mean TTFT, with --repeat
     moved: int = 0  # preheat kv: held requests an idle replica took from another's line (docs/router.md)
+    router_cpu_s: float = 0.0  # the router's own CPU seconds, start-up included: it shares the replicas' cores
+    reasons: dict[str, int] = field(default_factory=dict)  # preheat: its decisions by reason (docs/router.md)
     # One entry per answered request (run, session, round, sent at s into the run, TTFT, tokens, replica): for the
     # JSON, where two contenders' decisions and waits can be compared request by request.
     requests: list[dict[str, Any]] = field(default_factory=list)  # Any: JSON-ready values
@@ -104,6 +108,9 @@ class Result:
         self.errors += run.errors
         self.seconds += run.seconds
         self.moved += run.moved
+        self.router_cpu_s += run.router_cpu_s
+        for reason, n in run.reasons.items():
+            self.reasons[reason] = self.reasons.get(reason, 0) + n
         self.requests += [{**request, "run": len(self.run_means)} for request in run.requests]
         self.run_means.append(statistics.fmean(run.ttfts) if run.ttfts else float("nan"))
 
@@ -122,6 +129,8 @@ class Result:
             "errors": self.errors,
             "seconds": self.seconds,
             "moved": self.moved,
+            "router_cpu_s": self.router_cpu_s,
+            "reasons": self.reasons,
             "samples": self.requests,
         }
 
@@ -255,11 +264,15 @@ def run_one(workload: str, router: str, *, model: str, peers: Path, logs: Path, 
                 replica.wait_ready()
             log = logs / f"{workload}-{router.replace(' ', '-')}.log"
             preheat_args = ["--kv-chunk-tokens", str(args.kv_chunk_tokens)]
-            with running_router(router, [r.url for r in replicas], peers, model, log, preheat_args=preheat_args) as url:
+            usage: dict[str, float] = {}
+            urls = [r.url for r in replicas]
+            with running_router(router, urls, peers, model, log, preheat_args=preheat_args, usage=usage) as url:
                 run_sessions(url, result, WORKLOADS[workload](args), args.max_tokens)
                 if router.startswith("preheat "):
                     metrics = urlopen_text(url + "/metrics")
                     result.moved = int(_metric(metrics, "preheat_router_moved_total", every=True))
+                    result.reasons = _reasons(metrics)
+            result.router_cpu_s = usage.get("cpu_s", 0.0)
         finally:
             for replica in replicas:
                 replica.stop()
@@ -319,9 +332,19 @@ def _metric(text_: str, name: str, *, every: bool = False) -> float:
     return total
 
 
+def _reasons(text_: str) -> dict[str, int]:
+    """``preheat_router_decisions_total`` by reason."""
+    counts: dict[str, int] = {}
+    for line in text_.splitlines():
+        if line.startswith("preheat_router_decisions_total{") and 'reason="' in line:
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            counts[reason] = counts.get(reason, 0) + int(float(line.split()[-1]))
+    return counts
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'workload':<8} {'router':<24} {'mean TTFT':>10} {'x best':>7} {'p90 TTFT':>10} {'x best':>7} "
-          f"{'hit rate':>9} {'per replica':>12} {'runs: mean range':>18}")  # fmt: skip
+          f"{'hit rate':>9} {'per replica':>12} {'router CPU/run':>15} {'runs: mean range':>18}")  # fmt: skip
     for workload in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == workload]
         best_mean = min(r["mean_ttft_s"] for r in mine)
@@ -336,7 +359,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             spread = f"{min(means) * 1e3:.0f}-{max(means) * 1e3:.0f}ms" if len(means) > 1 else "-"
             print(f"{workload:<8} {row['router']:<24} {row['mean_ttft_s'] * 1e3:>8.0f}ms {row['mean_x_best']:>6.2f}x "
                   f"{row['p90_ttft_s'] * 1e3:>8.0f}ms {row['p90_x_best']:>6.2f}x {row['hit_rate']:>8.1%} "
-                  f"{per:>12} {spread:>18}{errors}")  # fmt: skip
+                  f"{per:>12} {row['router_cpu_s'] / max(len(means), 1):>14.2f}s {spread:>18}{errors}")  # fmt: skip
 
 
 def print_paired(rows: list[dict[str, Any]], against: str) -> None:
@@ -402,7 +425,8 @@ def main() -> int:
                     run = run_one(workload, router, model=model, peers=peers, logs=logs, args=args)
                     row = run.row()
                     print(f"  mean {row['mean_ttft_s']:.2f} s, p90 {row['p90_ttft_s']:.2f} s, hit rate "
-                          f"{row['hit_rate']:.1%}, {row['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+                          f"{row['hit_rate']:.1%}, {row['seconds']:.0f} s, router CPU {row['router_cpu_s']:.2f} s",
+                          file=sys.stderr, flush=True)  # fmt: skip
                     pooled[router].add(run)
             rows += [pooled[router].row() for router in routers]
         if args.overhead_requests:

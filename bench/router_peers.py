@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -85,9 +86,11 @@ def running_router(
     *,
     preheat_args: Sequence[str] = (),
     settle: float = 1.0,
+    usage: dict[str, float] | None = None,
 ) -> Iterator[str]:
     """Contender ``name`` started in front of ``upstreams`` (its output in ``log_path``); yields its URL once its
-    ``/health`` answers and ``settle`` seconds passed (its first health checks of the replicas), stops it after."""
+    ``/health`` answers and ``settle`` seconds passed (its first health checks of the replicas), stops it after.
+    ``usage["cpu_s"]``, when given: the CPU seconds it used, start-up included (it shares the cores it routes to)."""
     port = free_port()
     with open(log_path, "wb") as log:
         command = router_command(name, port, upstreams, peers, tokenizer, preheat_args=preheat_args)
@@ -98,9 +101,13 @@ def running_router(
             time.sleep(settle)
             yield url
         finally:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped children only: the router, once waited
             proc.terminate()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+            if usage is not None:
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                usage["cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
