@@ -191,7 +191,8 @@ class ColdStarter:
             raise ColdStartError(f"refused {model}: {_message(answer)}", refused=code == "model_not_allowed")
         if answer.status not in (200, 202) and code not in ("is_loading", "is_ready"):
             raise ColdStartError(f"{LOAD_ROUTE} answered {answer.status}: {_message(answer)}")
-        self._until_ready(replica, waiting=("loading", "warming", "standby"), gone=STANDBY)
+        # "serving" with a 503: a vLLM standby handing its socket to vLLM's own server, which answers 200 next.
+        self._until_ready(replica, waiting=("loading", "warming", "standby", "serving"), gone=STANDBY)
 
     def _wake(self, replica: Replica) -> None:
         if replica.sleep_protocol == sleeping.VLLM:

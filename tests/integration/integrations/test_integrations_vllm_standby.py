@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,10 @@ from preheat.core.errors import ConfigError
 from preheat.integrations.vllm.standby import StandbyServer, hand_over, told_to_load
 from preheat.integrations.vllm.standby_control import StandbyState
 from preheat.integrations.vllm.standby_settings import VllmStandbySettings
+from preheat.router.activation import ColdSettings, ColdStarter
+from preheat.router.metrics import RouterMetrics
+from preheat.router.upstream import Replica
+from routing import wait_until
 from serving import Client
 
 
@@ -22,6 +28,18 @@ from serving import Client
 def models(tmp_path: Path) -> Path:
     (tmp_path / "smol").mkdir()
     return tmp_path
+
+
+class Healthy(BaseHTTPRequestHandler):
+    """vLLM's server once it serves, as far as the router's activation asks: ``/health`` is 200."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
 
 
 def start(models: Path, admin_key: str | None = None) -> StandbyServer:
@@ -147,6 +165,35 @@ def test_the_hand_over_stops_answering_but_keeps_the_socket_listening(models: Pa
             with pytest.raises(TimeoutError):
                 conn.recv(1)
     finally:
+        server.server_close()
+
+
+def test_a_router_activation_waits_through_the_hand_over_until_vllms_server_answers(models: Path) -> None:
+    # Between the hand-over and vLLM's server taking the socket, the standby's /health is 503 "serving": the
+    # router's activation waits on through it (it once failed there, "/health says serving", now and then).
+    server = start(models)
+    vllm: ThreadingHTTPServer | None = None
+    try:
+        replica = Replica(url(server), standby=True)
+        replica.phase = "standby"
+        admitted: list[str] = []
+        settings = ColdSettings(model=str(models / "smol"))
+        starter = ColdStarter([replica], lambda r, why: admitted.append(r.url), RouterMetrics(list), settings)
+        assert starter.need("no replica in rotation")
+        wait_until(lambda: bool(server.requests), "the router's load request", 10.0)
+        server.state.handed_over()
+        time.sleep(0.5)  # ten of the router's /health polls see "serving"
+        assert starter.errors == {}
+        assert Client(url(server)).get("/health").json() == {"status": "serving", "prepared": False}
+        hand_over(server)()
+        vllm = ThreadingHTTPServer(server.server_address, Healthy, bind_and_activate=False)
+        vllm.socket = server.socket  # what vLLM's server does: serve the socket the standby kept listening
+        threading.Thread(target=vllm.serve_forever, args=(0.05,), daemon=True).start()
+        wait_until(lambda: bool(admitted), "the activation to end", 10.0)
+        assert (admitted, starter.errors) == ([url(server)], {})
+    finally:
+        if vllm is not None:
+            vllm.shutdown()
         server.server_close()
 
 
