@@ -29,11 +29,12 @@ queueing included), the prompt-token hit rate (``cached_tokens / prompt_tokens``
 per replica (preheat's router names the replica; the peers do not), and the ratios of the mean and p90 to the best
 contender's in the same workload. Then the router's overhead: 2 x N small non-streaming completions, alternately
 straight to a replica and through preheat's router in front of it alone (the difference of the medians, next to the
-router's own ``preheat_router_overhead_seconds`` mean). Each row also gives the router's own CPU seconds per run
-(it shares the replicas' two cores here), and preheat's rows their decisions by reason (in the JSON). With
-``--repeat``, ``--paired``'s (``kv``'s) mean over each other contender's, repeat by repeat, and in how many repeats
-it was the lower; ``--json`` keeps every request too (its session, round, TTFT, tokens and replica), to compare two
-contenders' decisions request by request.
+router's own ``preheat_router_overhead_seconds`` mean). Each row also gives the router's own CPU seconds per run,
+while the workload ran (it shares the replicas' two cores here; its start-up is left out), and preheat's rows their
+own time per request under the workload (that same histogram's mean) and their decisions by reason (in the JSON).
+With ``--repeat``, ``--paired``'s (``kv``'s) mean over each other contender's, repeat by repeat, and in how many
+repeats it was the lower; ``--json`` keeps every request too (its session, round, TTFT, tokens and replica), to
+compare two contenders' decisions request by request.
 """
 
 from __future__ import annotations
@@ -91,8 +92,12 @@ class Result:
     seconds: float = 0.0
     run_means: list[float] = field(default_factory=list)  # each run's mean TTFT, with --repeat
     moved: int = 0  # preheat kv: held requests an idle replica took from another's line (docs/router.md)
-    router_cpu_s: float = 0.0  # the router's own CPU seconds, start-up included: it shares the replicas' cores
+    router_cpu_s: float = 0.0  # the router's own CPU seconds while the workload ran: it shares the replicas' cores
     reasons: dict[str, int] = field(default_factory=dict)  # preheat: its decisions by reason (docs/router.md)
+    # preheat: its own time per request (``preheat_router_overhead_seconds``: reading, routing and relaying, its
+    # hold left out), summed, and how many requests that is; under the workload's load, unlike the overhead test.
+    routing_s: float = 0.0
+    routed: int = 0
     # One entry per answered request (run, session, round, sent at s into the run, TTFT, tokens, replica): for the
     # JSON, where two contenders' decisions and waits can be compared request by request.
     requests: list[dict[str, Any]] = field(default_factory=list)  # Any: JSON-ready values
@@ -109,6 +114,8 @@ class Result:
         self.seconds += run.seconds
         self.moved += run.moved
         self.router_cpu_s += run.router_cpu_s
+        self.routing_s += run.routing_s
+        self.routed += run.routed
         for reason, n in run.reasons.items():
             self.reasons[reason] = self.reasons.get(reason, 0) + n
         self.requests += [{**request, "run": len(self.run_means)} for request in run.requests]
@@ -130,6 +137,7 @@ class Result:
             "seconds": self.seconds,
             "moved": self.moved,
             "router_cpu_s": self.router_cpu_s,
+            "routing_ms": 1e3 * self.routing_s / self.routed if self.routed else None,
             "reasons": self.reasons,
             "samples": self.requests,
         }
@@ -272,6 +280,8 @@ def run_one(workload: str, router: str, *, model: str, peers: Path, logs: Path, 
                     metrics = urlopen_text(url + "/metrics")
                     result.moved = int(_metric(metrics, "preheat_router_moved_total", every=True))
                     result.reasons = _reasons(metrics)
+                    result.routing_s = _metric(metrics, "preheat_router_overhead_seconds_sum")
+                    result.routed = int(_metric(metrics, "preheat_router_overhead_seconds_count"))
             result.router_cpu_s = usage.get("cpu_s", 0.0)
         finally:
             for replica in replicas:
@@ -425,7 +435,8 @@ def main() -> int:
                     run = run_one(workload, router, model=model, peers=peers, logs=logs, args=args)
                     row = run.row()
                     print(f"  mean {row['mean_ttft_s']:.2f} s, p90 {row['p90_ttft_s']:.2f} s, hit rate "
-                          f"{row['hit_rate']:.1%}, {row['seconds']:.0f} s, router CPU {row['router_cpu_s']:.2f} s",
+                          f"{row['hit_rate']:.1%}, {row['seconds']:.0f} s, router CPU {row['router_cpu_s']:.2f} s"
+                          + (f", its own time {row['routing_ms']:.2f} ms a request" if row["routing_ms"] else ""),
                           file=sys.stderr, flush=True)  # fmt: skip
                     pooled[router].add(run)
             rows += [pooled[router].row() for router in routers]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -90,7 +89,8 @@ def running_router(
 ) -> Iterator[str]:
     """Contender ``name`` started in front of ``upstreams`` (its output in ``log_path``); yields its URL once its
     ``/health`` answers and ``settle`` seconds passed (its first health checks of the replicas), stops it after.
-    ``usage["cpu_s"]``, when given: the CPU seconds it used, start-up included (it shares the cores it routes to)."""
+    ``usage["cpu_s"]``, when given: the CPU seconds it used while it was yielded (its start-up left out: a tokenizer
+    loads before the first request), its worker processes included; it shares the cores it routes to."""
     port = free_port()
     with open(log_path, "wb") as log:
         command = router_command(name, port, upstreams, peers, tokenizer, preheat_args=preheat_args)
@@ -99,15 +99,31 @@ def running_router(
             url = f"http://127.0.0.1:{port}"
             wait_ready(url + "/health", proc)
             time.sleep(settle)
+            began = tree_cpu_seconds(proc.pid)
             yield url
+            if usage is not None:
+                usage["cpu_s"] = tree_cpu_seconds(proc.pid) - began
         finally:
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped children only: the router, once waited
             proc.terminate()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-            if usage is not None:
-                after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                usage["cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """The CPU seconds process ``pid`` and its live descendants (``--workers N``) have used so far (Linux /proc)."""
+    ticks, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children", encoding="ascii") as children:
+                    pending += [int(child) for child in children.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it exited meanwhile
+    return ticks / os.sysconf("SC_CLK_TCK")
