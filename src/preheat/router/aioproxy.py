@@ -374,9 +374,10 @@ class ClientConnection:
         generation = head.method == "POST" and head.path in ROUTE_KINDS
         session = head.headers.get(SESSION_HEADER)
         if generation and router.policy.needs_tokens:
-            # A chat whose every piece the router has encoded before is read here, on the loop (~17 us); anything
-            # the tokenizer must see is read again on a thread, off the loop (text/segments.py).
-            cached = router.prompts.read(head.path, body, session, cached_only=True) if len(body) <= INLINE else None
+            # A chat whose every piece the router has encoded before is read here, on the loop (~17 us), and so is
+            # one with a short new message (prompts.INLINE_CHARS); a longer read is done again on a thread, off the
+            # loop (text/segments.py).
+            cached = router.prompts.read(head.path, body, session, on_loop=True) if len(body) <= INLINE else None
             request = cached if cached is not None else await asyncio.to_thread(self.read_prompt, head, body, session)
         elif generation and (router.policy.needs_text or router.policy.name == "session"):
             # JSON and a hash (prefix): on the loop, ~6 us; a body past INLINE on a thread, so none holds the loop.

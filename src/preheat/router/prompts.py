@@ -37,10 +37,14 @@ if TYPE_CHECKING:
     from preheat.text.tokenizer import TextTokenizer
 
 SESSION_HEADER = "X-Session-Id"
-# What a cached_only read of a prompt the tokenizer must see gives (``PromptReader.read`` then returns None).
+# What an on_loop read of a prompt the tokenizer must see gives (``PromptReader.read`` then returns None).
 NEEDS_TOKENIZER: Final = "needs the tokenizer"
 ROUTE_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 DEFAULT_PROMPT_TOKENS = 131_072  # when the model's config.json names no context window: the largest common one
+# New text the event loop encodes itself (``on_loop``): ~75 us of SmolLM2's tokenizer for 256 characters, what handing
+# the read to a thread costs on idle cores (~80 us); on cores busy with the replicas' compute the thread waits for a
+# time slice (kv's own time per request measured 2.2-3.0 ms in bench/router.py's hot workload, every question new).
+INLINE_CHARS = 256
 
 
 class PromptReader:
@@ -75,14 +79,15 @@ class PromptReader:
     @overload
     def read(self, path: str, body: bytes, session_header: str | None) -> RouteRequest: ...
     @overload
-    def read(self, path: str, body: bytes, session_header: str | None, *, cached_only: bool) -> RouteRequest | None: ...
+    def read(self, path: str, body: bytes, session_header: str | None, *, on_loop: bool) -> RouteRequest | None: ...
 
     def read(
-        self, path: str, body: bytes, session_header: str | None, *, cached_only: bool = False
+        self, path: str, body: bytes, session_header: str | None, *, on_loop: bool = False
     ) -> RouteRequest | None:
         """The session id (``X-Session-Id``, else the body's ``user``) and, with a tokenizer, the prompt's ids.
-        ``cached_only``: None when the prompt's ids would need the tokenizer (a chat with a piece not seen before,
-        or a plain prompt): a cheap read, for the event loop; the caller then reads it again on a thread."""
+        ``on_loop``: a cheap read, for the event loop: None when the prompt's ids would need the tokenizer for more
+        than ``INLINE_CHARS`` characters of new text (a chat's pieces not seen before, a plain prompt), or a chat
+        read without its pieces; the caller then reads it again on a thread."""
         request = RouteRequest(session=session_header or None)
         kind = ROUTE_KINDS.get(path)
         if kind is None:
@@ -99,14 +104,14 @@ class PromptReader:
         if self.text:
             request.text = prompt_text(kind, raw, self.max_tokens * TEXT_BYTES_PER_TOKEN)
         if self.tokenizer is not None:
-            ids = self._token_ids(kind, raw, cached_only)
+            ids = self._token_ids(kind, raw, on_loop)
             if ids == NEEDS_TOKENIZER:
                 return None
             request.token_ids = ids
         return request
 
     def _token_ids(
-        self, kind: str, raw: dict[str, object], cached_only: bool = False
+        self, kind: str, raw: dict[str, object], on_loop: bool = False
     ) -> list[int] | Literal["needs the tokenizer"] | None:
         try:
             # Only the prompt matters here: the replica checks the other fields (and answers its 400).
@@ -114,20 +119,20 @@ class PromptReader:
         except APIError:
             return None
         try:
-            return self._encode(messages, prompt, cached_only)
+            return self._encode(messages, prompt, on_loop)
         except PreheatError:
             return None  # e.g. a chat the template cannot render: the replica will say why
 
     def _encode(
-        self, messages: list[dict[str, str]] | None, prompt: str | list[int] | None, cached_only: bool
+        self, messages: list[dict[str, str]] | None, prompt: str | list[int] | None, on_loop: bool
     ) -> list[int] | Literal["needs the tokenizer"] | None:
         tokenizer = self.tokenizer
         assert tokenizer is not None
         if messages is not None and self.pieces is not None:
             text = self.skeletons.render(messages) if self.skeletons is not None else tokenizer.render_chat(messages)
-            ids = self.pieces.encode_head(text, self.max_tokens, cached_only=cached_only)
+            ids = self.pieces.encode_head(text, self.max_tokens, cached_only=on_loop, new_chars=INLINE_CHARS)
             return NEEDS_TOKENIZER if ids is None else ids
-        if cached_only and (messages is not None or isinstance(prompt, str)):
+        if on_loop and (messages is not None or (isinstance(prompt, str) and len(prompt) > INLINE_CHARS)):
             return NEEDS_TOKENIZER
         if messages is not None:
             return tokenizer.encode_chat_head(messages, self.max_tokens)

@@ -6,7 +6,8 @@ between them is normalized, pre-tokenized and encoded on its own. So a chat's id
 end, and a piece seen before (a system prompt, every earlier turn of a conversation) need not be encoded again: only
 a turn's new message is. The router encodes each request's whole conversation to route it (``router/prompts.py``);
 with this, a multi-turn chat costs it the tokens of its last message, and a request whose pieces are all known is
-read without the tokenizer at all (so on the event loop, without a thread: ``cached_only``).
+read without the tokenizer at all (so on the event loop, without a thread: ``cached_only``), as is one whose new
+pieces are short (``new_chars``: the tokenizer then costs less than the hop to a thread).
 
 That is exact only for tokenizers whose pieces do not depend on where they stand. ``for_tokenizer`` checks it: every
 added token matched as written (not normalized, no ``lstrip``/``rstrip``/``single_word``), and a probe chat, rendered
@@ -84,19 +85,24 @@ class SegmentEncoder:
         encoder.clear()
         return encoder
 
-    def encode_head(self, text: str, max_tokens: int, *, cached_only: bool = False) -> list[int] | None:
-        """``tokenizer.encode(text, add_special_tokens=False)[:max_tokens]``; None with ``cached_only`` when a piece
-        it needs is not known yet (nothing is encoded then)."""
+    def encode_head(
+        self, text: str, max_tokens: int, *, cached_only: bool = False, new_chars: int = 0
+    ) -> list[int] | None:
+        """``tokenizer.encode(text, add_special_tokens=False)[:max_tokens]``; None with ``cached_only`` when the
+        pieces it needs and does not know yet are more than ``new_chars`` characters in all (nothing is encoded
+        then; within that, they are encoded here, on the caller's thread)."""
         if len(text) > max_tokens * _CHARS_PER_TOKEN:  # may run past the budget: read only as far as it goes
             return None if cached_only else self.tokenizer.encode_head(text, max_tokens, add_special_tokens=False)
         parts: list[tuple[int, ...]] = []
         missing: dict[str, list[int]] = {}  # piece -> where its ids go in ``parts``
+        new = 0
         # Every known request is read on the router's event loop: one lookup a piece, no lock, no tuple made.
         known_ids = self._ids.get
         for piece in self._split.split(text):
             known = known_ids(piece)
             if known is None:
-                if cached_only:
+                new += len(piece)
+                if cached_only and new > new_chars:
                     return None
                 missing.setdefault(piece, []).append(len(parts))
                 known = ()

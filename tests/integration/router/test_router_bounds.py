@@ -30,7 +30,7 @@ from preheat.http.metrics import Counter
 from preheat.kv.keys import chunk_keys
 from preheat.router.engine_index import engine_fingerprint
 from preheat.router.index import KVIndex
-from preheat.router.prompts import PromptReader, context_window
+from preheat.router.prompts import INLINE_CHARS, PromptReader, context_window
 from preheat.router.settings import RouterSettings
 from preheat.router.upstream import Replica, parse_replica_spec
 from preheat.router.zmq_events import EngineEventSubscriber, engine_events_counter
@@ -227,18 +227,31 @@ def test_a_4_mib_prompt_is_read_only_as_far_as_the_context_window(kv_model: Path
 
 
 def test_a_chat_whose_pieces_were_read_before_needs_no_tokenizer(kv_model: Path) -> None:
-    """What the event loop reads itself (``cached_only``): a chat whose every piece is known, with the ids a whole
-    encoding gives; anything else is left for a thread (None), a plain prompt always."""
+    """What the event loop reads itself (``on_loop``): a chat whose every piece is known, or whose new pieces are
+    short, with the ids a whole encoding gives; anything longer is left for a thread (None), as is a long plain
+    prompt."""
     reader = PromptReader.from_model(str(kv_model))
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The capital of France is"}]
+    tokenizer = TextTokenizer.from_dir(str(kv_model))
+    document = "Reference: " + "the long shared document " * 12  # past INLINE_CHARS
+    assert len(document) > INLINE_CHARS
+    messages = [{"role": "system", "content": document}, {"role": "user", "content": "The capital of France is"}]
     chat = json.dumps({"model": NAME, "messages": messages}).encode()
-    assert reader.read("/v1/chat/completions", chat, None, cached_only=True) is None
+    assert reader.read("/v1/chat/completions", chat, None, on_loop=True) is None
     first = reader.read("/v1/chat/completions", chat, "s-1")
-    again = reader.read("/v1/chat/completions", chat, "s-1", cached_only=True)
+    again = reader.read("/v1/chat/completions", chat, "s-1", on_loop=True)
     assert again is not None
-    assert again.token_ids == first.token_ids == TextTokenizer.from_dir(str(kv_model)).encode_chat(messages)
+    assert again.token_ids == first.token_ids == tokenizer.encode_chat(messages)
     assert again.session == "s-1"
-    assert reader.read("/v1/completions", body("The capital of France is"), None, cached_only=True) is None
+    # The next question about the same document: its one new piece is short, so the loop encodes it itself.
+    messages[1]["content"] = "And of Germany?"
+    follow_up = json.dumps({"model": NAME, "messages": messages}).encode()
+    read = reader.read("/v1/chat/completions", follow_up, None, on_loop=True)
+    assert read is not None
+    assert read.token_ids == tokenizer.encode_chat(messages)
+    assert reader.read("/v1/completions", body(document), None, on_loop=True) is None
+    short = reader.read("/v1/completions", body("The capital of France is"), None, on_loop=True)
+    assert short is not None
+    assert short.token_ids == tokenizer.encode("The capital of France is")
 
 
 class HeldTokenizer:

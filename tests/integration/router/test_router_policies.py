@@ -403,7 +403,7 @@ def test_the_router_tokenizes_like_the_replica_without_torch_the_engine_or_the_s
         f"reader = PromptReader.from_model({str(tiny_servable_model)!r})\n"
         f"body = json.dumps({{'messages': {chat!r}}}).encode()\n"
         "ids = reader.read('/v1/chat/completions', body, None).token_ids\n"
-        "again = reader.read('/v1/chat/completions', body, None, cached_only=True).token_ids\n"
+        "again = reader.read('/v1/chat/completions', body, None, on_loop=True).token_ids\n"
         "heavy = ('torch', 'transformers', 'preheat.engine', 'preheat.server')\n"
         "print(json.dumps({'ids': ids, 'again': again, 'laid_out': reader.skeletons.laid_out,\n"
         "                  'loaded': [m for m in heavy if m in sys.modules]}))\n"

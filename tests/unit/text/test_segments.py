@@ -64,6 +64,21 @@ def test_a_conversation_s_next_turn_encodes_only_its_new_message(
     assert encoder.encode_head(text, 10_000, cached_only=True) == tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_a_cached_only_read_encodes_new_pieces_up_to_new_chars(
+    tokenizer: TextTokenizer, encoder: SegmentEncoder
+) -> None:
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The capital of France is"}]
+    encoder.encode_head(tokenizer.render_chat(chat), 10_000)
+    chat[1]["content"] = "And of Germany?"  # one new piece: the message and its role's header, ~20 characters
+    text = tokenizer.render_chat(chat)
+    assert encoder.encode_head(text, 10_000, cached_only=True, new_chars=10) is None
+    encoded = encoder.encoded
+    assert encoder.encode_head(text, 10_000, cached_only=True, new_chars=64) == tokenizer.encode(
+        text, add_special_tokens=False
+    )
+    assert encoder.encoded - encoded == 1  # and remembered, as any piece encoded
+
+
 def test_what_it_remembers_is_bounded(
     tokenizer: TextTokenizer, encoder: SegmentEncoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
