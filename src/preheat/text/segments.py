@@ -6,8 +6,8 @@ between them is normalized, pre-tokenized and encoded on its own. So a chat's id
 end, and a piece seen before (a system prompt, every earlier turn of a conversation) need not be encoded again: only
 a turn's new message is. The router encodes each request's whole conversation to route it (``router/prompts.py``);
 with this, a multi-turn chat costs it the tokens of its last message, and a request whose pieces are all known is
-read without the tokenizer at all (so on the event loop, without a thread: ``cached_only``), as is one whose new
-pieces are short (``new_chars``: the tokenizer then costs less than the hop to a thread).
+read without the tokenizer at all (so on the event loop, without a thread: ``cached_only``); one whose new pieces are
+short is encoded there too (``new_chars``: the tokenizer then costs less than the hop to a thread).
 
 That is exact only for tokenizers whose pieces do not depend on where they stand. ``for_tokenizer`` checks it: every
 added token matched as written (not normalized, no ``lstrip``/``rstrip``/``single_word``), and a probe chat, rendered
