@@ -130,7 +130,7 @@ class PromptReader:
         assert tokenizer is not None
         if messages is not None and self.pieces is not None:
             text = self.skeletons.render(messages) if self.skeletons is not None else tokenizer.render_chat(messages)
-            ids = self.pieces.encode_head(text, self.max_tokens, cached_only=on_loop, new_chars=INLINE_CHARS)
+            ids = self.pieces.encode_head(text, self.max_tokens, new_chars=INLINE_CHARS if on_loop else None)
             return NEEDS_TOKENIZER if ids is None else ids
         if on_loop and (messages is not None or (isinstance(prompt, str) and len(prompt) > INLINE_CHARS)):
             return NEEDS_TOKENIZER

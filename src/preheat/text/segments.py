@@ -6,8 +6,8 @@ between them is normalized, pre-tokenized and encoded on its own. So a chat's id
 end, and a piece seen before (a system prompt, every earlier turn of a conversation) need not be encoded again: only
 a turn's new message is. The router encodes each request's whole conversation to route it (``router/prompts.py``);
 with this, a multi-turn chat costs it the tokens of its last message, and a request whose pieces are all known is
-read without the tokenizer at all (so on the event loop, without a thread: ``cached_only``); one whose new pieces are
-short is encoded there too (``new_chars``: the tokenizer then costs less than the hop to a thread).
+read without the tokenizer at all (so on the event loop, without a thread: ``new_chars=0``); one whose new pieces are
+short is encoded there too (``new_chars=N``: the tokenizer then costs less than the hop to a thread).
 
 That is exact only for tokenizers whose pieces do not depend on where they stand. ``for_tokenizer`` checks it: every
 added token matched as written (not normalized, no ``lstrip``/``rstrip``/``single_word``), and a probe chat, rendered
@@ -85,14 +85,13 @@ class SegmentEncoder:
         encoder.clear()
         return encoder
 
-    def encode_head(
-        self, text: str, max_tokens: int, *, cached_only: bool = False, new_chars: int = 0
-    ) -> list[int] | None:
-        """``tokenizer.encode(text, add_special_tokens=False)[:max_tokens]``; None with ``cached_only`` when the
-        pieces it needs and does not know yet are more than ``new_chars`` characters in all (nothing is encoded
-        then; within that, they are encoded here, on the caller's thread)."""
+    def encode_head(self, text: str, max_tokens: int, *, new_chars: int | None = None) -> list[int] | None:
+        """``tokenizer.encode(text, add_special_tokens=False)[:max_tokens]``. ``new_chars``: the most characters of
+        pieces not known yet it may encode (0: known pieces only), else None and nothing is encoded; None: any."""
         if len(text) > max_tokens * _CHARS_PER_TOKEN:  # may run past the budget: read only as far as it goes
-            return None if cached_only else self.tokenizer.encode_head(text, max_tokens, add_special_tokens=False)
+            if new_chars is not None:
+                return None
+            return self.tokenizer.encode_head(text, max_tokens, add_special_tokens=False)
         parts: list[tuple[int, ...]] = []
         missing: dict[str, list[int]] = {}  # piece -> where its ids go in ``parts``
         new = 0
@@ -102,7 +101,7 @@ class SegmentEncoder:
             known = known_ids(piece)
             if known is None:
                 new += len(piece)
-                if cached_only and new > new_chars:
+                if new_chars is not None and new > new_chars:
                     return None
                 missing.setdefault(piece, []).append(len(parts))
                 known = ()

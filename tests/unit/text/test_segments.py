@@ -46,7 +46,7 @@ def test_a_chat_read_piece_by_piece_is_the_head_of_its_encoding(
     whole = tokenizer.encode(text, add_special_tokens=False)
     assert encoder.encode_head(text, n) == whole[:n]
     # Read again, every piece is known: the same ids without the tokenizer (or, past the budget, not at all).
-    again = encoder.encode_head(text, n, cached_only=True)
+    again = encoder.encode_head(text, n, new_chars=0)
     assert again == whole[:n] or (again is None and len(text) > n * 6)
 
 
@@ -57,23 +57,23 @@ def test_a_conversation_s_next_turn_encodes_only_its_new_message(
     encoder.encode_head(tokenizer.render_chat(chat), 10_000)
     chat += [{"role": "assistant", "content": " Paris."}, {"role": "user", "content": "And of Germany?"}]
     text = tokenizer.render_chat(chat)
-    assert encoder.encode_head(text, 10_000, cached_only=True) is None  # two new pieces: not without the tokenizer
+    assert encoder.encode_head(text, 10_000, new_chars=0) is None  # two new pieces: not without the tokenizer
     encoded = encoder.encoded
     assert encoder.encode_head(text, 10_000) == tokenizer.encode(text, add_special_tokens=False)
     assert encoder.encoded - encoded == 2  # the answer and the new question; the system prompt and turn 1 were known
-    assert encoder.encode_head(text, 10_000, cached_only=True) == tokenizer.encode(text, add_special_tokens=False)
+    assert encoder.encode_head(text, 10_000, new_chars=0) == tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_a_cached_only_read_encodes_new_pieces_up_to_new_chars(
+def test_a_read_on_a_budget_encodes_new_pieces_up_to_new_chars(
     tokenizer: TextTokenizer, encoder: SegmentEncoder
 ) -> None:
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The capital of France is"}]
     encoder.encode_head(tokenizer.render_chat(chat), 10_000)
     chat[1]["content"] = "And of Germany?"  # one new piece: the message and its role's header, ~20 characters
     text = tokenizer.render_chat(chat)
-    assert encoder.encode_head(text, 10_000, cached_only=True, new_chars=10) is None
+    assert encoder.encode_head(text, 10_000, new_chars=10) is None
     encoded = encoder.encoded
-    assert encoder.encode_head(text, 10_000, cached_only=True, new_chars=64) == tokenizer.encode(
+    assert encoder.encode_head(text, 10_000, new_chars=64) == tokenizer.encode(
         text, add_special_tokens=False
     )
     assert encoder.encoded - encoded == 1  # and remembered, as any piece encoded
@@ -99,7 +99,7 @@ def test_a_text_longer_than_the_budget_is_read_only_as_far_as_it(
 ) -> None:
     text = tokenizer.render_chat([{"role": "user", "content": "hello world " * 500}])
     assert encoder.encode_head(text, 20) == tokenizer.encode(text, add_special_tokens=False)[:20]
-    assert encoder.encode_head(text, 20, cached_only=True) is None  # the long path never runs on the loop
+    assert encoder.encode_head(text, 20, new_chars=0) is None  # the long path never runs on the loop
     assert encoder.size() == (0, 0)
 
 
