@@ -525,9 +525,12 @@ class ClientConnection:
                 return None
             return policy.hold_cost(request, candidate(there))
 
+        def idle() -> list[tuple[str, int]]:  # the other replicas that hold requests too, asked only if it is held
+            return [(r.url, n) for r in self.router.healthy() if (n := policy.hold_slots(request, r.url)) is not None]
+
         # Its cost as it would be now, asked only while it is held.
         admitted = await self.router.holds.enter(
-            replica.url, slots, lambda: policy.hold_cost(request, candidate(replica)), price_at=cost_at,
+            replica.url, slots, lambda: policy.hold_cost(request, candidate(replica)), price_at=cost_at, idle=idle,
             gone=self.client.lost(),
         )  # fmt: skip
         request.held_seconds = admitted.held_seconds

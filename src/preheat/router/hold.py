@@ -14,13 +14,15 @@ The cost is priced without the keys of requests still in flight: a request that 
 computed its prefix must not pass that one (it would recompute the prefix itself). It is priced again each time the
 next one is chosen: once that earlier one has answered, its prefix is held there and the waiting ones are hits.
 
-The replica is chosen when a request comes, on estimates; the hold corrects them when a replica falls idle. A replica
+The replica is chosen when a request comes, on estimates; the hold corrects them when a replica is idle. A replica
 whose own line is empty and has a sequence free takes the held request elsewhere that gains most by moving: the one
 that would wait longest at its own (the work held ahead of it there, and queued there beyond its slots) if that and
 its own cost there come to more than its cost on the idle one (a spike's hits at one replica go on to recompute on
-the other once the line is longer than the recompute). Work stealing, as a thread pool's idle workers do; the router
-then counts the request at its new replica (``Pass.replica``). ``steal`` False: a held request stays where it was
-routed.
+the other once the line is longer than the recompute). It looks when it falls idle (one of its requests is over),
+and a replica idle already looks when a request is held elsewhere (``enter``'s ``idle``): a spike that comes while
+the other replica has nothing to do is not left in one line until something else ends there. Work stealing, as a
+thread pool's idle workers do; the router then counts the request at its new replica (``Pass.replica``). ``steal``
+False: a held request stays where it was routed.
 
 Event loop only (the data path, aioproxy.py): nothing here takes a lock.
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("preheat.router")
@@ -94,6 +96,7 @@ class Holds:
         price: Callable[[], float],
         *,
         price_at: Callable[[str], float | None] | None = None,
+        idle: Callable[[], Iterable[tuple[str, int]]] | None = None,
         gone: asyncio.Future[None] | None = None,
     ) -> Pass:
         """Wait until ``replica`` has room for one more of this router's requests (at most ``slots + 1`` there),
@@ -101,8 +104,9 @@ class Holds:
         its seconds of service there, which order the waiting; asked only while it waits, each time the next one is
         chosen (a prefix computed meanwhile makes it cheaper), so a request let through at once is never priced.
         ``price_at``: the same at another replica (None: it cannot go there); without it, it is never moved.
-        ``gone``: done when the client goes away, which ends the wait (``ConnectionResetError``) and frees its
-        place."""
+        ``idle``: the other replicas it could go to, with their slots, asked when it is held: one with nothing of
+        this router's there takes a held request at once if one gains by it (``_take``). ``gone``: done when the
+        client goes away, which ends the wait (``ConnectionResetError``) and frees its place."""
         line = self._lines.setdefault(replica, _Line())
         line.slots = slots
         if not line.held and line.sent < slots + 1:
@@ -110,6 +114,8 @@ class Holds:
             return Pass(self, replica, 0.0)
         entry = _Held(price, price_at, self._clock(), asyncio.get_running_loop().create_future())
         line.held.append(entry)
+        if self.steal and idle is not None and price_at is not None:
+            self._wake_idle(replica, idle)
         try:
             if gone is None:
                 await entry.admitted
@@ -147,6 +153,24 @@ class Holds:
             log.exception("work stealing for %s failed; nothing moved", replica)
         if not line.sent and not line.held:
             del self._lines[replica]
+
+    def _wake_idle(self, busy: str, idle: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        """A request was just held for ``busy``: each other replica with nothing of this router's there (no line)
+        takes the held requests that gain by moving, as one that falls idle would (``leave``)."""
+        now = self._clock()
+        try:
+            for name, slots in idle():
+                if name == busy or name in self._lines:
+                    continue
+                line = self._lines[name] = _Line(slots=slots)  # counted there as soon as one is let through
+                try:
+                    while line.sent < line.slots and self._take(name, line, now):
+                        pass
+                finally:
+                    if not line.sent:
+                        del self._lines[name]
+        except Exception:  # a price that failed: nothing more moves, and the request stays held where it was
+            log.exception("work stealing for idle replicas failed; nothing moved")
 
     def _take(self, idle: str, line: _Line, now: float) -> bool:
         """Move to ``idle`` (a sequence free there, nothing held for it) the held request that gains most by it:

@@ -275,3 +275,50 @@ def test_an_idle_replica_takes_from_the_line_where_moving_gains_most() -> None:
         return holds.held()["a"], moved[0]
 
     assert asyncio.run(scenario()) == (2, 2)
+
+
+def _held_while_idle(there: float, *, steal: bool = True) -> tuple[list[str], dict[str, int]]:
+    """Replica "a" with two sent; "b" in rotation with nothing of this router's (it never had a request, so it never
+    falls idle). Three hits (1 s each) come for "a" and are held; ``there``: what each would cost on "b". Where each
+    went as it came, and what is still held then."""
+
+    async def scenario() -> tuple[list[str], dict[str, int]]:
+        holds = Holds(Clock(), steal=steal)
+        at_a = [await holds.enter("a", 1, lambda: 1.0) for _ in range(2)]
+        def price_at(name: str) -> float | None:
+            return there if name == "b" else None
+
+        def idle() -> list[tuple[str, int]]:
+            return [("a", 1), ("b", 1)]
+
+        tasks = [asyncio.create_task(holds.enter("a", 1, lambda: 1.0, price_at=price_at, idle=idle)) for _ in range(3)]
+        await _settle()
+        went = [task.result().replica for task in tasks if task.done()]
+        still = holds.held()
+        for task in tasks:
+            if task.done():
+                task.result().leave()
+            else:
+                task.cancel()
+        for admitted in at_a:
+            admitted.leave()
+        await _settle()
+        return went, still
+
+    return asyncio.run(scenario())
+
+
+def test_a_replica_idle_already_takes_a_request_held_elsewhere_when_it_comes() -> None:
+    # Once two are held, the later one waits for the one held before it and the one queued at "a" (2 s) besides its
+    # own 1 s; on "b" it costs 2 s. "b" has nothing to end, so only a look on arrival moves it; it takes that one
+    # (one slot: a third held finds "b" busy).
+    went, still = _held_while_idle(2.0)
+    assert went == ["b"]
+    assert still == {"a": 2}
+
+
+def test_an_idle_replica_takes_nothing_on_arrival_that_would_not_gain_or_with_no_steal() -> None:
+    for there, steal in ((10.0, True), (2.0, False)):
+        went, still = _held_while_idle(there, steal=steal)
+        assert went == []
+        assert still == {"a": 3}
