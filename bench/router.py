@@ -24,6 +24,10 @@ Workloads (sessions run concurrently; a session waits for each answer before its
   about one of them: a trickle (one every ``--hot-trickle`` s, the documents in turn) with a spike every 4 s of
   ``--hot-spike`` questions at once about one document.
 
+``--pin-replicas``: each replica on a core of its own with one compute thread, so that one replica's prefill does not
+slow the other's (as on a fleet where each replica has its own accelerator); without it both use every core, and a
+second replica computing adds about a third of a replica's speed on 2 cores. The router and the clients use any core.
+
 Reported per workload and contender: mean and p90 TTFT (request sent -> first streamed event, through the router,
 queueing included), the prompt-token hit rate (``cached_tokens / prompt_tokens`` from each answer's usage), requests
 per replica (preheat's router names the replica; the peers do not), and the ratios of the mean and p90 to the best
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import statistics
 import sys
@@ -266,7 +271,7 @@ def run_one(workload: str, router: str, *, model: str, peers: Path, logs: Path, 
     with tempfile.TemporaryDirectory(prefix="preheat-bench-l2-") as l2:
         if args.shared_l2:
             tiers += ["--kv-l2", f"fs://{l2}"]
-        replicas = [ServerProcess(model, *tiers) for _ in range(2)]
+        replicas = [start_replica(model, tiers, core=i if args.pin_replicas else None) for i in range(2)]
         try:
             for replica in replicas:
                 replica.wait_ready()
@@ -287,6 +292,20 @@ def run_one(workload: str, router: str, *, model: str, peers: Path, logs: Path, 
             for replica in replicas:
                 replica.stop()
     return result
+
+
+def start_replica(model: str, tiers: Sequence[str], *, core: int | None) -> ServerProcess:
+    """A ``preheat serve`` replica; ``core``: on that core of this process's (modulo their number) with one compute
+    thread (``--pin-replicas``)."""
+    if core is None:
+        return ServerProcess(model, *tiers)
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    os.sched_setaffinity(0, {cores[core % len(cores)]})  # the child inherits this thread's affinity at its spawn
+    try:
+        return ServerProcess(model, *tiers, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def small_latency(url: str, conn_cache: dict[str, http.client.HTTPConnection]) -> float:
@@ -406,6 +425,9 @@ def main() -> int:
     parser.add_argument("--kv-l1", default="100MiB", help="per replica: about 2 chat users' contexts")
     parser.add_argument("--kv-chunk-tokens", type=int, default=64, help="the replicas' --kv-chunk-tokens")
     parser.add_argument("--shared-l2", action="store_true", help="give the replicas one shared fs:// L2 too")
+    parser.add_argument("--pin-replicas", action="store_true",
+                        help="each replica on a core of its own, one compute thread (replicas that do not slow each "
+                             "other, as with an accelerator each)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per workload and contender (fresh replicas each), pooled: the table gives the mean "
