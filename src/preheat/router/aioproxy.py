@@ -32,6 +32,7 @@ import ssl
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 
 from preheat.core.errors import APIError, HTTPClientError, JSONInputError, ResponseTimeoutError, UpstreamError
 from preheat.core.jsonsafe import loads_bounded
@@ -471,7 +472,7 @@ class ClientConnection:
         head, once it is worth relaying; True to try another replica, False when the client got an error."""
         router, replica, request = self.router, attempt.replica, attempt.request
         if request is not None:
-            attempt.admitted = await self.admit(replica, request)
+            attempt.admitted = await self.admit(replica, request, failed)
             if attempt.admitted is not NOT_HELD and attempt.admitted.replica != replica.url:  # moved while held
                 moved = router.in_rotation(attempt.admitted.replica)
                 if moved is None:  # out of rotation meanwhile: try again, from the start
@@ -509,10 +510,12 @@ class ClientConnection:
         attempt.handed_over()
         return conn, answer, reader, look, sent
 
-    async def admit(self, replica: Replica, request: RouteRequest) -> Pass:
+    async def admit(self, replica: Replica, request: RouteRequest, failed: Sequence[Replica] = ()) -> Pass:
         """Let a generation through to ``replica`` at once, or hold it while the replica has enough of this
         router's requests, when the policy holds them (router/hold.py: ``kv`` before a replica that generates one
-        sequence at a time); ``ConnectionResetError`` when the client goes away while it is held."""
+        sequence at a time); ``ConnectionResetError`` when the client goes away while it is held. An idle replica
+        may take it while it is held, never one of ``failed`` (the replicas that already failed this request: one
+        back in rotation is idle, and would take a retried request back)."""
         request.held_seconds = 0.0
         policy = self.router.policy
         slots = policy.hold_slots(request, replica.url)
@@ -521,12 +524,13 @@ class ClientConnection:
 
         def cost_at(name: str) -> float | None:  # at a replica fallen idle, if it is one that holds requests too
             there = self.router.in_rotation(name)
-            if there is None or policy.hold_slots(request, name) is None:
+            if there is None or there in failed or policy.hold_slots(request, name) is None:
                 return None
             return policy.hold_cost(request, candidate(there))
 
         def idle() -> list[tuple[str, int]]:  # the other replicas that hold requests too, asked only if it is held
-            return [(r.url, n) for r in self.router.healthy() if (n := policy.hold_slots(request, r.url)) is not None]
+            pool = self.router.healthy(exclude=failed)
+            return [(r.url, n) for r in pool if (n := policy.hold_slots(request, r.url)) is not None]
 
         # Its cost as it would be now, asked only while it is held.
         admitted = await self.router.holds.enter(
