@@ -510,7 +510,7 @@ class ClientConnection:
         attempt.handed_over()
         return conn, answer, reader, look, sent
 
-    async def admit(self, replica: Replica, request: RouteRequest, failed: Sequence[Replica] = ()) -> Pass:
+    async def admit(self, replica: Replica, request: RouteRequest, failed: Sequence[Replica]) -> Pass:
         """Let a generation through to ``replica`` at once, or hold it while the replica has enough of this
         router's requests, when the policy holds them (router/hold.py: ``kv`` before a replica that generates one
         sequence at a time); ``ConnectionResetError`` when the client goes away while it is held. An idle replica

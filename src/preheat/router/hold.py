@@ -146,31 +146,36 @@ class Holds:
                 continue
             line.sent += 1
             best.admitted.set_result(replica)
-        try:
-            while self.steal and not line.held and line.sent < line.slots and self._take(replica, line, now):
-                pass
-        except Exception:  # a price that failed: nothing moves, and the request that is over still leaves
-            log.exception("work stealing for %s failed; nothing moved", replica)
+        if self.steal:
+            self._fill(replica, line, now)
         if not line.sent and not line.held:
             del self._lines[replica]
+
+    def _fill(self, idle: str, line: _Line, now: float) -> None:
+        """While ``idle`` has nothing held for it and a sequence free, it takes the held request elsewhere that
+        gains most by moving (``_take``)."""
+        try:
+            while not line.held and line.sent < line.slots and self._take(idle, line, now):
+                pass
+        except Exception:  # a price that failed: nothing more moves, and what called this goes on
+            log.exception("work stealing for %s failed; nothing moved", idle)
 
     def _wake_idle(self, busy: str, idle: Callable[[], Iterable[tuple[str, int]]]) -> None:
         """A request was just held for ``busy``: each other replica with nothing of this router's there (no line)
         takes the held requests that gain by moving, as one that falls idle would (``leave``)."""
         now = self._clock()
         try:
-            for name, slots in idle():
-                if name == busy or name in self._lines:
-                    continue
-                line = self._lines[name] = _Line(slots=slots)  # counted there as soon as one is let through
-                try:
-                    while line.sent < line.slots and self._take(name, line, now):
-                        pass
-                finally:
-                    if not line.sent:
-                        del self._lines[name]
-        except Exception:  # a price that failed: nothing more moves, and the request stays held where it was
-            log.exception("work stealing for idle replicas failed; nothing moved")
+            others = list(idle())
+        except Exception:  # nothing moves, and the request stays held where it was
+            log.exception("listing the idle replicas failed; nothing moved")
+            return
+        for name, slots in others:
+            if name == busy or name in self._lines:
+                continue
+            line = self._lines[name] = _Line(slots=slots)  # counted there as soon as one is let through
+            self._fill(name, line, now)
+            if not line.sent:
+                del self._lines[name]
 
     def _take(self, idle: str, line: _Line, now: float) -> bool:
         """Move to ``idle`` (a sequence free there, nothing held for it) the held request that gains most by it:

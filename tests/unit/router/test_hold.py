@@ -285,6 +285,7 @@ def _held_while_idle(there: float, *, steal: bool = True) -> tuple[list[str], di
     async def scenario() -> tuple[list[str], dict[str, int]]:
         holds = Holds(Clock(), steal=steal)
         at_a = [await holds.enter("a", 1, lambda: 1.0) for _ in range(2)]
+
         def price_at(name: str) -> float | None:
             return there if name == "b" else None
 
