@@ -378,17 +378,33 @@ class KVAware(Policy):
         if log.isEnabledFor(logging.DEBUG):  # the decision's terms, for profiling the cost model
             log.debug("kv %d tokens: %s", len(request.token_ids or ()), "; ".join(
                 f"{c.name} in_flight={c.in_flight} {estimates[c.name]}" for c in candidates))  # fmt: skip
-        if all(e is None or not e.hit_tokens for e in estimates.values()):
-            # Nobody holds any of it: every replica would recompute the whole prompt, so go by load instead.
+        no_hit = all(e is None or not e.hit_tokens for e in estimates.values())
+        if no_hit and len(known) < len(candidates):
+            # Nobody holds any of it, and a replica without KV state cannot be priced: go by the count in flight.
             return Decision(self.least_loaded(candidates).name, "kv_no_hit", best)
         own = [e.service for e in estimates.values() if e is not None]
-        if len(candidates) > 1 and len(own) == len(candidates) and max(own) - min(own) <= 1e-9 * max(own):
-            # Every replica would do the same work for it (as much held, in the same tier, at the same costs: a
-            # shared system prompt, a shared L2): the caches do not tell them apart, so the load does, as least-load.
-            return Decision(self.least_loaded(candidates).name, "kv_even", best)
+        # Every replica would do the same work for it (as much held, in the same tier, at the same costs: a shared
+        # system prompt, a shared L2)?
+        even = len(candidates) > 1 and len(own) == len(candidates) and max(own) - min(own) <= 1e-9 * max(own)
+        if no_hit or even:
+            return self._least_priced(ranked, estimates, busy, "kv_no_hit" if no_hit else "kv_even")
         decision = Decision(ranked[0].name, "kv_hit", best)
         if any(c.service_seconds is None and c.in_flight for c in candidates):
             # A replica with requests in flight and none finished: its queue is not priced yet, so guard it.
+            return self.guard.apply(ranked, decision)
+        return decision
+
+    def _least_priced(
+        self, ranked: Sequence[Candidate], estimates: dict[str, Estimate | None], busy: float, reason: str
+    ) -> Decision:
+        """The caches do not tell the replicas apart, so the load does, priced as for a hit: the work queued at
+        each and its own measured speed, so a slower replica (a straggler, a busier accelerator) takes fewer new
+        prompts than a faster one, where a count in flight would give them as many. Equal prices go by the count,
+        in turn (``least_loaded``); a queue not priced yet is guarded, as a hit's is."""
+        low = _cost(estimates[ranked[0].name], busy)
+        tied = [c for c in ranked if _cost(estimates[c.name], busy) <= low * (1 + 1e-9)]
+        decision = Decision(self.least_loaded(tied).name, reason, estimates[ranked[0].name])
+        if any(c.service_seconds is None and c.in_flight for c in ranked):
             return self.guard.apply(ranked, decision)
         return decision
 

@@ -1,7 +1,8 @@
 """The ``kv`` policy's scoring, pure: the caches from KV-event snapshots, the queues from what the policy sent, no
-servers. What a user of ``--policy kv`` relies on: it never loses to least-load where the caches cannot tell the
-replicas apart, a replica that holds more of a prompt and has no more work queued is never passed over, and the
-queue is priced as the work in it, not as a count of requests."""
+servers. What a user of ``--policy kv`` relies on: where the caches cannot tell the replicas apart it goes by the
+load, priced (as least-load where the prices are equal, a slower replica given fewer new prompts), a replica that
+holds more of a prompt and has no more work queued is never passed over, and the queue is priced as the work in it,
+not as a count of requests."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ KEYS = chunk_keys(FINGERPRINT, TOKENS, CHUNK)
 COSTS = {"prefill_s_per_token": 1e-2, "l1_s_per_token": 1e-4, "l2_s_per_token": 1e-3}
 
 
-def snapshot(held: int, seq: int = 1) -> dict[str, object]:
+def snapshot(held: int, seq: int = 1, costs: dict[str, float] = COSTS) -> dict[str, object]:
     return {"epoch": "e", "fingerprint": FINGERPRINT, "chunk_tokens": CHUNK, "seq": seq, "reset": True,
-            "l2_id": None, "l1": list(reversed(KEYS[:held])), "l2": [], "costs": COSTS}  # fmt: skip
+            "l2_id": None, "l1": list(reversed(KEYS[:held])), "l2": [], "costs": costs}  # fmt: skip
 
 
 def kv_policy(held: dict[str, int]) -> KVAware:
@@ -52,7 +53,7 @@ services = st.none() | st.floats(min_value=0.01, max_value=10.0)
     held=st.integers(min_value=0, max_value=10),
     loads=st.lists(st.tuples(in_flights, services), min_size=2, max_size=4),
 )
-def test_where_every_replica_holds_as_much_kv_chooses_as_least_load_does(
+def test_where_every_replica_holds_as_much_and_prices_its_queue_the_same_kv_chooses_as_least_load_does(
     held: int, loads: list[tuple[int, float | None]]
 ) -> None:
     names = [f"r{i}" for i in range(len(loads))]
@@ -86,6 +87,24 @@ def test_a_replica_with_more_of_the_prompt_and_no_more_work_queued_is_chosen(  #
     assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "holds"
 
 
+def test_where_no_replica_holds_any_of_a_prompt_the_slower_one_takes_fewer_new_prompts() -> None:
+    """Misses go by the priced load: the work queued at each replica at its own measured speed. A replica that
+    prefills at half the speed of the other (a straggler) takes fewer of six new prompts, where least-load's count
+    in flight would give each three."""
+    index = KVIndex()
+    index.apply("fast", parse_update(snapshot(0), "fast"))
+    index.apply("slow", parse_update(snapshot(0, costs={**COSTS, "prefill_s_per_token": 2e-2}), "slow"))
+    kv = KVAware(index, LoadGuard(), PrefixIndex(ttl=5.0), clock=lambda: 100.0)
+    counts = {"fast": 0, "slow": 0}
+    for i in range(6):
+        request = RouteRequest(token_ids=[1000 * (i + 1) + t for t in TOKENS])  # six prompts, none like another
+        decision = kv.choose(request, [Candidate(name, n, 1.0) for name, n in counts.items()])
+        assert decision.reason == "kv_no_hit"
+        kv.sent(request, decision.replica)
+        counts[decision.replica] += 1
+    assert counts["fast"] > counts["slow"] > 0
+
+
 def test_the_queue_is_priced_as_its_work_not_as_a_count_of_requests() -> None:
     kv = kv_policy({"a": 10, "b": 0})  # the prompt is cached on a only: 0.41 s to compute it on b
     queue_up(kv, "a", [5.0])  # one long miss ahead of it on a
@@ -96,6 +115,12 @@ def test_the_queue_is_priced_as_its_work_not_as_a_count_of_requests() -> None:
     queue_up(kv, "a", [0.01] * 6)  # six short hits ahead of it: 0.06 s, less than computing the prompt on b
     candidates = [Candidate("a", 6, 1.0), Candidate("b", 0, 1.0)]
     assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "a"
+
+    kv = kv_policy({"a": 0, "b": 0})  # a miss everywhere: one long miss queued at a, one short hit at b
+    queue_up(kv, "a", [5.0])
+    queue_up(kv, "b", [0.01])
+    candidates = [Candidate("a", 1, 1.0), Candidate("b", 1, 1.0)]
+    assert kv.choose(RouteRequest(token_ids=TOKENS), candidates).replica == "b"
 
 
 def test_an_answer_stops_counting_as_a_hit_once_the_replicas_events_evict_it() -> None:
