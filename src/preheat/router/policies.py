@@ -10,7 +10,7 @@ socket; ``Router`` (proxy.py) feeds it and counts its reasons in ``/metrics``.
   match: only this router compares the keys, so no tokenizer is needed and a request costs its JSON and a hash;
 - ``kv``: the lowest expected time to first token from the replicas' own KV events and the work queued at each,
   score.py (``kv_hit``; ``kv_no_hit``: nobody holds any of the prompt, and ``kv_even``: every replica holds as much
-  of it: least-load).
+  of it: the least priced load, least-load where the prices are equal).
 
 ``prefix`` then applies the load guard (``LoadGuard``): ``load_guard`` and ``hot_spread`` override it; ``kv`` prices
 the queues itself and applies the guard only while it has measured nothing of a replica's requests yet.
