@@ -373,7 +373,8 @@ class KVAware(Policy):
         if not known:
             return Decision(self.least_loaded(candidates).name, "kv_no_hit")
         busy = sum(1 for c in candidates if c.in_flight) / len(candidates)
-        ranked = sorted(known, key=lambda c: (_cost(estimates[c.name], busy), c.in_flight))
+        cost = {c.name: _cost(estimates[c.name], busy) for c in known}
+        ranked = sorted(known, key=lambda c: (cost[c.name], c.in_flight))
         best = estimates[ranked[0].name]
         if log.isEnabledFor(logging.DEBUG):  # the decision's terms, for profiling the cost model
             log.debug("kv %d tokens: %s", len(request.token_ids or ()), "; ".join(
@@ -387,24 +388,15 @@ class KVAware(Policy):
         # system prompt, a shared L2)?
         even = len(candidates) > 1 and len(own) == len(candidates) and max(own) - min(own) <= 1e-9 * max(own)
         if no_hit or even:
-            return self._least_priced(ranked, estimates, busy, "kv_no_hit" if no_hit else "kv_even")
-        decision = Decision(ranked[0].name, "kv_hit", best)
+            # The caches do not tell the replicas apart, so the load does, priced as for a hit: the work queued at
+            # each at its own measured speed, so a slower replica (a straggler, a busier accelerator) takes fewer
+            # new prompts, where a count in flight would give it as many. Equal prices go by the count, in turn.
+            tied = [c for c in ranked if cost[c.name] <= cost[ranked[0].name] * (1 + 1e-9)]
+            decision = Decision(self.least_loaded(tied).name, "kv_no_hit" if no_hit else "kv_even", best)
+        else:
+            decision = Decision(ranked[0].name, "kv_hit", best)
         if any(c.service_seconds is None and c.in_flight for c in candidates):
             # A replica with requests in flight and none finished: its queue is not priced yet, so guard it.
-            return self.guard.apply(ranked, decision)
-        return decision
-
-    def _least_priced(
-        self, ranked: Sequence[Candidate], estimates: dict[str, Estimate | None], busy: float, reason: str
-    ) -> Decision:
-        """The caches do not tell the replicas apart, so the load does, priced as for a hit: the work queued at
-        each and its own measured speed, so a slower replica (a straggler, a busier accelerator) takes fewer new
-        prompts than a faster one, where a count in flight would give them as many. Equal prices go by the count,
-        in turn (``least_loaded``); a queue not priced yet is guarded, as a hit's is."""
-        low = _cost(estimates[ranked[0].name], busy)
-        tied = [c for c in ranked if _cost(estimates[c.name], busy) <= low * (1 + 1e-9)]
-        decision = Decision(self.least_loaded(tied).name, reason, estimates[ranked[0].name])
-        if any(c.service_seconds is None and c.in_flight for c in ranked):
             return self.guard.apply(ranked, decision)
         return decision
 
