@@ -137,8 +137,7 @@ class Handler(TrackedHandler):
         elif path == "/metrics":
             self.send_body(200, self.state.metrics.render().encode(), METRICS_CONTENT_TYPE)
         elif path == "/v1/models":
-            loaded = self.state.loaded
-            limit = loaded.engine.max_model_len if loaded is not None else None
+            limit = self.state.from_loaded(lambda loaded: loaded.engine.max_model_len)
             models = openai.models_list(self.state.settings.model_name, self.state.created, limit)
             if self.state.refit is not None:  # --follow: the weights version this replica serves now
                 for model in models["data"]:  # type: ignore[attr-defined]  # models_list's own list of dicts
@@ -259,8 +258,7 @@ class Handler(TrackedHandler):
 
     def kv_events(self) -> None:
         """What the KV tiers hold and what changed (docs/kv-events.md); 404 when this replica has no KV tiers."""
-        loaded = self.state.loaded
-        tiers = loaded.engine.kv_tiers if loaded is not None else None
+        tiers = self.state.from_loaded(lambda loaded: loaded.engine.kv_tiers)
         if tiers is None:
             message = "this replica has no KV tiers (start it with --kv-l1 and/or --kv-l2)"
             if not self.state.ready.is_set():
@@ -273,15 +271,15 @@ class Handler(TrackedHandler):
 
     def tokenizer_files(self) -> None:
         """``{"model", "files": {name: text}}``: the loaded checkpoint's tokenizer files (``TOKENIZER_FILES``)."""
-        loaded = self.state.loaded
-        if loaded is None:
+        path = self.state.from_loaded(lambda loaded: loaded.path)
+        if path is None:
             self.send_error_json(APIError(503, "the model is still loading", code="loading"))
             return
 
         files: dict[str, str] = {}
         for name in TOKENIZER_FILES:
             try:
-                with open(os.path.join(loaded.path, name), encoding="utf-8") as handle:
+                with open(os.path.join(path, name), encoding="utf-8") as handle:
                     files[name] = handle.read()
             except FileNotFoundError:
                 continue

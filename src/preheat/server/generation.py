@@ -58,15 +58,8 @@ class Responder(Protocol):
 def handle_generation(responder: Responder, state: ServerState, kind: str, body: bytes) -> None:
     """Answer one generation request to ``responder``."""
     arrived = time.monotonic()
-    loaded = state.loaded
-    if loaded is None or state.worker is None or not state.ready.is_set():
-        responder.send_error_json(_unavailable(state), {"Retry-After": "1"})
-        return
     try:
-        request = parse_request(body, kind, state.settings.model_name, state.settings.served_names)
-        prompt_ids = _tokenize(state, loaded.engine, request)
-        job = Job(prompt_ids, _sampling(loaded.engine, request, len(prompt_ids)), arrived=arrived)
-        state.worker.submit(job)
+        request, job = _submit(state, kind, body, arrived)
     except APIError as exc:
         responder.send_error_json(exc)
         return
@@ -77,7 +70,7 @@ def handle_generation(responder: Responder, state: ServerState, kind: str, body:
         error = APIError(429, f"server busy: {exc}; retry later", type="rate_limit_error", code="queue_full")
         responder.send_error_json(error, {"Retry-After": "1"})
         return
-    state.metrics.prompt_tokens.inc(len(prompt_ids))
+    state.metrics.prompt_tokens.inc(len(job.prompt_ids))
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     relay = _Relay(responder, state, job, request, request_id)
     try:
@@ -91,6 +84,22 @@ def handle_generation(responder: Responder, state: ServerState, kind: str, body:
     finally:
         job.cancel()  # a no-op for a finished job; stops the worker for any other way out of here
         _observe(state, job)
+
+
+def _submit(state: ServerState, kind: str, body: bytes, arrived: float) -> tuple[GenerationRequest, Job]:
+    """Parse, tokenize and queue one request: the only frame of a request thread that holds the engine.
+
+    The relay after it holds the job alone. A sleep gives the weights back when the last reference to them goes, and
+    a thread still writing an answer (to a slow client, or one not yet scheduled again on a busy CPU) would otherwise
+    keep them: a relay held up for a second after its answer made the next sleep give back none of them."""
+    loaded, worker = state.loaded, state.worker
+    if loaded is None or worker is None or not state.ready.is_set():
+        raise WorkerPausedError("the replica is not ready")
+    request = parse_request(body, kind, state.settings.model_name, state.settings.served_names)
+    prompt_ids = _tokenize(state, loaded.engine, request)
+    job = Job(prompt_ids, _sampling(loaded.engine, request, len(prompt_ids)), arrived=arrived)
+    worker.submit(job)
+    return request, job
 
 
 def _unavailable(state: ServerState) -> APIError:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from preheat.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from preheat.core.timeline import Timeline
     from preheat.dashboard.watch import Findings, ReplicaDashboard
     from preheat.engine import Engine
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from preheat.store.cache import Lease
     from preheat.text.process import TokenizerProcess
     from preheat.text.tokenizer import TextTokenizer
+
+T = TypeVar("T")
 
 # The phases of ``Lifecycle`` (``preheat.server.lifecycle`` draws how one leads to another).
 STANDBY, LOADING, READY, SLEEPING, WAKING = "standby", "loading", "ready", "sleeping", "waking"
@@ -140,6 +144,14 @@ class ServerState:
         self.dashboard: ReplicaDashboard | None = None  # GET /dashboard's, made on the first visit (cold-start path)
         self.findings: Findings | None = None  # the doctor's, for the dashboard (run() is given them)
         self.text: TokenizerProcess | None = None  # the tokenizer process started at the start (run())
+
+    def from_loaded(self, read: Callable[[Loaded], T]) -> T | None:
+        """``read(loaded)`` while a model is loaded, else None: how a request thread takes one fact of the engine.
+
+        Handlers keep what they read, never ``Loaded`` itself: a sleep gives the weights back only once the last
+        reference to them goes, and a handler still writing its answer to a slow client would keep them."""
+        loaded = self.loaded
+        return read(loaded) if loaded is not None else None
 
     def set_timeline(self, timeline: Timeline) -> None:
         """Start a new timeline (an activation's or a wake's, from its request): its first token is marked anew."""

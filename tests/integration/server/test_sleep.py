@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from preheat.checkpoint.header import read_header
 from preheat.core.errors import CacheError
 from preheat.engine.backend import cpu_has_native_bf16
 from preheat.engine.copies import copy_key
+from preheat.http.control import TOKENIZER_ROUTE
 from preheat.router.cluster import ServerProcess
 from preheat.server.sse import parse_events
 from preheat.store.cache import ModelCache
@@ -202,6 +204,31 @@ def test_sleep_gives_back_bf16_weights_converted_at_every_load(smollm2: SmolLM2,
         for answer in answers:
             assert answer["weight_bytes"] == 2 * stored_bytes(bf16), answer
             assert released_share(answer) >= 0.9, answer
+        assert client.post("/v1/completions", PROMPT).status == 200
+
+
+def test_a_sleep_gives_back_the_weights_while_a_slow_client_still_reads_an_answer(
+    smollm2: SmolLM2, tmp_path: Path
+) -> None:
+    # A request thread still writing its answer must not keep the weights alive: one that held the engine through
+    # its write made a level-2 sleep give back none of them. The slow client here reads the status line of the
+    # tokenizer files (~2 MB) through a 4 KiB receive buffer and then stops reading, so the server's write blocks.
+    bf16 = smollm2.path("bf16")
+    no_cache = tmp_path / "not-a-directory"
+    no_cache.write_text("")  # every load converts into fresh memory, as above: memory a sleep must give back
+    with ServerProcess(str(bf16), "--max-model-len", "2048", "--cache-dir", str(no_cache), env=AVX2) as server:
+        server.wait_ready(timeout=300)
+        client = Client(server.url)
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        with socket.socket() as slow:
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            slow.connect((host, int(port)))
+            slow.sendall(f"GET {TOKENIZER_ROUTE} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            assert slow.recv(12) == b"HTTP/1.1 200"  # the handler is writing its answer
+            status, answer = sleep(client, level=2)
+            assert status == 200, answer
+            assert released_share(answer) >= 0.9, answer
+        assert wake(client)[0] == 200
         assert client.post("/v1/completions", PROMPT).status == 200
 
 
