@@ -38,7 +38,8 @@ while the workload ran (it shares the replicas' two cores here; its start-up is 
 own time per request under the workload (that same histogram's mean) and their decisions by reason (in the JSON).
 With ``--repeat``, ``--paired``'s (``kv``'s) mean over each other contender's, repeat by repeat, and in how many
 repeats it was the lower; ``--json`` keeps every request too (its session, round, TTFT, tokens and replica), to
-compare two contenders' decisions request by request.
+compare two contenders' decisions request by request. ``--pool A.json B.json ...`` runs nothing and pools such files:
+``--paired`` against each other contender, every request of every file that ran both, and each file's runs paired.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class Result:
             "runs": len(self.run_means),
             "run_means_s": self.run_means,
             "mean_ttft_s": statistics.fmean(ttfts) if ttfts else float("nan"),
-            "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else float("nan"),
+            "p90_ttft_s": p90(ttfts),
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "requests_per_replica": sorted(self.per_replica.values(), reverse=True),
             "errors": self.errors,
@@ -146,6 +147,11 @@ class Result:
             "reasons": self.reasons,
             "samples": self.requests,
         }
+
+
+def p90(ttfts: Sequence[float]) -> float:
+    """The 90th percentile of sorted TTFTs, the table's rule: the value 90% of the way up (nan for none)."""
+    return ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else float("nan")
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -410,6 +416,48 @@ def print_paired(rows: list[dict[str, Any]], against: str) -> None:
                   f"geometric mean {statistics.geometric_mean(ratios):.3f})")  # fmt: skip
 
 
+def pool(paths: Sequence[str], against: str) -> list[dict[str, Any]]:
+    """``against`` beside each other contender over several ``--json`` files: per workload and contender, every
+    request of every file that ran both, pooled, and the repeat-by-repeat ratios of their means within each file. A
+    4-run table is one pairing, and its p90 (the 29th longest of 288 requests in private) moves by several percent
+    between pairings of the same code; pooled, the pairings give one stand."""
+    pooled: dict[tuple[str, str], dict[str, Any]] = {}  # Any: counts and lists, by key
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            saved = json.load(handle)
+        rows = {(row["workload"], row["router"]): row for row in saved["rows"]}
+        for (workload, router), row in rows.items():
+            mine = rows.get((workload, against))
+            if router == against or mine is None:
+                continue
+            entry = pooled.setdefault((workload, router), {"files": 0, "mine": [], "theirs": [], "ratios": []})
+            entry["files"] += 1
+            entry["mine"] += [r["ttft_s"] for r in saved["requests"][f"{workload}: {against}"]]
+            entry["theirs"] += [r["ttft_s"] for r in saved["requests"][f"{workload}: {router}"]]
+            entry["ratios"] += [a / b for a, b in zip(mine["run_means_s"], row["run_means_s"], strict=True)]
+    return [
+        {
+            "workload": workload,
+            "router": router,
+            "files": entry["files"],
+            "runs": len(entry["ratios"]),
+            "mean_s": (statistics.fmean(entry["mine"]), statistics.fmean(entry["theirs"])),
+            "p90_s": (p90(sorted(entry["mine"])), p90(sorted(entry["theirs"]))),
+            "ratios": entry["ratios"],
+        }
+        for (workload, router), entry in pooled.items()
+    ]
+
+
+def print_pooled(pooled: list[dict[str, Any]], against: str) -> None:
+    for row in pooled:
+        (mine, theirs), (mine90, theirs90), ratios = row["mean_s"], row["p90_s"], row["ratios"]
+        print(f"{row['workload']}: {against} / {row['router']}, {row['files']} file(s), {row['runs']} runs: mean "
+              f"{mine * 1e3:,.0f} / {theirs * 1e3:,.0f} ms ({mine / theirs:.3f}x), p90 {mine90 * 1e3:,.0f} / "
+              f"{theirs90 * 1e3:,.0f} ms ({mine90 / theirs90:.3f}x); the lower in {sum(r < 1.0 for r in ratios)} of "
+              f"{len(ratios)} runs (geometric mean {statistics.geometric_mean(ratios):.3f})")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="chat,private,hot", help="comma-separated, of " + ",".join(WORKLOADS))
@@ -437,7 +485,13 @@ def main() -> int:
     parser.add_argument("--overhead-requests", type=int, default=50, help="0: skip the overhead measurement")
     parser.add_argument("--logs", default=None, help="keep the routers' logs in this directory")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: pool these --json files, --paired against each other contender (every "
+                             "request of every file that ran both, and each file's runs paired)")  # fmt: skip
     args = parser.parse_args()
+    if args.pool:
+        print_pooled(pool(args.pool, args.paired), args.paired)
+        return 0
     model = smollm2_checkpoint(say=lambda line: print(line, file=sys.stderr))
     peers = ensure_peers()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
