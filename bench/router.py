@@ -397,6 +397,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"{per:>12} {row['router_cpu_s'] / max(len(means), 1):>14.2f}s {spread:>18}{errors}")  # fmt: skip
 
 
+def paired_ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> list[float]:  # Any: a table row's values
+    """One contender's run means over another's, repeat by repeat (the same repeat ran both within minutes)."""
+    return [a / b for a, b in zip(mine["run_means_s"], theirs["run_means_s"], strict=True)]
+
+
 def print_paired(rows: list[dict[str, Any]], against: str) -> None:
     """``against``'s mean over each other contender's, repeat by repeat. One repeat runs every contender within a few
     minutes, so a drift of the machine's speed over the whole run falls on both sides of each ratio; how often
@@ -409,7 +414,7 @@ def print_paired(rows: list[dict[str, Any]], against: str) -> None:
         for router, row in mine.items():
             if router == against:
                 continue
-            ratios = [a / b for a, b in zip(mine[against]["run_means_s"], row["run_means_s"], strict=True)]
+            ratios = paired_ratios(mine[against], row)
             lower = sum(r < 1.0 for r in ratios)
             row[f"paired_{against.replace(' ', '_')}"] = ratios
             print(f"  vs {router:<24} {' '.join(f'{r:.2f}' for r in ratios)}  (lower in {lower} of {len(ratios)}; "
@@ -434,7 +439,7 @@ def pool(paths: Sequence[str], against: str) -> list[dict[str, Any]]:
             entry["files"] += 1
             entry["mine"] += [r["ttft_s"] for r in saved["requests"][f"{workload}: {against}"]]
             entry["theirs"] += [r["ttft_s"] for r in saved["requests"][f"{workload}: {router}"]]
-            entry["ratios"] += [a / b for a, b in zip(mine["run_means_s"], row["run_means_s"], strict=True)]
+            entry["ratios"] += paired_ratios(mine, row)
     return [
         {
             "workload": workload,

@@ -5,6 +5,7 @@ replica serves on. Real subprocesses on 127.0.0.1 and real files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from preheat.engine.backend import cpu_has_native_bf16
 from preheat.engine.copies import copy_key
 from preheat.http.control import TOKENIZER_ROUTE
 from preheat.router.cluster import ServerProcess
+from preheat.router.upstream import parse_url
 from preheat.server.sse import parse_events
 from preheat.store.cache import ModelCache
 from preheat.testing.fileserver import FileServer
@@ -185,15 +187,23 @@ def sleep_wake_cycles(client: Client, levels: tuple[int, ...]) -> list[dict[str,
     return answers
 
 
-def test_sleep_gives_back_bf16_weights_converted_at_every_load(smollm2: SmolLM2, tmp_path: Path) -> None:
-    # No node cache can hold a converted copy here (--cache-dir is a file), so every load converts into fresh
-    # memory; every sleep must give it back, not only the first (later ones gave back 21-23% when the copies were a
-    # tensor each: the allocator kept them in its heap).
-    bf16 = smollm2.path("bf16")
+@contextlib.contextmanager
+def converting_replica(smollm2: SmolLM2, tmp_path: Path) -> Iterator[ServerProcess]:
+    """A ready replica of SmolLM2's bf16 checkpoint computed in float32, where no node cache can hold a converted copy
+    (``--cache-dir`` is a file): every load converts into fresh memory, memory every sleep must give back."""
     no_cache = tmp_path / "not-a-directory"
     no_cache.write_text("")
+    bf16 = smollm2.path("bf16")
     with ServerProcess(str(bf16), "--max-model-len", "2048", "--cache-dir", str(no_cache), env=AVX2) as server:
         server.wait_ready(timeout=300)
+        yield server
+
+
+def test_sleep_gives_back_bf16_weights_converted_at_every_load(smollm2: SmolLM2, tmp_path: Path) -> None:
+    # Every sleep must give the converted weights back, not only the first (later ones gave back 21-23% when the
+    # copies were a tensor each: the allocator kept them in its heap).
+    bf16 = smollm2.path("bf16")
+    with converting_replica(smollm2, tmp_path) as server:
         client = Client(server.url)
         built = model_build(client)
         assert built["dtype"] == "float32"
@@ -213,17 +223,13 @@ def test_a_sleep_gives_back_the_weights_while_a_slow_client_still_reads_an_answe
     # A request thread still writing its answer must not keep the weights alive: one that held the engine through
     # its write made a level-2 sleep give back none of them. The slow client here reads the status line of the
     # tokenizer files (~2 MB) through a 4 KiB receive buffer and then stops reading, so the server's write blocks.
-    bf16 = smollm2.path("bf16")
-    no_cache = tmp_path / "not-a-directory"
-    no_cache.write_text("")  # every load converts into fresh memory, as above: memory a sleep must give back
-    with ServerProcess(str(bf16), "--max-model-len", "2048", "--cache-dir", str(no_cache), env=AVX2) as server:
-        server.wait_ready(timeout=300)
+    with converting_replica(smollm2, tmp_path) as server:
         client = Client(server.url)
-        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        address = parse_url(server.url)
         with socket.socket() as slow:
             slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            slow.connect((host, int(port)))
-            slow.sendall(f"GET {TOKENIZER_ROUTE} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            slow.connect((address.host, address.port))
+            slow.sendall(f"GET {TOKENIZER_ROUTE} HTTP/1.1\r\nHost: {address.host}\r\n\r\n".encode())
             assert slow.recv(12) == b"HTTP/1.1 200"  # the handler is writing its answer
             status, answer = sleep(client, level=2)
             assert status == 200, answer
